@@ -1,0 +1,442 @@
+"""Command-line flags (Miles/slime names where they exist) -> validated ``Config``.
+
+Every error raised here happens before any Ray worker or engine starts and names the
+flag, file or line at fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from miles_async.config import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    Config,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    LoopConfig,
+    OptimizerConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A flag, file or combination of flags is invalid."""
+
+
+RM_TYPES = ("math", "integer", "exact", "first_integer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_async.py",
+        description="Asynchronous RL post-training: rollout N+1 is generated while step N trains.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="YAML file of flag values (keys use - or _); command-line flags win")
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting a local one")
+    g.add_argument("--actor-num-nodes", type=int, default=1)
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=1,
+                   help="training workers per node (CPU processes when no GPU is present)")
+    g.add_argument("--train-num-threads", type=int, default=None,
+                   help="torch threads per training worker (default: half the cores)")
+    g.add_argument("--rollout-num-threads", type=int, default=None,
+                   help="torch threads per embedded engine (default: half the cores)")
+
+    g = p.add_argument_group("model and checkpoints")
+    g.add_argument("--hf-checkpoint", required=False, default=None, help="HF model folder the policy starts from")
+    g.add_argument("--ref-load", default=None, help="HF folder of the reference model for the KL loss")
+    g.add_argument("--load", default=None, help="checkpoint folder to resume from (its latest complete iteration)")
+    g.add_argument("--save", default=None, help="checkpoint folder")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-hf", default=None, help="write the final policy as an HF folder here")
+    g.add_argument("--save-trigger-sentinel", default=None,
+                   help="when this file exists after a step, save then delete it (preemption)")
+    g.add_argument("--no-save-optim", action="store_true")
+
+    g = p.add_argument_group("rollout data")
+    g.add_argument("--prompt-data", default=None, help="JSONL or Parquet prompt file")
+    g.add_argument("--input-key", default="prompt")
+    g.add_argument("--label-key", default="label")
+    g.add_argument("--metadata-key", default=None)
+    g.add_argument("--apply-chat-template", action="store_true")
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None, help="drop prompts longer than this (tokens)")
+    g.add_argument("--rollout-shuffle", action="store_true")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--num-rollout", type=int, default=None)
+    g.add_argument("--num-epoch", type=int, default=None)
+    g.add_argument("--rollout-batch-size", type=int, default=None, help="prompts per rollout")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1)
+    g.add_argument("--rollout-max-response-len", type=int, default=128)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-max-concurrent-requests", type=int, default=256)
+    g.add_argument("--rollout-timeout", type=float, default=1800.0,
+                   help="seconds one rollout may take before the run fails")
+
+    g = p.add_argument_group("rewards and plugins")
+    g.add_argument("--rm-type", default=None, choices=RM_TYPES)
+    g.add_argument("--custom-rm-path", default=None, help="module:function (or module.function) computing a reward")
+    g.add_argument("--reward-on-error", default="raise", choices=("raise", "zero"),
+                   help="raise: a reward function that raises fails the run, naming the sample; "
+                        "zero: the sample gets reward 0 and is counted in rollout/reward_errors")
+    g.add_argument("--custom-generate-function-path", default=None)
+    g.add_argument("--rollout-function-path", default=None)
+    g.add_argument("--data-source-path", default=None)
+
+    g = p.add_argument_group("inference engines")
+    g.add_argument("--rollout-backend", default="embedded", choices=("embedded",))
+    g.add_argument("--rollout-num-gpus", type=int, default=1, help="engine slots in all")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
+    g.add_argument("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    g.add_argument("--sglang-server-concurrency", type=int, default=64,
+                   help="max running requests per engine")
+    g.add_argument("--engine-host", default="127.0.0.1")
+    g.add_argument("--engine-startup-timeout", type=float, default=600.0)
+    g.add_argument("--engine-request-timeout", type=float, default=600.0)
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight bucket")
+
+    g = p.add_argument_group("eval")
+    g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
+                   help="pairs of name and file (a single PATH is named 'eval')")
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=0.0)
+    g.add_argument("--eval-top-p", type=float, default=1.0)
+    g.add_argument("--eval-max-response-len", type=int, default=None)
+    g.add_argument("--skip-eval-before-train", action="store_true")
+    g.add_argument("--max-in-flight-evals", type=int, default=1)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--train-backend", default="fsdp", choices=("fsdp",))
+    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default fp32)")
+    g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
+    g.add_argument("--num-steps-per-rollout", type=int, default=None)
+    g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")
+    g.add_argument("--gradient-checkpointing", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--update-weights-interval", type=int, default=1)
+    g.add_argument("--num-critic-only-steps", type=int, default=0)
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--lr", type=float, default=1e-6)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine"))
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.98)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage-estimator", default="grpo", choices=("grpo",))
+    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None)
+    g.add_argument("--eps-clip-c", type=float, default=None)
+    g.add_argument("--policy-loss-type", default="ppo", choices=("ppo", "gspo", "cispo"))
+    g.add_argument("--loss-agg-mode", default="token_mean",
+                   choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+    g.add_argument("--use-kl-loss", action="store_true")
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"))
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--use-tis", action="store_true", help="truncated importance sampling against rollout log-probs")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--use-rollout-logprobs", action="store_true",
+                   help="use the engine's log-probs as the PPO old policy")
+
+    g = p.add_argument_group("logging and debugging")
+    g.add_argument("--output-dir", default=None, help="metrics JSONL, plot and logs (default: outputs/<time>)")
+    g.add_argument("--use-wandb", action="store_true")
+    g.add_argument("--wandb-project", default="miles-async")
+    g.add_argument("--wandb-group", default=None)
+    g.add_argument("--wandb-run-name", default=None)
+    g.add_argument("--use-tensorboard", action="store_true")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--debug-exit-after-rollout", type=int, default=None)
+    return p
+
+
+def _apply_yaml_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config is None:
+        return
+    path = Path(known.config)
+    if not path.is_file():
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    dests = {a.dest for a in parser._actions}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in dests:
+            raise ConfigError(f"--config: {path}: unknown flag '{key}'")
+        defaults[dest] = value
+    # YAML values become defaults, so anything given on the command line still wins.
+    parser.set_defaults(**defaults)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _parse_eval_datasets(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    if not values:
+        return ()
+    if len(values) == 1:
+        return (("eval", values[0]),)
+    _require(len(values) % 2 == 0, "--eval-prompt-data takes NAME PATH pairs (or a single PATH)")
+    return tuple((values[i], values[i + 1]) for i in range(0, len(values), 2))
+
+
+def _default_threads() -> int:
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    _apply_yaml_config(parser, argv)
+    ns = parser.parse_args(argv)
+    return build_config(ns)
+
+
+def build_config(ns: argparse.Namespace) -> Config:
+    """Validate the namespace and split it into per-component configs."""
+    # Imported here so parsing flags stays cheap for --help.
+    from miles_async.rollout.data_source import count_and_validate_prompts
+    from miles_async.rollout.rewards import validate_reward_flags
+    from miles_async.utils.checkpoint import latest_checkpointed_iteration
+    from miles_async.utils.plugins import load_function
+
+    _require(ns.hf_checkpoint is not None, "--hf-checkpoint is required (an HF model folder)")
+    _require(Path(ns.hf_checkpoint).is_dir(), f"--hf-checkpoint: not a folder: {ns.hf_checkpoint}")
+    _require(ns.prompt_data is not None, "--prompt-data is required")
+    _require(ns.rollout_batch_size is not None and ns.rollout_batch_size > 0,
+             "--rollout-batch-size must be given and positive")
+    _require(ns.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1")
+    _require(ns.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
+    _require(ns.rollout_temperature >= 0, "--rollout-temperature must be >= 0")
+    _require(0 < ns.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]")
+    _require(ns.update_weights_interval >= 1, "--update-weights-interval must be >= 1")
+    _require(ns.max_tokens_per_gpu >= 1, "--max-tokens-per-gpu must be >= 1")
+    _require(ns.lr > 0, "--lr must be positive")
+    _require(ns.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
+    _require(ns.eps_clip > 0, "--eps-clip must be positive")
+    _require(ns.eps_clip_c is None or ns.eps_clip_c > 1, "--eps-clip-c (dual clip) must be > 1")
+    _require(ns.tis_clip > ns.tis_clip_low >= 0, "--tis-clip must be > --tis-clip-low >= 0")
+    _require(ns.update_weight_buffer_size > 0, "--update-weight-buffer-size must be positive")
+    _require(ns.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
+    _require(ns.rollout_num_gpus >= ns.rollout_num_gpus_per_engine,
+             "--rollout-num-gpus must be >= --rollout-num-gpus-per-engine")
+    _require(ns.save_interval is None or ns.save_interval >= 1, "--save-interval must be >= 1")
+    _require(ns.save_interval is None or ns.save is not None, "--save-interval needs --save")
+    _require(ns.save_trigger_sentinel is None or ns.save is not None, "--save-trigger-sentinel needs --save")
+    _require(ns.eval_interval is None or ns.eval_interval >= 1, "--eval-interval must be >= 1")
+    _require(ns.eval_interval is None or ns.eval_prompt_data, "--eval-interval needs --eval-prompt-data")
+    _require(ns.max_in_flight_evals >= 1, "--max-in-flight-evals must be >= 1")
+    _require(not (ns.use_kl_loss and ns.ref_load is None and ns.kl_loss_coef > 0),
+             "--use-kl-loss with --kl-loss-coef > 0 needs --ref-load (the reference model)")
+    _require(ns.ref_load is None or Path(ns.ref_load).is_dir(), f"--ref-load: not a folder: {ns.ref_load}")
+    _require(ns.debug_exit_after_rollout is None or ns.debug_exit_after_rollout >= 1,
+             "--debug-exit-after-rollout must be >= 1")
+    _require((ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
+             "give exactly one of --rm-type and --custom-rm-path")
+    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    for flag in ("custom_generate_function_path", "rollout_function_path", "data_source_path"):
+        value = getattr(ns, flag)
+        if value is not None:
+            load_function(value, flag="--" + flag.replace("_", "-"))
+
+    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
+    _require(num_prompts >= ns.rollout_batch_size,
+             f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}")
+    eval_datasets = _parse_eval_datasets(ns.eval_prompt_data)
+    for name, path in eval_datasets:
+        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
+
+    samples_per_rollout = ns.rollout_batch_size * ns.n_samples_per_prompt
+    if ns.global_batch_size is None and ns.num_steps_per_rollout is None:
+        num_steps, global_batch = 1, samples_per_rollout
+    elif ns.global_batch_size is None:
+        num_steps = ns.num_steps_per_rollout
+        _require(num_steps >= 1 and samples_per_rollout % num_steps == 0,
+                 f"--num-steps-per-rollout {num_steps} must divide rollout-batch-size * n-samples-per-prompt "
+                 f"= {samples_per_rollout}")
+        global_batch = samples_per_rollout // num_steps
+    else:
+        global_batch = ns.global_batch_size
+        _require(global_batch >= 1, "--global-batch-size must be >= 1")
+        _require(global_batch <= samples_per_rollout,
+                 f"--global-batch-size {global_batch} is larger than one rollout "
+                 f"(--rollout-batch-size * --n-samples-per-prompt = {samples_per_rollout})")
+        _require(samples_per_rollout % global_batch == 0,
+                 f"--global-batch-size {global_batch} must divide rollout-batch-size * n-samples-per-prompt "
+                 f"= {samples_per_rollout}")
+        num_steps = samples_per_rollout // global_batch
+        _require(ns.num_steps_per_rollout is None or ns.num_steps_per_rollout == num_steps,
+                 f"--num-steps-per-rollout {ns.num_steps_per_rollout} contradicts --global-batch-size "
+                 f"{global_batch} (which gives {num_steps})")
+
+    num_rollout_per_epoch = num_prompts // ns.rollout_batch_size
+    if ns.num_rollout is None:
+        _require(ns.num_epoch is not None, "give --num-rollout or --num-epoch")
+        _require(ns.num_epoch >= 1, "--num-epoch must be >= 1")
+        num_rollout = ns.num_epoch * num_rollout_per_epoch
+    else:
+        _require(ns.num_epoch is None, "give only one of --num-rollout and --num-epoch")
+        num_rollout = ns.num_rollout
+    _require(num_rollout >= 1, "--num-rollout must be >= 1")
+
+    start_rollout_id = 0
+    if ns.load is not None:
+        _require(Path(ns.load).is_dir(), f"--load: not a folder: {ns.load}")
+        last = latest_checkpointed_iteration(ns.load)
+        _require(last is not None, f"--load: no complete checkpoint in {ns.load}")
+        start_rollout_id = last + 1
+    _require(start_rollout_id < num_rollout,
+             f"--load: the checkpoint already reached rollout {start_rollout_id - 1} of --num-rollout {num_rollout}")
+
+    num_workers = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    _require(num_workers >= 1, "--actor-num-nodes * --actor-num-gpus-per-node must be >= 1")
+    _require(global_batch % num_workers == 0,
+             f"the global batch ({global_batch} samples) must split evenly over {num_workers} training workers")
+    use_gpu = _cuda_available()
+    threads = _default_threads()
+
+    engine = EngineConfig(
+        backend=ns.rollout_backend,
+        model_path=ns.hf_checkpoint,
+        num_engines=ns.rollout_num_gpus // ns.rollout_num_gpus_per_engine,
+        dtype=ns.rollout_dtype,
+        max_running_requests=ns.sglang_server_concurrency,
+        num_threads=ns.rollout_num_threads or threads,
+        host=ns.engine_host,
+        startup_timeout=ns.engine_startup_timeout,
+        request_timeout=ns.engine_request_timeout,
+        seed=ns.seed,
+    )
+    rollout_sampling = SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
+                                      ns.rollout_max_response_len)
+    rollout = RolloutConfig(
+        data=DataConfig(ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
+                        ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed),
+        reward=RewardConfig(ns.rm_type, ns.custom_rm_path, ns.reward_on_error),
+        sampling=rollout_sampling,
+        tokenizer_path=ns.hf_checkpoint,
+        rollout_batch_size=ns.rollout_batch_size,
+        n_samples_per_prompt=ns.n_samples_per_prompt,
+        max_concurrent_requests=ns.rollout_max_concurrent_requests,
+        custom_generate_function_path=ns.custom_generate_function_path,
+        rollout_function_path=ns.rollout_function_path,
+        data_source_path=ns.data_source_path,
+    )
+    eval_cfg = EvalConfig(
+        datasets=eval_datasets,
+        interval=ns.eval_interval,
+        n_samples_per_prompt=ns.n_samples_per_eval_prompt,
+        sampling=SamplingConfig(ns.eval_temperature, ns.eval_top_p, -1,
+                                ns.eval_max_response_len or ns.rollout_max_response_len),
+        skip_before_train=ns.skip_eval_before_train,
+        max_in_flight=ns.max_in_flight_evals,
+        input_key=ns.input_key,
+        label_key=ns.label_key,
+    )
+    algorithm = AlgorithmConfig(
+        advantage_estimator=ns.advantage_estimator,
+        normalize_std=not ns.disable_grpo_std_normalization,
+        eps_clip=ns.eps_clip,
+        eps_clip_high=ns.eps_clip_high if ns.eps_clip_high is not None else ns.eps_clip,
+        eps_clip_c=ns.eps_clip_c,
+        loss_type=ns.policy_loss_type,
+        loss_agg_mode=ns.loss_agg_mode,
+        use_kl_loss=ns.use_kl_loss,
+        kl_loss_coef=ns.kl_loss_coef,
+        kl_loss_type=ns.kl_loss_type,
+        entropy_coef=ns.entropy_coef,
+        use_tis=ns.use_tis,
+        tis_clip=ns.tis_clip,
+        tis_clip_low=ns.tis_clip_low,
+        use_rollout_logprobs=ns.use_rollout_logprobs,
+    )
+    optimizer = OptimizerConfig(ns.lr, ns.min_lr, ns.lr_warmup_iters, ns.lr_decay_style, ns.weight_decay,
+                                ns.adam_beta1, ns.adam_beta2, ns.adam_eps, ns.clip_grad)
+    train = TrainConfig(
+        backend=ns.train_backend,
+        model_path=ns.hf_checkpoint,
+        ref_model_path=ns.ref_load,
+        dtype="bfloat16" if ns.bf16 else "float32",
+        global_batch_size=global_batch,
+        num_steps_per_rollout=num_steps,
+        max_tokens_per_gpu=ns.max_tokens_per_gpu,
+        algorithm=algorithm,
+        optimizer=optimizer,
+        update_weight_buffer_size=ns.update_weight_buffer_size,
+        gradient_checkpointing=ns.gradient_checkpointing,
+        seed=ns.seed,
+        num_threads=ns.train_num_threads or threads,
+    )
+    output_dir = ns.output_dir or os.path.join("outputs", _timestamp())
+    return Config(
+        cluster=ClusterConfig(ns.ray_address, num_workers, train.num_threads, engine.num_threads, use_gpu),
+        engine=engine,
+        rollout=rollout,
+        eval=eval_cfg,
+        train=train,
+        checkpoint=CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.save_hf, ns.save_trigger_sentinel,
+                                    ns.no_save_optim),
+        tracking=TrackingConfig(output_dir, ns.use_wandb, ns.wandb_project, ns.wandb_group, ns.wandb_run_name,
+                                ns.use_tensorboard, ns.tensorboard_dir, not ns.no_plot),
+        loop=LoopConfig(
+            num_rollout=num_rollout,
+            num_rollout_per_epoch=num_rollout_per_epoch,
+            start_rollout_id=start_rollout_id,
+            update_weights_interval=ns.update_weights_interval,
+            eval_interval=ns.eval_interval,
+            save_interval=ns.save_interval,
+            debug_exit_after_rollout=ns.debug_exit_after_rollout,
+            rollout_timeout=ns.rollout_timeout,
+        ),
+    )
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _timestamp() -> str:
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S")

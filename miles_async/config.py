@@ -1,0 +1,189 @@
+"""Typed, validated configuration handed to each component.
+
+``arguments.parse_args`` builds these once from the command line; components receive
+only the piece they need, never the argparse namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ray_address: str | None
+    num_train_workers: int
+    train_num_threads: int
+    rollout_num_threads: int
+    use_gpu: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str  # "embedded" for now; sglang / vllm join through the same protocol
+    model_path: str
+    num_engines: int
+    dtype: str
+    max_running_requests: int
+    num_threads: int
+    host: str
+    startup_timeout: float
+    request_timeout: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+
+    def to_sglang(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str
+    input_key: str
+    label_key: str
+    metadata_key: str | None
+    apply_chat_template: bool
+    max_prompt_len: int | None
+    shuffle: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    rm_type: str | None
+    custom_rm_path: str | None
+    on_error: str  # "raise" or "zero"
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    data: DataConfig
+    reward: RewardConfig
+    sampling: SamplingConfig
+    tokenizer_path: str
+    rollout_batch_size: int  # prompts per rollout
+    n_samples_per_prompt: int
+    max_concurrent_requests: int
+    custom_generate_function_path: str | None
+    rollout_function_path: str | None
+    data_source_path: str | None
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    datasets: tuple[tuple[str, str], ...]  # (name, path)
+    interval: int | None
+    n_samples_per_prompt: int
+    sampling: SamplingConfig
+    skip_before_train: bool
+    max_in_flight: int
+    input_key: str
+    label_key: str
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    advantage_estimator: str
+    normalize_std: bool
+    eps_clip: float
+    eps_clip_high: float
+    eps_clip_c: float | None
+    loss_type: str
+    loss_agg_mode: str
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    entropy_coef: float
+    use_tis: bool
+    tis_clip: float
+    tis_clip_low: float
+    use_rollout_logprobs: bool
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_style: str
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    backend: str
+    model_path: str  # HF folder the policy starts from
+    ref_model_path: str | None
+    dtype: str
+    global_batch_size: int  # samples per optimizer step
+    num_steps_per_rollout: int
+    max_tokens_per_gpu: int
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig
+    update_weight_buffer_size: int
+    gradient_checkpointing: bool
+    seed: int
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: str | None
+    load: str | None
+    save_interval: int | None
+    save_hf: str | None
+    save_trigger_sentinel: str | None
+    no_save_optim: bool
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    output_dir: str
+    use_wandb: bool
+    wandb_project: str
+    wandb_group: str | None
+    wandb_run_name: str | None
+    use_tensorboard: bool
+    tensorboard_dir: str | None
+    plot: bool
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    num_rollout: int
+    num_rollout_per_epoch: int
+    start_rollout_id: int
+    update_weights_interval: int
+    eval_interval: int | None
+    save_interval: int | None
+    debug_exit_after_rollout: int | None
+    rollout_timeout: float
+
+
+@dataclass(frozen=True)
+class Config:
+    cluster: ClusterConfig
+    engine: EngineConfig
+    rollout: RolloutConfig
+    eval: EvalConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    tracking: TrackingConfig
+    loop: LoopConfig
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,114 @@
+"""Start and stop engine server processes, bound to their parent's lifetime."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from miles_async.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the engine if the process that started
+    # it (a Ray actor) dies, even by SIGKILL, so no engine outlives its controller.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+    os.setsid()
+
+
+class EngineProcess:
+    """One embedded engine server: a child process listening on 127.0.0.1."""
+
+    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None):
+        self.cfg = cfg
+        self.index = index
+        self.port = free_port(cfg.host)
+        self.url = f"http://{cfg.host}:{self.port}"
+        self.model_path = model_path or cfg.model_path
+        self.log_path = Path(log_dir) / f"engine_{index}.log" if log_dir else None
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "miles_async.inference.embedded.server",
+            "--model-path", self.model_path,
+            "--host", self.cfg.host,
+            "--port", str(self.port),
+            "--dtype", self.cfg.dtype,
+            "--max-running-requests", str(self.cfg.max_running_requests),
+            "--num-threads", str(self.cfg.num_threads),
+            "--seed", str(self.cfg.seed + self.index),
+        ]
+
+    def start(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = self.log_path.open("ab")
+        else:
+            out = subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health, failing at once if the process exits instead."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EngineStartError(f"engine {self.index} exited with code {self.proc.returncode if self.proc else None} "
+                                       f"before becoming healthy; see {self.log_path}:\n{self.tail_log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise EngineStartError(f"engine {self.index} at {self.url} not healthy after {timeout:.0f}s "
+                               f"(--engine-startup-timeout); see {self.log_path}")
+
+    def tail_log(self, n: int = 30) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)

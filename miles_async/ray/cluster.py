@@ -1,0 +1,33 @@
+"""Ray start-up and per-actor resource options (threads bounded so cores are not oversubscribed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from miles_async.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(cfg: ClusterConfig) -> None:
+    if ray.is_initialized():
+        return
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+    else:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
+                 logging_level=logging.WARNING)
+
+
+def actor_options(cfg: ClusterConfig, num_threads: int, gpu: bool = False) -> dict:
+    """Resource requests: CPU-only actors ask for no Ray CPUs (their threads are bounded instead),
+    so a 2-core laptop can host the executor, the controller and a trainer at once."""
+    opts: dict = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads),
+                                                                "MKL_NUM_THREADS": str(num_threads)}}}
+    if gpu and cfg.use_gpu:
+        opts["num_gpus"] = 1
+    return opts

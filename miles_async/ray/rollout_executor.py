@@ -1,0 +1,102 @@
+"""The rollout executor: a Ray actor owning the data source, generation, rewards and eval."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from miles_async.config import EvalConfig, RolloutConfig
+from miles_async.rollout.batch import rollout_metrics, to_train_batch
+from miles_async.rollout.data_source import DataSource, PromptItem, load_prompts
+from miles_async.rollout.eval import evaluate
+from miles_async.rollout.generate import GenerateContext, encode_prompt, generate_sample
+from miles_async.rollout.rewards import RewardModel
+from miles_async.rollout.rollout import RolloutContext, generate_rollout
+from miles_async.inference.router import Router
+from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
+from miles_async.utils.plugins import load_function
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "rollout_state.json"
+
+
+def _filter_long_prompts(items: list[PromptItem], tokenizer, cfg: RolloutConfig) -> list[PromptItem]:
+    limit = cfg.data.max_prompt_len
+    if limit is None:
+        return items
+    kept = [it for it in items
+            if len(encode_prompt(tokenizer, it.prompt, cfg.data.apply_chat_template)) <= limit]
+    if len(kept) < len(items):
+        logger.warning("dropped %d of %d prompts longer than --rollout-max-prompt-len %d",
+                       len(items) - len(kept), len(items), limit)
+    return kept
+
+
+class RolloutExecutor:
+    def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, engine_urls: list[str], request_timeout: float,
+                 load_dir: str | None = None, load_rollout_id: int | None = None):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.eval_cfg = eval_cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        self.router = Router(engine_urls, timeout=request_timeout)
+        if cfg.data_source_path:
+            self.data_source = load_function(cfg.data_source_path, "--data-source-path")(cfg.data,
+                                                                                        cfg.rollout_batch_size)
+        else:
+            items = load_prompts(cfg.data.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
+            self.data_source = DataSource(cfg.data, cfg.rollout_batch_size,
+                                          _filter_long_prompts(items, self.tokenizer, cfg))
+        if load_dir is not None and load_rollout_id is not None:
+            state = json.loads((iteration_dir(load_dir, load_rollout_id) / STATE_FILE).read_text())
+            self.data_source.load_state_dict(state["data_source"])
+        gen_fn = (load_function(cfg.custom_generate_function_path, "--custom-generate-function-path")
+                  if cfg.custom_generate_function_path else generate_sample)
+        self.rollout_fn = (load_function(cfg.rollout_function_path, "--rollout-function-path")
+                           if cfg.rollout_function_path else generate_rollout)
+        self.reward = RewardModel(cfg.reward)
+        gctx = GenerateContext(self.router, self.tokenizer)
+        self.ctx = RolloutContext(self.data_source, gctx, gen_fn, self.reward, cfg.data.apply_chat_template,
+                                  cfg.n_samples_per_prompt, cfg.sampling.to_sglang(),
+                                  asyncio.Semaphore(cfg.max_concurrent_requests))
+        self.eval_ctx = dataclasses.replace(self.ctx, data_source=None,
+                                            semaphore=asyncio.Semaphore(cfg.max_concurrent_requests))
+        self.eval_datasets = {name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key,
+                                                 flag=f"--eval-prompt-data ({name})")
+                              for name, path in eval_cfg.datasets}
+
+    async def generate(self, rollout_id: int) -> dict:
+        """Generate one rollout; the batch stays in the object store, only a ref travels back."""
+        t0 = time.time()
+        errors_before = self.reward.errors
+        groups = await self.rollout_fn(self.ctx, rollout_id)
+        metrics = rollout_metrics(groups)
+        metrics["rollout/reward_errors"] = self.reward.errors - errors_before
+        metrics["rollout/generate_seconds"] = time.time() - t0
+        return {"data": [ray.put(to_train_batch(groups))], "metrics": metrics}
+
+    async def eval(self, rollout_id: int) -> dict:
+        t0 = time.time()
+        metrics = await evaluate(self.eval_ctx, self.eval_cfg, self.eval_datasets)
+        metrics["eval/seconds"] = time.time() - t0
+        metrics["eval/started_at"] = t0
+        return metrics
+
+    async def save(self, rollout_id: int, save_dir: str) -> None:
+        atomic_write_json(iteration_dir(save_dir, rollout_id) / STATE_FILE,
+                          {"rollout_id": rollout_id, "data_source": self.data_source.state_dict()})
+
+    async def dispose(self) -> None:
+        await self.router.close()
+
+    def pid(self) -> int:
+        return os.getpid()

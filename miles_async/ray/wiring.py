@@ -1,0 +1,85 @@
+"""Building, connecting and disposing of the run's components."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from miles_async.config import Config
+from miles_async.ray.cluster import actor_options, init_ray
+from miles_async.ray.inference_controller import InferenceController
+from miles_async.ray.rollout_executor import RolloutExecutor
+from miles_async.ray.train_group import TrainGroup
+from miles_async.utils.checkpoint import mark_complete
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    controller: ray.actor.ActorHandle | None = None
+    executor: ray.actor.ActorHandle | None = None
+    actor: TrainGroup | None = None
+    engine_urls: list[str] = field(default_factory=list)
+
+
+async def create_rollout_components(cfg: Config, comps: Components) -> None:
+    init_ray(cfg.cluster)
+    opts = actor_options(cfg.cluster, num_threads=1)
+    comps.controller = ray.remote(InferenceController).options(**opts).remote(cfg.engine, cfg.tracking.output_dir)
+    comps.engine_urls = await comps.controller.start.remote()
+    load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
+    comps.executor = ray.remote(RolloutExecutor).options(**opts, max_concurrency=1000).remote(
+        cfg.rollout, cfg.eval, comps.engine_urls, cfg.engine.request_timeout, cfg.checkpoint.load, load_id)
+    await comps.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout
+
+
+async def create_training_models(cfg: Config, comps: Components) -> None:
+    total_steps = cfg.loop.num_rollout * cfg.train.num_steps_per_rollout
+    load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
+    comps.actor = TrainGroup(cfg.train, cfg.cluster, total_steps, cfg.checkpoint.load, load_id)
+    await comps.actor.init()
+
+
+async def update_weights(cfg: Config, comps: Components, weight_version: int) -> dict:
+    """Pause the engines (requests freeze in place), stream the weights in, flush and continue."""
+    t0 = time.time()
+    await comps.controller.pause.remote("in_place")
+    try:
+        metrics = await comps.actor.push_weights(comps.engine_urls, weight_version, cfg.engine.dtype,
+                                                 cfg.engine.request_timeout)
+    finally:
+        await comps.controller.resume.remote()
+    versions = await comps.controller.weight_versions.remote()
+    if any(v != weight_version for v in versions):
+        raise RuntimeError(f"weight update to version {weight_version} did not reach every engine: {versions}")
+    metrics["weights/update_seconds"] = time.time() - t0
+    metrics["weights/version"] = weight_version
+    return metrics
+
+
+async def save_checkpoint(cfg: Config, comps: Components, rollout_id: int) -> None:
+    save_dir = cfg.checkpoint.save
+    await comps.actor.save(save_dir, rollout_id, not cfg.checkpoint.no_save_optim)
+    await comps.executor.save.remote(rollout_id, save_dir)
+    mark_complete(save_dir, rollout_id)  # last, and atomic: only now is this iteration "latest"
+
+
+async def dispose(comps: Components) -> None:
+    """Best effort, each step independent: a failure in one must not leave the others running."""
+    for name, step in (("executor", lambda: comps.executor.dispose.remote()),
+                       ("controller", lambda: comps.controller.dispose.remote())):
+        handle = getattr(comps, name)
+        if handle is None:
+            continue
+        try:
+            await asyncio.wait_for(step(), 30)
+        except Exception as e:
+            logger.warning("disposing of the %s failed: %r", name, e)
+        ray.kill(handle)
+    if comps.actor is not None:
+        comps.actor.dispose()

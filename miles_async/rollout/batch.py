@@ -1,0 +1,46 @@
+"""Groups of samples -> the columnar batch the trainer consumes, plus rollout metrics."""
+
+from __future__ import annotations
+
+import statistics
+
+from miles_async.rollout.sample import Sample, SampleStatus
+
+
+def to_train_batch(groups: list[list[Sample]]) -> dict:
+    samples = [s for g in groups for s in g]
+    return {
+        "tokens": [s.tokens for s in samples],
+        "prompt_lengths": [len(s.prompt_tokens) for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "loss_masks": [s.effective_loss_mask() for s in samples],
+        "rollout_logprobs": [s.rollout_logprobs for s in samples],
+        "weight_versions": [s.weight_versions for s in samples],
+        "rewards": [float(s.reward) for s in samples],
+        "group_index": [s.group_index for s in samples],
+        "uids": [s.uid for s in samples],
+    }
+
+
+def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return {}
+    rewards = [float(s.reward or 0.0) for s in samples]
+    lengths = [s.response_length for s in samples]
+    versions = [v for s in samples for v in s.weight_versions]
+    zero_var = sum(1 for g in groups if len({s.reward for s in g}) <= 1)
+    out = {
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/response_len_mean": statistics.fmean(lengths),
+        f"{prefix}/response_len_max": max(lengths),
+        f"{prefix}/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}/num_samples": len(samples),
+        f"{prefix}/zero_variance_group_frac": zero_var / len(groups),
+        f"{prefix}/started_at": min(s.started_at for s in samples),
+        f"{prefix}/finished_at": max(s.finished_at for s in samples),
+    }
+    if versions:
+        out[f"{prefix}/weight_version_min"] = min(versions)
+        out[f"{prefix}/weight_version_max"] = max(versions)
+    return out

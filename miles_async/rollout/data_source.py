@@ -1,0 +1,128 @@
+"""Prompt data: JSONL / Parquet loading with line-precise errors, and a resumable epoch iterator."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from miles_async.config import DataConfig
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    uid: str
+    prompt: Any  # a string, or a list of chat messages
+    label: Any
+    metadata: dict
+
+
+def _iter_records(path: str, flag: str) -> Iterator[tuple[int, dict]]:
+    """Yield (1-based line or row number, record); raise DataError naming file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{flag}: file not found: {path}")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as e:
+            raise DataError(f"{flag}: cannot read Parquet file {path}: {e}") from e
+        for i, rec in enumerate(table.to_pylist(), start=1):
+            yield i, rec
+        return
+    try:
+        fh = p.open("r", encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{flag}: cannot open {path}: {e}") from e
+    with fh:
+        for i, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{flag}: {path}:{i}: invalid JSON ({e.msg})") from e
+            if not isinstance(rec, dict):
+                raise DataError(f"{flag}: {path}:{i}: expected a JSON object, got {type(rec).__name__}")
+            yield i, rec
+
+
+def load_prompts(path: str, input_key: str, label_key: str | None, metadata_key: str | None = None,
+                 flag: str = "--prompt-data") -> list[PromptItem]:
+    items: list[PromptItem] = []
+    seen: set[str] = set()
+    for line_no, rec in _iter_records(path, flag):
+        if input_key not in rec:
+            raise DataError(f"{flag}: {path}:{line_no}: missing key '{input_key}' (--input-key); "
+                            f"keys present: {sorted(rec)}")
+        if label_key is not None and label_key not in rec:
+            raise DataError(f"{flag}: {path}:{line_no}: missing key '{label_key}' (--label-key); "
+                            f"keys present: {sorted(rec)}")
+        uid = str(rec.get("uid", f"{Path(path).name}:{line_no}"))
+        if uid in seen:
+            raise DataError(f"{flag}: {path}:{line_no}: duplicate uid '{uid}'")
+        seen.add(uid)
+        metadata = rec.get(metadata_key, {}) if metadata_key else {}
+        items.append(PromptItem(uid, rec[input_key], rec.get(label_key) if label_key else None, metadata or {}))
+    if not items:
+        raise DataError(f"{flag}: {path} holds no prompts")
+    return items
+
+
+def count_and_validate_prompts(path: str, input_key: str, label_key: str | None, flag: str) -> int:
+    return len(load_prompts(path, input_key, label_key, flag=flag))
+
+
+class DataSource:
+    """Hands out ``batch_size`` prompts per rollout, epoch by epoch, in a reproducible order.
+
+    The state is (epoch, offset): enough to resume with exactly the same order, since the
+    permutation of each epoch is a pure function of (seed, epoch).
+    """
+
+    def __init__(self, cfg: DataConfig, batch_size: int, items: list[PromptItem] | None = None):
+        self.cfg = cfg
+        self.batch_size = batch_size
+        self.items = items if items is not None else load_prompts(cfg.path, cfg.input_key, cfg.label_key,
+                                                                  cfg.metadata_key)
+        if len(self.items) < batch_size:
+            raise DataError(f"--prompt-data: {len(self.items)} usable prompts, fewer than the batch {batch_size}")
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.items)))
+        if self.cfg.shuffle:
+            random.Random(self.cfg.seed * 100_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[PromptItem]:
+        # The tail of an epoch shorter than a batch is skipped (drop_last), so every
+        # rollout is a full batch and every epoch has the same number of rollouts.
+        if self.offset + self.batch_size > len(self.items):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order(self.epoch)
+        idx = self._order[self.offset:self.offset + self.batch_size]
+        self.offset += self.batch_size
+        return [self.items[i] for i in idx]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset, "num_items": len(self.items)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_items") != len(self.items):
+            raise DataError(f"--load: the checkpoint's data source had {state.get('num_items')} prompts, "
+                            f"--prompt-data now has {len(self.items)}")
+        self.epoch = int(state["epoch"])
+        self.offset = int(state["offset"])
+        self._order = self._epoch_order(self.epoch)

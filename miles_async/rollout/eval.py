@@ -1,0 +1,28 @@
+"""Held-out evaluation: generate with eval sampling params, score, report accuracy per dataset."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from miles_async.config import EvalConfig
+from miles_async.rollout.data_source import PromptItem
+from miles_async.rollout.rollout import RolloutContext, generate_group
+
+
+async def evaluate(ctx: RolloutContext, cfg: EvalConfig, datasets: dict[str, list[PromptItem]]) -> dict[str, float]:
+    params = cfg.sampling.to_sglang()
+    metrics: dict[str, float] = {}
+    for name, items in datasets.items():
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(generate_group(ctx, item, gi, cfg.n_samples_per_prompt, params))
+                     for gi, item in enumerate(items)]
+        samples = [s for t in tasks for s in t.result()]
+        versions = [v for s in samples for v in s.weight_versions]
+        metrics[f"eval/{name}/accuracy"] = statistics.fmean(float(s.reward) for s in samples)
+        metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
+        metrics[f"eval/{name}/num_samples"] = len(samples)
+        if versions:
+            metrics[f"eval/{name}/weight_version_min"] = min(versions)
+            metrics[f"eval/{name}/weight_version_max"] = max(versions)
+    return metrics

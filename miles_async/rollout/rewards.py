@@ -1,0 +1,118 @@
+"""Rewards hub: built-in verifiers by ``--rm-type`` and user functions by ``--custom-rm-path``.
+
+A custom reward is ``fn(sample: Sample) -> float`` or an ``async def`` of the same shape.
+
+Error policy (``--reward-on-error``): with ``raise`` (the default) a reward function that
+raises fails the rollout with ``RewardError`` naming the sample's uid and the original
+traceback; the run then shuts down cleanly instead of training on a silently wrong reward.
+With ``zero`` the sample gets reward 0.0 and the failure is counted in the rollout
+metrics (``rollout/reward_errors``) and logged once per rollout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import threading
+from typing import Any, Awaitable, Callable
+
+from miles_async.config import RewardConfig
+from miles_async.rollout.sample import Sample
+from miles_async.utils.plugins import PluginError, load_function
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[Sample], "float | Awaitable[float]"]
+
+_INT_RE = re.compile(r"-?\d+")
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+def _as_int(x: Any) -> int | None:
+    try:
+        return int(str(x).strip())
+    except (TypeError, ValueError):
+        return None
+
+
+def integer_reward(sample: Sample) -> float:
+    """1.0 when the last integer in the response equals the integer label."""
+    found = _INT_RE.findall(sample.response)
+    label = _as_int(sample.label)
+    return float(bool(found) and label is not None and int(found[-1]) == label)
+
+
+def first_integer_reward(sample: Sample) -> float:
+    """1.0 when the first integer in the response equals the label (for answer-first tasks)."""
+    found = _INT_RE.findall(sample.response)
+    label = _as_int(sample.label)
+    return float(bool(found) and label is not None and int(found[0]) == label)
+
+
+def exact_reward(sample: Sample) -> float:
+    return float(sample.response.strip() == str(sample.label).strip())
+
+
+def math_reward(sample: Sample) -> float:
+    """math-verify: parse the label and the response and compare them symbolically."""
+    from math_verify import parse, verify
+
+    # math-verify's timeouts use SIGALRM, which only works on the main thread; Ray runs
+    # actor code elsewhere, so there the timeouts are disabled.
+    on_main = threading.current_thread() is threading.main_thread()
+    kw = {} if on_main else {"parsing_timeout": None}
+    gold = parse(str(sample.label), **kw)
+    pred = parse(sample.response, **kw)
+    if not gold or not pred:
+        return 0.0
+    return float(verify(gold, pred, **({} if on_main else {"timeout_seconds": None})))
+
+
+BUILTIN: dict[str, Callable[[Sample], float]] = {
+    "math": math_reward,
+    "integer": integer_reward,
+    "first_integer": first_integer_reward,
+    "exact": exact_reward,
+}
+
+
+def validate_reward_flags(rm_type: str | None, custom_rm_path: str | None) -> None:
+    if rm_type is not None and rm_type not in BUILTIN:
+        raise ValueError(f"--rm-type: unknown reward type '{rm_type}'; choose from {sorted(BUILTIN)}")
+    if custom_rm_path is not None:
+        load_function(custom_rm_path, flag="--custom-rm-path")
+
+
+def resolve_reward_fn(cfg: RewardConfig) -> RewardFn:
+    if cfg.custom_rm_path is not None:
+        return load_function(cfg.custom_rm_path, flag="--custom-rm-path")
+    if cfg.rm_type is None:
+        raise PluginError("no reward: give --rm-type or --custom-rm-path")
+    return BUILTIN[cfg.rm_type]
+
+
+class RewardModel:
+    """Applies the configured reward to samples with the configured error policy."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self.fn = resolve_reward_fn(cfg)
+        self.errors = 0
+
+    async def score(self, sample: Sample) -> float:
+        try:
+            value = self.fn(sample)
+            if inspect.isawaitable(value):
+                value = await value
+            return float(value)
+        except Exception as e:
+            if self.cfg.on_error == "raise":
+                raise RewardError(f"reward function failed on sample uid={sample.uid} index={sample.index}: "
+                                  f"{e!r} (use --reward-on-error zero to score such samples 0)") from e
+            self.errors += 1
+            logger.warning("reward failed on sample uid=%s (scored 0): %r", sample.uid, e)
+            return 0.0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create (once) or reuse the project's virtual environment and print its path.
+# The environment lives in the user's cache, keyed by a hash of the requirement files,
+# so a fresh clone reuses it and a change of pins rebuilds it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${MILES_ASYNC_CACHE:-$HOME/.cache/miles-async}"
+VENV="${MILES_ASYNC_VENV:-$CACHE/venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${MILES_ASYNC_TORCH_SPEC:-torch==2.13.0}"
+
+stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" | sha256sum | cut -c1-16)-${TORCH_SPEC}"
+if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+  echo "$VENV"
+  exit 0
+fi
+echo "[setup_env] building the virtual environment in $VENV (once; a few minutes)" >&2
+rm -rf "$VENV"
+mkdir -p "$(dirname "$VENV")"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip >&2
+# torch first and pinned, so nothing below can pull a multi-GB CUDA build on a CPU machine.
+"$VENV/bin/pip" install -q "$TORCH_SPEC" >&2
+"$VENV/bin/pip" install -q -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt" >&2
+echo "$stamp" > "$VENV/.miles-async-stamp"
+echo "$VENV"

@@ -1,0 +1,28 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def _requirements(name: str) -> list[str]:
+    lines = Path(__file__).with_name(name).read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+setup(
+    name="miles_async",
+    version="0.1.0",
+    description="Asynchronous RL post-training of LLMs: Ray actors, SGLang/vLLM/embedded engines, torch and Megatron",
+    packages=find_packages(include=["miles_async", "miles_async.*"]),
+    py_modules=["train_async"],
+    python_requires=">=3.10",
+    # torch is left to the user (CPU or CUDA build); scripts/setup_env.sh installs the CPU wheel.
+    install_requires=_requirements("requirements.txt"),
+    extras_require={
+        "test": _requirements("requirements-test.txt"),
+        "megatron": ["megatron-core>=0.16.1"],
+        "vllm": ["vllm>=0.11"],
+        "sglang": ["sglang>=0.5"],
+        "wandb": ["wandb>=0.19"],
+    },
+    entry_points={"console_scripts": ["miles-async-train=train_async:cli"]},
+)

@@ -1,0 +1,127 @@
+import json
+
+import pytest
+
+from miles_async.arguments import ConfigError, parse_args
+from miles_async.rollout.data_source import DataError
+from miles_async.utils.plugins import PluginError
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(16)))
+    return path
+
+
+def base(tmp_path, data, *extra):
+    return ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "integer",
+            "--output-dir", str(tmp_path / "out"), *extra]
+
+
+def test_valid_flags_build_typed_configs(tmp_path, data):
+    cfg = parse_args(base(tmp_path, data, "--global-batch-size", "4", "--eval-prompt-data", "held", str(data),
+                          "--eval-interval", "2"))
+    assert cfg.train.num_steps_per_rollout == 2  # 4 prompts * 2 samples / 4
+    assert cfg.train.global_batch_size == 4
+    assert cfg.loop.num_rollout == 3 and cfg.loop.num_rollout_per_epoch == 4
+    assert cfg.eval.datasets == (("held", str(data)),)
+    assert cfg.rollout.sampling.max_new_tokens == 128
+
+
+def test_num_epoch_sets_num_rollout(tmp_path, data):
+    args = base(tmp_path, data)
+    args[args.index("--num-rollout"):args.index("--num-rollout") + 2] = ["--num-epoch", "2"]
+    assert parse_args(args).loop.num_rollout == 8
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--global-batch-size", "16"], "--global-batch-size 16 is larger than one rollout"),
+    (["--global-batch-size", "3"], "must divide"),
+    (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
+    (["--save-interval", "2"], "--save-interval needs --save"),
+    (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
+    (["--use-kl-loss", "--kl-loss-coef", "0.1"], "needs --ref-load"),
+    (["--tis-clip", "0.5", "--tis-clip-low", "1.0"], "--tis-clip must be > --tis-clip-low"),
+    (["--num-epoch", "1"], "only one of --num-rollout and --num-epoch"),
+    (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+])
+def test_contradictions_name_the_flag(tmp_path, data, extra, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("-", "\\-").replace("*", "\\*")):
+        parse_args(base(tmp_path, data, *extra))
+
+
+def test_batch_larger_than_dataset(tmp_path, data):
+    args = base(tmp_path, data)
+    args[args.index("--rollout-batch-size") + 1] = "32"
+    with pytest.raises(ConfigError, match="fewer than --rollout-batch-size"):
+        parse_args(args)
+
+
+def test_missing_data_file_is_named(tmp_path):
+    with pytest.raises(DataError, match="--prompt-data: file not found: .*nope.jsonl"):
+        parse_args(base(tmp_path, tmp_path / "nope.jsonl"))
+
+
+def test_missing_key_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": "2"}\n{"prompt": "c"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:3: missing key 'label' \(--label-key\)"):
+        parse_args(base(tmp_path, path))
+
+
+def test_invalid_json_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "label": "1"}\n{not json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON"):
+        parse_args(base(tmp_path, path))
+
+
+def test_unknown_rm_type_is_rejected(tmp_path, data, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(base(tmp_path, data)[:-4] + ["--rm-type", "nonsense"])
+    assert "--rm-type" in capsys.readouterr().err
+
+
+def test_custom_rm_that_does_not_import(tmp_path, data):
+    args = [a for a in base(tmp_path, data) if a not in ("--rm-type", "integer")]
+    with pytest.raises(PluginError, match="--custom-rm-path: cannot import module 'no_such_module_xyz'"):
+        parse_args(args + ["--custom-rm-path", "no_such_module_xyz:reward"])
+
+
+def test_custom_rm_missing_attribute(tmp_path, data):
+    args = [a for a in base(tmp_path, data) if a not in ("--rm-type", "integer")]
+    with pytest.raises(PluginError, match="has no attribute 'nope'"):
+        parse_args(args + ["--custom-rm-path", "miles_async.rollout.rewards:nope"])
+
+
+def test_yaml_config_supplies_values_and_cli_wins(tmp_path, data):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("lr: 0.001\nn-samples-per-prompt: 4\nrollout_max_response_len: 7\n")
+    cfg = parse_args(base(tmp_path, data, "--config", str(cfg_file)))
+    assert cfg.train.optimizer.lr == 0.001
+    assert cfg.rollout.sampling.max_new_tokens == 7
+    assert cfg.rollout.n_samples_per_prompt == 2  # the command line said 2
+
+
+def test_yaml_unknown_key(tmp_path, data):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("learning-rate: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown flag 'learning-rate'"):
+        parse_args(base(tmp_path, data, "--config", str(cfg_file)))
+
+
+def test_load_without_checkpoint(tmp_path, data):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ConfigError, match="--load: no complete checkpoint"):
+        parse_args(base(tmp_path, data, "--load", str(tmp_path / "ckpt")))
+
+
+def test_load_sets_start_rollout_id(tmp_path, data):
+    from miles_async.utils.checkpoint import iteration_dir, mark_complete
+
+    ckpt = tmp_path / "ckpt"
+    iteration_dir(ckpt, 1).mkdir(parents=True)
+    mark_complete(ckpt, 1)
+    assert parse_args(base(tmp_path, data, "--load", str(ckpt))).loop.start_rollout_id == 2

@@ -1,0 +1,130 @@
+"""Asynchronous RL training: rollout N+1 is generated while the policy trains on rollout N."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+
+from tqdm import tqdm
+
+from miles_async.arguments import ConfigError, parse_args
+from miles_async.config import Config
+from miles_async.ray.eval_dispatcher import EvalDispatcher
+from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
+                                    save_checkpoint, update_weights)
+from miles_async.utils.async_utils import wait_for
+from miles_async.utils.misc import should_run_periodic_action
+from miles_async.utils.tracking import Tracker
+
+logger = logging.getLogger("train_async")
+
+
+async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
+    loop, ckpt = cfg.loop, cfg.checkpoint
+    await create_rollout_components(cfg, comps)
+    await create_training_models(cfg, comps)
+    # Always push weights first, so the engines serve exactly what the trainer holds.
+    await update_weights(cfg, comps, weight_version=loop.start_rollout_id)
+
+    async def run_eval(rollout_id: int) -> dict:
+        return await comps.executor.eval.remote(rollout_id)
+
+    evals = EvalDispatcher(run_eval, lambda step, m: tracker.log(step, m, kind="eval"),
+                           cfg.eval.max_in_flight, timeout=loop.rollout_timeout)
+    if loop.eval_interval is not None and loop.start_rollout_id == 0 and not cfg.eval.skip_before_train:
+        await evals.dispatch(0)
+
+    async def generate(rollout_id: int) -> dict:
+        return await wait_for(comps.executor.generate.remote(rollout_id), loop.rollout_timeout,
+                              f"rollout {rollout_id} (--rollout-timeout)")
+
+    next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
+    current = None
+    for rollout_id in tqdm(range(loop.start_rollout_id, loop.num_rollout), desc="train", unit="step",
+                           initial=loop.start_rollout_id, total=loop.num_rollout):
+        t_wait = time.time()
+        if next_rollout is not None:
+            current = await next_rollout
+        metrics = {**current["metrics"], "time/wait_rollout_seconds": time.time() - t_wait}
+        has_next = rollout_id + 1 < loop.num_rollout
+        weight_update_due = (rollout_id + 1) % loop.update_weights_interval == 0
+        next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) if has_next else None
+
+        metrics.update(await comps.actor.train(rollout_id, current["data"][0], cfg.rollout.sampling.temperature))
+
+        external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
+        if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,
+                                                       loop.num_rollout):
+            t_save = time.time()
+            await save_checkpoint(cfg, comps, rollout_id)
+            metrics["time/save_seconds"] = time.time() - t_save
+            if external_save:
+                os.remove(ckpt.save_trigger_sentinel)
+                logger.info("saved rollout %d on the sentinel %s", rollout_id, ckpt.save_trigger_sentinel)
+
+        if weight_update_due:
+            # One-step-off: let the in-flight rollout finish on the old weights before they change.
+            if next_rollout is not None:
+                current, next_rollout = await next_rollout, None
+            metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
+
+        if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
+            await evals.dispatch(rollout_id + 1)
+        metrics["time/step_seconds"] = time.time() - t_wait
+        tracker.log(rollout_id + 1, metrics)
+        if loop.debug_exit_after_rollout is not None and \
+                rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:
+            logger.info("--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout,
+                        rollout_id)
+            break
+    if next_rollout is not None:
+        next_rollout.cancel()
+    await evals.drain()
+    if ckpt.save_hf:
+        await comps.actor.save_hf(ckpt.save_hf)
+
+
+async def main(cfg: Config) -> None:
+    tracker = Tracker(cfg.tracking)
+    comps = Components()
+    try:
+        await train(cfg, comps, tracker)
+    finally:
+        await dispose(comps)
+        tracker.close()
+    plot = None
+    if cfg.tracking.plot:
+        from miles_async.utils.plots import plot_run
+
+        plot = plot_run(cfg.tracking.output_dir)
+    print(f"[miles-async] done. metrics: {tracker.metrics_path} eval: {tracker.eval_path}"
+          + (f" plot: {plot}" if plot else "") + (f" checkpoint: {cfg.checkpoint.save}" if cfg.checkpoint.save else "")
+          + (f" hf: {cfg.checkpoint.save_hf}" if cfg.checkpoint.save_hf else ""), flush=True)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("MILES_ASYNC_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = parse_args(argv)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import ray
+
+    try:
+        asyncio.run(main(cfg))
+    except KeyboardInterrupt:
+        print("interrupted; all workers and engines were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
