@@ -14,6 +14,7 @@ from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
+                                    record_processes,
                                     save_checkpoint, update_weights)
 from miles_async.utils.async_utils import wait_for
 from miles_async.utils.misc import should_run_periodic_action
@@ -24,8 +25,9 @@ logger = logging.getLogger("train_async")
 
 async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
     loop, ckpt = cfg.loop, cfg.checkpoint
-    await create_rollout_components(cfg, comps)
-    await create_training_models(cfg, comps)
+    # Engines and trainers load their models in parallel; each start-up surfaces its own errors.
+    await asyncio.gather(create_rollout_components(cfg, comps), create_training_models(cfg, comps))
+    await record_processes(comps, os.path.join(cfg.tracking.output_dir, "processes.json"))
     # Always push weights first, so the engines serve exactly what the trainer holds.
     await update_weights(cfg, comps, weight_version=loop.start_rollout_id)
 
@@ -43,45 +45,50 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
 
     next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
     current = None
-    for rollout_id in tqdm(range(loop.start_rollout_id, loop.num_rollout), desc="train", unit="step",
-                           initial=loop.start_rollout_id, total=loop.num_rollout):
-        t_wait = time.time()
-        if next_rollout is not None:
-            current = await next_rollout
-        metrics = {**current["metrics"], "time/wait_rollout_seconds": time.time() - t_wait}
-        has_next = rollout_id + 1 < loop.num_rollout
-        weight_update_due = (rollout_id + 1) % loop.update_weights_interval == 0
-        next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) if has_next else None
-
-        metrics.update(await comps.actor.train(rollout_id, current["data"][0], cfg.rollout.sampling.temperature))
-
-        external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
-        if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,
-                                                       loop.num_rollout):
-            t_save = time.time()
-            await save_checkpoint(cfg, comps, rollout_id)
-            metrics["time/save_seconds"] = time.time() - t_save
-            if external_save:
-                os.remove(ckpt.save_trigger_sentinel)
-                logger.info("saved rollout %d on the sentinel %s", rollout_id, ckpt.save_trigger_sentinel)
-
-        if weight_update_due:
-            # One-step-off: let the in-flight rollout finish on the old weights before they change.
+    try:
+        for rollout_id in tqdm(range(loop.start_rollout_id, loop.num_rollout), desc="train", unit="step",
+                               initial=loop.start_rollout_id, total=loop.num_rollout):
+            t_wait = time.time()
             if next_rollout is not None:
-                current, next_rollout = await next_rollout, None
-            metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
+                current = await next_rollout
+            metrics = {**current["metrics"], "time/wait_rollout_seconds": time.time() - t_wait}
+            has_next = rollout_id + 1 < loop.num_rollout
+            weight_update_due = (rollout_id + 1) % loop.update_weights_interval == 0
+            next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) if has_next else None
 
-        if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
-            await evals.dispatch(rollout_id + 1)
-        metrics["time/step_seconds"] = time.time() - t_wait
-        tracker.log(rollout_id + 1, metrics)
-        if loop.debug_exit_after_rollout is not None and \
-                rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:
-            logger.info("--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout,
-                        rollout_id)
-            break
-    if next_rollout is not None:
-        next_rollout.cancel()
+            metrics.update(await comps.actor.train(rollout_id, current["data"][0], cfg.rollout.sampling.temperature))
+
+            external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
+            if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,
+                                                           loop.num_rollout):
+                t_save = time.time()
+                await save_checkpoint(cfg, comps, rollout_id)
+                metrics["time/save_seconds"] = time.time() - t_save
+                if external_save:
+                    os.remove(ckpt.save_trigger_sentinel)
+                    logger.info("saved rollout %d on the sentinel %s", rollout_id, ckpt.save_trigger_sentinel)
+
+            if weight_update_due:
+                # One-step-off: let the in-flight rollout finish on the old weights before they change.
+                if next_rollout is not None:
+                    current, next_rollout = await next_rollout, None
+                metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
+
+            if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
+                await evals.dispatch(rollout_id + 1)
+            metrics["time/step_seconds"] = time.time() - t_wait
+            tracker.log(rollout_id + 1, metrics)
+            if loop.debug_exit_after_rollout is not None and \
+                    rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:
+                logger.info("--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout,
+                            rollout_id)
+                break
+    finally:
+        if next_rollout is not None:
+            next_rollout.cancel()
+            # A rollout that already failed is reported by the exception in flight, not as
+            # "exception never retrieved" noise.
+            next_rollout.add_done_callback(lambda f: f.cancelled() or f.exception())
     await evals.drain()
     if ckpt.save_hf:
         await comps.actor.save_hf(ckpt.save_hf)

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("training")
     g.add_argument("--train-backend", default="fsdp", choices=("fsdp",))
-    g.add_argument("--bf16", action="store_true", help="train in bfloat16 (default fp32)")
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
     g.add_argument("--num-steps-per-rollout", type=int, default=None)
     g.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="token budget of one micro-batch")

@@ -42,11 +42,13 @@ def _filter_long_prompts(items: list[PromptItem], tokenizer, cfg: RolloutConfig)
 
 class RolloutExecutor:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, engine_urls: list[str], request_timeout: float,
-                 load_dir: str | None = None, load_rollout_id: int | None = None):
+                 load_dir: str | None = None, load_rollout_id: int | None = None, output_dir: str | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.eval_cfg = eval_cfg
+        # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
+        self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         self.router = Router(engine_urls, timeout=request_timeout)
         if cfg.data_source_path:
@@ -70,6 +72,9 @@ class RolloutExecutor:
                                   asyncio.Semaphore(cfg.max_concurrent_requests))
         self.eval_ctx = dataclasses.replace(self.ctx, data_source=None,
                                             semaphore=asyncio.Semaphore(cfg.max_concurrent_requests))
+        # Data-source state just before each rollout drew its prompts: a checkpoint of rollout N
+        # is taken while N+1 may already be generating, and must resume by regenerating N+1.
+        self._state_before: dict[int, dict] = {}
         self.eval_datasets = {name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key,
                                                  flag=f"--eval-prompt-data ({name})")
                               for name, path in eval_cfg.datasets}
@@ -78,10 +83,17 @@ class RolloutExecutor:
         """Generate one rollout; the batch stays in the object store, only a ref travels back."""
         t0 = time.time()
         errors_before = self.reward.errors
+        self._state_before[rollout_id] = self.data_source.state_dict()
+        for old in [k for k in self._state_before if k < rollout_id - 2]:
+            del self._state_before[old]
         groups = await self.rollout_fn(self.ctx, rollout_id)
         metrics = rollout_metrics(groups)
         metrics["rollout/reward_errors"] = self.reward.errors - errors_before
         metrics["rollout/generate_seconds"] = time.time() - t0
+        if self.rollout_log is not None:
+            with self.rollout_log.open("a") as fh:
+                fh.write(json.dumps({"rollout_id": rollout_id, "uids": [g[0].uid for g in groups],
+                                     "rewards": [[s.reward for s in g] for g in groups]}) + "\n")
         return {"data": [ray.put(to_train_batch(groups))], "metrics": metrics}
 
     async def eval(self, rollout_id: int) -> dict:
@@ -92,8 +104,9 @@ class RolloutExecutor:
         return metrics
 
     async def save(self, rollout_id: int, save_dir: str) -> None:
+        state = self._state_before.get(rollout_id + 1, self.data_source.state_dict())
         atomic_write_json(iteration_dir(save_dir, rollout_id) / STATE_FILE,
-                          {"rollout_id": rollout_id, "data_source": self.data_source.state_dict()})
+                          {"rollout_id": rollout_id, "data_source": state})
 
     async def dispose(self) -> None:
         await self.router.close()

@@ -14,7 +14,7 @@ from miles_async.ray.cluster import actor_options, init_ray
 from miles_async.ray.inference_controller import InferenceController
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.ray.train_group import TrainGroup
-from miles_async.utils.checkpoint import mark_complete
+from miles_async.utils.checkpoint import atomic_write_json, mark_complete
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ async def create_rollout_components(cfg: Config, comps: Components) -> None:
     comps.engine_urls = await comps.controller.start.remote()
     load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
     comps.executor = ray.remote(RolloutExecutor).options(**opts, max_concurrency=1000).remote(
-        cfg.rollout, cfg.eval, comps.engine_urls, cfg.engine.request_timeout, cfg.checkpoint.load, load_id)
+        cfg.rollout, cfg.eval, comps.engine_urls, cfg.engine.request_timeout, cfg.checkpoint.load, load_id,
+        cfg.tracking.output_dir)
     await comps.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout
 
 
@@ -43,6 +44,17 @@ async def create_training_models(cfg: Config, comps: Components) -> None:
     load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
     comps.actor = TrainGroup(cfg.train, cfg.cluster, total_steps, cfg.checkpoint.load, load_id)
     await comps.actor.init()
+
+
+async def record_processes(comps: Components, path: str) -> dict:
+    """Write every process the run started, so tests and operators can check none outlives it."""
+    import os
+
+    procs = {"driver": os.getpid(), "controller": await comps.controller.pid.remote(),
+             "engines": await comps.controller.engine_pids.remote(), "executor": await comps.executor.pid.remote(),
+             "train_workers": await comps.actor.pids()}
+    atomic_write_json(path, procs)
+    return procs
 
 
 async def update_weights(cfg: Config, comps: Components, weight_version: int) -> dict:

@@ -64,7 +64,8 @@ class FSDPTrainActor:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self._seed_everything(cfg.seed + rank)
-        dtype = DTYPES[cfg.dtype]
+        # Parameters and optimizer state stay fp32; --bf16 runs the matmuls under autocast.
+        dtype = torch.float32
         self.module = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(self.device)
         if cfg.gradient_checkpointing:
             self.module.gradient_checkpointing_enable()
@@ -109,9 +110,10 @@ class FSDPTrainActor:
 
     # -- training ----------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
-        out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                    position_ids=mb.position_ids.to(self.device), logits_to_keep=mb.max_response_len + 1,
-                    use_cache=False)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
+            out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
+                        position_ids=mb.position_ids.to(self.device), logits_to_keep=mb.max_response_len + 1,
+                        use_cache=False)
         logits = out.logits[:, :-1, :].float()  # position t predicts response token t
         if temperature != 1.0:
             logits = logits / temperature
@@ -149,6 +151,11 @@ class FSDPTrainActor:
         self.model.eval()
         if alg.use_rollout_logprobs:
             old = {i: batch["rollout_logprobs"][i] for i in mine}
+        elif len(steps) == 1:
+            # One optimizer step per rollout: the policy before the step *is* the one being
+            # trained, so its log-probs come from the training forward pass itself (detached)
+            # instead of a second full forward pass.
+            old = None
         else:
             old = dict(zip(mine, self._logprobs_of(self.module, batch, mine)))
         ref = dict(zip(mine, self._logprobs_of(self.ref_model, batch, mine))) if self.ref_model is not None else None
@@ -179,13 +186,13 @@ class FSDPTrainActor:
             width = mb.max_response_len
             mask = mb.response_mask.to(self.device)
             adv = torch.tensor([advantages[i] for i in rows], dtype=torch.float32, device=self.device)
-            old_lp = pad_rows([old[i] for i in rows], width).to(self.device)
             rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(self.device)
             has_rollout_lp = all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows)
             sync = k == len(micro) - 1 or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
             ctx = torch.enable_grad() if sync else self.model.no_sync()
             with ctx:
                 logprobs, entropy = self._forward(self.model, mb, temperature, with_entropy=True)
+                old_lp = logprobs.detach() if old is None else pad_rows([old[i] for i in rows], width).to(self.device)
                 loss, m = policy_loss(
                     logprobs, old_lp, adv, mask, eps_clip=alg.eps_clip, eps_clip_high=alg.eps_clip_high,
                     eps_clip_c=alg.eps_clip_c, rollout_logprobs=rollout_lp if has_rollout_lp else None,

@@ -1,0 +1,85 @@
+"""Run ``train_async.py`` as a real subprocess (real Ray, real engine) and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    out_dir: Path
+
+    def jsonl(self, name: str) -> list[dict]:
+        path = self.out_dir / name
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    @property
+    def metrics(self) -> list[dict]:
+        return self.jsonl("metrics.jsonl")
+
+    @property
+    def evals(self) -> list[dict]:
+        return self.jsonl("eval.jsonl")
+
+    @property
+    def rollouts(self) -> list[dict]:
+        return self.jsonl("rollouts.jsonl")
+
+    def processes(self) -> dict:
+        return json.loads((self.out_dir / "processes.json").read_text())
+
+
+def tiny_args(model: Path, task: tuple[Path, Path], out_dir: Path, *extra: str) -> list[str]:
+    train, held_out = task
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", "tiny", str(held_out),
+            "--apply-chat-template", "--rm-type", "first_integer", "--rollout-batch-size", "8",
+            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--rollout-dtype", "float32",
+            "--lr", "3e-3", "--rollout-shuffle", "--output-dir", str(out_dir), "--no-plot", *extra]
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                RAY_DEDUP_LOGS="0")
+
+
+def run_train(args: list[str], out_dir: Path, timeout: float = 300) -> Run:
+    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    return Run(proc.returncode, proc.stdout + proc.stderr, out_dir)
+
+
+def start_train(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_all_dead(pids: list[int], timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.5)
+    return [p for p in pids if alive(p)]
+
+
+def all_pids(procs: dict) -> list[int]:
+    return [procs["controller"], procs["executor"], *procs["engines"], *procs["train_workers"]]
