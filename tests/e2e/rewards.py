@@ -1,0 +1,20 @@
+"""Reward plugins used by the end-to-end tests (loaded through --custom-rm-path)."""
+
+import os
+from pathlib import Path
+
+
+def starts_with_digit(sample) -> float:
+    """Learnable by a random tiny model in a handful of GRPO steps: only a bias towards digits is needed."""
+    text = sample.response.lstrip()
+    return float(bool(text) and text[0].isdigit())
+
+
+def fails_on_third_rollout(sample) -> float:
+    """Raises once the marker file says two rollouts were scored, to induce a mid-run failure."""
+    marker = Path(os.environ["MILES_ASYNC_TEST_MARKER"])
+    count = int(marker.read_text()) if marker.exists() else 0
+    marker.write_text(str(count + 1))
+    if count >= 2 * 32:
+        raise RuntimeError("induced reward failure")
+    return starts_with_digit(sample)
