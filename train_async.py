@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -95,6 +96,9 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
 
 
 async def main(cfg: Config) -> None:
+    # SIGTERM (Slurm, docker stop, kill) takes the same clean path as Ctrl-C: cancel the
+    # loop, and the finally below stops every actor and engine.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tracker = Tracker(cfg.tracking)
     comps = Components()
     try:
@@ -124,7 +128,7 @@ def cli(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(main(cfg))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted; all workers and engines were stopped", file=sys.stderr)
         return 130
     finally:

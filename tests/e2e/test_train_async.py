@@ -130,7 +130,8 @@ def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
     assert wait_all_dead(all_pids(run.processes())) == []
 
 
-def test_ctrl_c_stops_everything(tiny_model, tiny_task, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_everything(sig, tiny_model, tiny_task, tmp_path):
     proc = start_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "100000", *LEARN)))
     deadline = time.monotonic() + 240
     while not (tmp_path / "metrics.jsonl").exists():
@@ -138,7 +139,7 @@ def test_ctrl_c_stops_everything(tiny_model, tiny_task, tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.5)
     procs = __import__("json").loads((tmp_path / "processes.json").read_text())
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         proc.wait(120)
     except Exception:

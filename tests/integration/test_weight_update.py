@@ -1,0 +1,90 @@
+"""A trained policy's weights reach a real engine server: its version rises and its outputs change."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miles_async.arguments import parse_args
+from miles_async.backends.fsdp.actor import FSDPTrainActor
+from miles_async.inference.client import EngineClient
+from miles_async.inference.launcher import EngineProcess
+from miles_async.rollout.generate import encode_prompt
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def cfg(tiny_model, tiny_task, tmp_path):
+    train, _ = tiny_task
+    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
+                       "--n-samples-per-prompt", "4", "--num-rollout", "4", "--rm-type", "first_integer",
+                       "--rollout-dtype", "float32", "--lr", "5e-2", "--update-weight-buffer-size", "20000",
+                       "--output-dir", str(tmp_path)])
+
+
+@pytest.fixture
+def engine(cfg, tmp_path):
+    proc = EngineProcess(cfg.engine, 0, str(tmp_path))
+    proc.start()
+    try:
+        proc.wait_healthy(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _generate(url: str, prompts: list[list[int]], n_tokens: int = 6) -> list[dict]:
+    async def go():
+        async with EngineClient(url, timeout=60) as c:
+            return await asyncio.gather(*[c.generate(p, {"temperature": 0.0, "max_new_tokens": n_tokens})
+                                          for p in prompts])
+    return asyncio.run(go())
+
+
+def _info(url: str) -> dict:
+    async def go():
+        async with EngineClient(url, timeout=60) as c:
+            return await c.model_info()
+    return asyncio.run(go())
+
+
+def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [encode_prompt(tok, f"repeat {d}", True) for d in range(4)]
+    before = _generate(engine.url, prompts)
+    assert _info(engine.url)["weight_version"] == 0
+
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    # Reward the greedy outputs negatively: a policy step must move away from them.
+    batch = {"tokens": [], "prompt_lengths": [], "response_lengths": [], "loss_masks": [], "rollout_logprobs": [],
+             "weight_versions": [], "rewards": [], "group_index": [], "uids": []}
+    for g, (p, out) in enumerate(zip(prompts, before)):
+        for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]]):
+            batch["tokens"].append(p + resp)
+            batch["prompt_lengths"].append(len(p))
+            batch["response_lengths"].append(len(resp))
+            batch["loss_masks"].append([1] * len(resp))
+            batch["rollout_logprobs"].append([])
+            batch["weight_versions"].append([0] * len(resp))
+            batch["rewards"].append(0.0 if i == 0 else 1.0)
+            batch["group_index"].append(g)
+            batch["uids"].append(str(g))
+    for step in range(3):
+        actor.train(step, batch)
+    pushed = actor.push_weights([engine.url], weight_version=3, engine_dtype="float32", timeout=60)
+    assert pushed["weights/bytes"] > 0
+
+    assert _info(engine.url)["weight_version"] == 3
+    after = _generate(engine.url, prompts)
+    assert all(o["meta_info"]["weight_version"] == 3 for o in after)
+    assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+    # The engine now computes what the trainer holds: its log-probs match the trainer's own.
+    for p, o in zip(prompts, after):
+        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
+                                                       "response_lengths": [len(o["output_ids"])],
+                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0])[0]
+        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=1e-3)
