@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 
 from miles_async.config import EvalConfig
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.rollout import RolloutContext, generate_group
+from miles_async.utils.async_utils import gather_fail_fast
 
 
 async def evaluate(ctx: RolloutContext, cfg: EvalConfig, datasets: dict[str, list[PromptItem]]) -> dict[str, float]:
     params = cfg.sampling.to_sglang()
     metrics: dict[str, float] = {}
     for name, items in datasets.items():
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(generate_group(ctx, item, gi, cfg.n_samples_per_prompt, params))
-                     for gi, item in enumerate(items)]
-        samples = [s for t in tasks for s in t.result()]
+        groups = await gather_fail_fast(generate_group(ctx, item, gi, cfg.n_samples_per_prompt, params)
+                                        for gi, item in enumerate(items))
+        samples = [s for g in groups for s in g]
         versions = [v for s in samples for v in s.weight_versions]
         metrics[f"eval/{name}/accuracy"] = statistics.fmean(float(s.reward) for s in samples)
         metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)

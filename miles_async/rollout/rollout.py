@@ -15,6 +15,7 @@ from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_prompt
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.sample import Sample, SampleStatus
+from miles_async.utils.async_utils import gather_fail_fast
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +62,10 @@ async def generate_group(ctx: RolloutContext, item: PromptItem, group_index: int
     tokens = ctx.prompt_tokens(item)
     samples = [Sample(uid=item.uid, group_index=group_index, index=i, prompt=item.prompt, label=item.label,
                       metadata=dict(item.metadata), prompt_tokens=list(tokens)) for i in range(n)]
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(generate_one(ctx, s, sampling_params)) for s in samples]
-    return [t.result() for t in tasks]
+    return await gather_fail_fast(generate_one(ctx, s, sampling_params) for s in samples)
 
 
 async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> list[list[Sample]]:
     items = ctx.data_source.next_batch()
-    # TaskGroup cancels the siblings when one group fails, so a failure surfaces at once.
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params))
-                 for gi, item in enumerate(items)]
-    return [t.result() for t in tasks]
+    return await gather_fail_fast(generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params)
+                                  for gi, item in enumerate(items))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Iterable, TypeVar
+from typing import Awaitable, Coroutine, Iterable, TypeVar
 
 T = TypeVar("T")
 
@@ -40,3 +40,17 @@ async def race(aw: Awaitable[T], watched: Iterable[asyncio.Future], timeout: flo
     finally:
         if not main.done():
             main.cancel()
+
+
+async def gather_fail_fast(coros: Iterable[Coroutine[object, object, T]]) -> list[T]:
+    """Run all, cancel the rest as soon as one fails, and raise that failure itself
+    (not an ExceptionGroup), so the error a user sees names the real cause."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(c) for c in coros]
+    except ExceptionGroup as group:
+        first = group.exceptions[0]
+        while isinstance(first, ExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]

@@ -107,3 +107,28 @@ def test_eval_dispatcher_bounds_in_flight_and_skips_failures():
     peak, results, failures = asyncio.run(main())
     assert peak == 2
     assert sorted(results) == [0, 1, 3, 4] and failures == 1
+
+
+def test_gather_fail_fast_raises_the_cause_and_cancels_the_rest():
+    from miles_async.utils.async_utils import gather_fail_fast
+
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def bad():
+        await asyncio.sleep(0.01)
+        raise KeyError("the real cause")
+
+    async def nested():
+        return await gather_fail_fast([slow(), bad()])
+
+    with pytest.raises(KeyError, match="the real cause"):
+        asyncio.run(asyncio.wait_for(gather_fail_fast([nested(), slow()]), 5))
+    assert len(cancelled) == 2
+    assert asyncio.run(gather_fail_fast([asyncio.sleep(0, result=i) for i in range(3)])) == [0, 1, 2]
