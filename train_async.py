@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
+from miles_async.ray.cluster import init_ray
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
                                     record_processes,
@@ -72,7 +73,9 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             if weight_update_due:
                 # One-step-off: let the in-flight rollout finish on the old weights before they change.
                 if next_rollout is not None:
+                    t_drain = time.time()
                     current, next_rollout = await next_rollout, None
+                    metrics["time/wait_rollout_seconds"] += time.time() - t_drain
                 metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
 
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
@@ -97,7 +100,9 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
 
 async def main(cfg: Config) -> None:
     # SIGTERM (Slurm, docker stop, kill) takes the same clean path as Ctrl-C: cancel the
-    # loop, and the finally below stops every actor and engine.
+    # loop, and the finally below stops every actor and engine. Installed after ray.init,
+    # which sets its own SIGTERM handler (a bare sys.exit).
+    init_ray(cfg.cluster)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tracker = Tracker(cfg.tracking)
     comps = Components()

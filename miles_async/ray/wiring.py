@@ -52,7 +52,8 @@ async def record_processes(comps: Components, path: str) -> dict:
 
     procs = {"driver": os.getpid(), "controller": await comps.controller.pid.remote(),
              "engines": await comps.controller.engine_pids.remote(), "executor": await comps.executor.pid.remote(),
-             "train_workers": await comps.actor.pids()}
+             "train_workers": await comps.actor.pids(),
+             "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path()}
     atomic_write_json(path, procs)
     return procs
 

@@ -83,3 +83,29 @@ def wait_all_dead(pids: list[int], timeout: float = 30) -> list[int]:
 
 def all_pids(procs: dict) -> list[int]:
     return [procs["controller"], procs["executor"], *procs["engines"], *procs["train_workers"]]
+
+
+def ray_session_processes(session_dir: str) -> list[str]:
+    """Command lines of live processes that belong to a Ray session (raylet, agents, workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or not alive(int(entry)):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if session_dir in cmd:
+            found.append(f"{entry}: {cmd[:200]}")
+    return found
+
+
+def wait_session_gone(session_dir: str, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = ray_session_processes(session_dir)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return ray_session_processes(session_dir)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.e2e.runner import ROOT, all_pids, env, run_train, start_train, tiny_args, wait_all_dead
+from tests.e2e.runner import (ROOT, all_pids, env, run_train, start_train, tiny_args, wait_all_dead,
+                              wait_session_gone)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,6 +95,7 @@ def test_outputs_a_user_sees(main_run):
 
 def test_no_process_left_after_the_run(main_run):
     assert wait_all_dead(all_pids(main_run.processes())) == []
+    assert wait_session_gone(main_run.processes()["ray_session_dir"]) == []
 
 
 def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny_model, tiny_task, tmp_path):
@@ -128,6 +130,7 @@ def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
     assert run.returncode != 0
     assert "induced reward failure" in run.output and "uid=" in run.output
     assert wait_all_dead(all_pids(run.processes())) == []
+    assert wait_session_gone(run.processes()["ray_session_dir"]) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -147,6 +150,7 @@ def test_a_signal_stops_everything(sig, tiny_model, tiny_task, tmp_path):
         raise
     assert proc.returncode != 0
     assert wait_all_dead(all_pids(procs)) == []
+    assert wait_session_gone(procs["ray_session_dir"]) == []
 
 
 def test_bad_flags_fail_before_any_worker_starts(tiny_model, tiny_task, tmp_path):

@@ -1,0 +1,216 @@
+"""Async HTTP client for SGLang-shaped inference servers.
+
+This is the single protocol the rollout code uses to talk to an inference
+engine: a real SGLang server, a vLLM adapter, or the embedded CPU server in
+``miles_async.inference.embedded.server``.  Methods map 1:1 onto SGLang's
+native endpoints (``/generate``, ``/pause_generation``, ...).
+
+One exception: ``update_weights_from_tensors`` posts a raw safetensors blob
+to ``/update_weights_from_tensor?weight_version=V&flush=0|1``, the embedded
+server's format (SGLang proper expects pickled tensors in JSON).  Adapters for
+other engines must accept that format.
+
+Every call has a timeout; failures raise ``EngineError`` naming the URL and
+endpoint, never a bare aiohttp exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import torch
+
+
+class EngineError(RuntimeError):
+    """An inference-engine call failed (HTTP error status, timeout or connection error)."""
+
+    def __init__(self, url: str, endpoint: str, message: str, status: int | None = None):
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        where = f"{url}{endpoint}"
+        prefix = f"HTTP {status} from {where}" if status is not None else f"request to {where} failed"
+        super().__init__(f"{prefix}: {message}")
+
+
+def _serialize_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
+    from safetensors.torch import save
+
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in named_tensors:
+        if name in out:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        t = tensor.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share storage (tied embeddings);
+        # a copy per alias keeps the format simple.
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return save(out)
+
+
+class EngineClient:
+    """Async client for one inference server.
+
+    ``timeout`` (seconds) bounds every call; ``generate`` also takes a
+    per-call override because a long generation legitimately outlives a
+    control call.  Create and use the client inside a running event loop;
+    ``close()`` (or ``async with``) releases the connection pool.
+    """
+
+    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 0):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        # A session is bound to the loop that created it; a client reused
+        # from a new loop (e.g. successive asyncio.run calls) needs a new one.
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # limit=0: rollouts keep hundreds of generations in flight, and
+            # aiohttp's default cap of 100 would serialise them client-side.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
+            self._session_loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed and self._session_loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+        self._session_loop = None
+
+    async def _request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        json_body: Any = None,
+        data: bytes | None = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        url = self.base_url + endpoint
+        limit = self.timeout if timeout is None else timeout
+        try:
+            async with self._get_session().request(
+                method,
+                url,
+                json=json_body,
+                data=data,
+                params=params,
+                timeout=aiohttp.ClientTimeout(total=limit),
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise EngineError(self.base_url, endpoint, _error_message(text), status=resp.status)
+                if not text:
+                    return None
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    return text
+        except EngineError:
+            raise
+        except asyncio.TimeoutError as exc:
+            raise EngineError(self.base_url, endpoint, f"timed out after {limit:.1f}s") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(self.base_url, endpoint, f"{type(exc).__name__}: {exc}") from exc
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """POST /generate; returns SGLang's response dict (text, output_ids, meta_info)."""
+        body: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        return await self._request("POST", "/generate", json_body=body, timeout=timeout)
+
+    async def health(self, timeout: float | None = None) -> bool:
+        """True iff GET /health answers 200 within ``timeout`` (default: min(timeout, 10 s)); never raises."""
+        try:
+            await self._request("GET", "/health", timeout=timeout if timeout is not None else min(self.timeout, 10.0))
+        except EngineError:
+            return False
+        return True
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info")
+
+    async def pause(self, mode: str = "abort") -> dict[str, Any]:
+        """POST /pause_generation; mode is "abort", "in_place" or "retract"."""
+        return await self._request("POST", "/pause_generation", json_body={"mode": mode})
+
+    async def resume(self) -> dict[str, Any]:
+        return await self._request("POST", "/continue_generation", json_body={})
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        if rid is None and not abort_all:
+            raise ValueError("abort() needs a rid or abort_all=True")
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        return await self._request("POST", "/abort_request", json_body=body)
+
+    async def flush_cache(self) -> Any:
+        return await self._request("POST", "/flush_cache")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        return await self._request(
+            "POST",
+            "/update_weights_from_disk",
+            json_body={"model_path": model_path, "weight_version": weight_version},
+        )
+
+    async def update_weights_from_tensors(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        weight_version: int | None = None,
+        flush: bool = False,
+    ) -> dict[str, Any]:
+        """Send one bucket of HF-named tensors.
+
+        Send ``weight_version`` (and usually ``flush=True``) with the last
+        bucket only, so the version flips once every bucket has landed.
+        """
+        data = await asyncio.to_thread(_serialize_tensors, named_tensors)
+        params = {"flush": "1" if flush else "0"}
+        if weight_version is not None:
+            params["weight_version"] = str(int(weight_version))
+        return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
+
+
+def _error_message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000] or "(empty body)"
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return text.strip()[:2000]

@@ -1,0 +1,484 @@
+"""HTTP front-end of the embedded CPU engine, speaking a subset of SGLang's native API.
+
+Run as::
+
+    python -m miles_async.inference.embedded.server --model-path DIR --port N \
+        [--host 127.0.0.1] [--dtype bfloat16|float32] [--max-running-requests 64] \
+        [--num-threads T] [--seed S] [--weight-version V]
+
+Endpoints (JSON unless noted):
+
+- ``GET  /health``                      200 when the model is loaded and the decode thread is alive, else 500
+- ``GET  /get_model_info``              model_path, weight_version, is_generation
+- ``GET  /get_load``                    running/waiting counts and batching counters
+- ``POST /generate``                    SGLang-shaped single request (``input_ids`` only, no text prompts)
+- ``POST /pause_generation``            ``{"mode": "abort" | "in_place" | "retract"}``
+- ``POST /continue_generation``
+- ``POST /abort_request``               ``{"rid": str}`` or ``{"abort_all": true}``
+- ``POST /flush_cache``                 (GET accepted too, as older SGLang did)
+- ``POST /update_weights_from_disk``    ``{"model_path": str, "weight_version": int | null}``
+- ``POST /update_weights_from_tensor?weight_version=V&flush=1``  body: raw safetensors bytes
+
+The last one deliberately differs from SGLang (which takes pickled tensors in
+JSON): a safetensors blob is safe to parse and cheap to produce.
+
+``text`` in /generate responses is decoded only when the model folder has a
+tokenizer; otherwise it is ``""`` and callers should use ``output_ids``.
+
+``output_token_logprobs`` are log-probs of each sampled token under the
+distribution it was drawn from (after temperature, top-k/top-p renormalised;
+temperature-1 log-softmax for greedy rows), see ``engine.sample_tokens``.
+A stop token that ends generation is included in ``output_ids``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from miles_async.inference.embedded.engine import (
+    Engine,
+    EngineDeadError,
+    GenerationResult,
+    RequestRejectedError,
+    SamplingParams,
+    UnknownParameterError,
+)
+
+logger = logging.getLogger("miles_async.inference.embedded.server")
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+# Weight buckets can be large; aiohttp's 1 MiB default would reject them.
+MAX_BODY_BYTES = 64 * 1024**3
+
+# Sampling params we accept only at their neutral value: silently ignoring a
+# penalty the caller relies on would change the rollout policy unnoticed.
+_NEUTRAL_PARAMS: dict[str, float] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "n": 1,
+}
+# Accepted and ignored: they only shape text, which we barely produce.
+_IGNORED_PARAMS = {"no_stop_trim", "spaces_between_special_tokens"}
+
+
+class BadRequest(Exception):
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest("body", f"invalid JSON ({exc})") from exc
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def parse_sampling_params(raw: Any) -> SamplingParams:
+    """Validate an SGLang ``sampling_params`` dict; raises ``BadRequest`` naming the field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params", "must be an object")
+    p = SamplingParams()
+    for key, value in raw.items():
+        name = f"sampling_params.{key}"
+        if value is None:
+            continue  # SGLang treats null as "use the default"
+        if key == "temperature":
+            if not _is_number(value) or value < 0:
+                raise BadRequest(name, "must be a number >= 0")
+            p.temperature = float(value)
+        elif key == "top_p":
+            if not _is_number(value) or not 0 < value <= 1:
+                raise BadRequest(name, "must be in (0, 1]")
+            p.top_p = float(value)
+        elif key == "top_k":
+            if not _is_int(value) or value == 0 or value < -1:
+                raise BadRequest(name, "must be a positive int or -1 (disabled)")
+            p.top_k = int(value)
+        elif key == "max_new_tokens":
+            if not _is_int(value) or value < 0:
+                raise BadRequest(name, "must be an int >= 0")
+            p.max_new_tokens = int(value)
+        elif key == "min_new_tokens":
+            if not _is_int(value) or value < 0:
+                raise BadRequest(name, "must be an int >= 0")
+            p.min_new_tokens = int(value)
+        elif key == "stop_token_ids":
+            if not isinstance(value, list) or not all(_is_int(t) for t in value):
+                raise BadRequest(name, "must be a list of ints")
+            p.stop_token_ids = [int(t) for t in value]
+        elif key == "ignore_eos":
+            if not isinstance(value, bool):
+                raise BadRequest(name, "must be a bool")
+            p.ignore_eos = value
+        elif key == "skip_special_tokens":
+            if not isinstance(value, bool):
+                raise BadRequest(name, "must be a bool")
+            p.skip_special_tokens = value
+        elif key == "stop":
+            if value not in ("", []):
+                raise BadRequest(name, "string stops are not supported by the embedded engine; use stop_token_ids")
+        elif key in _NEUTRAL_PARAMS:
+            if not _is_number(value) or value != _NEUTRAL_PARAMS[key]:
+                raise BadRequest(name, f"only the neutral value {_NEUTRAL_PARAMS[key]} is supported")
+        elif key in _IGNORED_PARAMS:
+            pass
+        else:
+            raise BadRequest(name, "unsupported sampling parameter")
+    return p
+
+
+def parse_generate(
+    body: dict[str, Any], vocab_size: int, context_len: int | None
+) -> tuple[list[int], SamplingParams, bool, str | None]:
+    """Validate a /generate body; raises ``BadRequest`` naming the offending field."""
+    if "input_ids" not in body:
+        raise BadRequest("input_ids", "is required (text prompts are not supported)")
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("input_ids", "must be a non-empty list of ints (batched requests are not supported)")
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise BadRequest("input_ids", f"must contain ints in [0, {vocab_size})")
+    if context_len is not None and len(ids) >= context_len:
+        raise BadRequest("input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_len}")
+    params = parse_sampling_params(body.get("sampling_params"))
+    return_logprob = body.get("return_logprob", False)
+    if not isinstance(return_logprob, bool):
+        raise BadRequest("return_logprob", "must be a bool")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest("rid", "must be a string")
+    for key in ("text", "input_embeds", "image_data", "stream"):
+        if body.get(key):
+            raise BadRequest(key, "is not supported by the embedded engine")
+    return list(ids), params, return_logprob, rid
+
+
+def format_result(res: GenerationResult, return_logprob: bool) -> dict[str, Any]:
+    finish: dict[str, Any] = {"type": res.finish_type}
+    if res.finish_type == "stop":
+        finish["matched"] = res.finish_matched
+    elif res.finish_type == "length":
+        finish["length"] = len(res.output_ids)
+    meta: dict[str, Any] = {
+        "id": res.rid,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": len(res.output_ids),
+        "cached_tokens": 0,
+        "finish_reason": finish,
+        "weight_version": res.weight_version,
+        "output_token_weight_versions": res.output_weight_versions,
+        "e2e_latency": res.e2e_latency,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids)]
+    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE_KEY]
+
+
+async def _await(fut: Any) -> Any:
+    return await asyncio.wrap_future(fut)
+
+
+def _dead_response(exc: BaseException) -> web.Response:
+    return _error(500, f"engine is dead: {exc}")
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    if engine.alive:
+        return web.Response(text="ok")
+    return _dead_response(engine.dead_error or RuntimeError("decode thread not running"))
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    return web.json_response(
+        {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+            "weight_version": engine.weight_version,
+            "is_generation": True,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "max_running_requests": engine.max_running_requests,
+            "context_length": engine.context_len,
+            "vocab_size": engine.vocab_size,
+        }
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).load_snapshot())
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    ids, params, return_logprob, rid = parse_generate(await _json_body(request), engine.vocab_size, engine.context_len)
+    # A server-side rid lets us abort the request if the client disconnects.
+    rid = rid if rid is not None else uuid.uuid4().hex
+    fut = engine.submit(ids, params, rid)
+    try:
+        result = await _await(fut)
+    except asyncio.CancelledError:
+        # The client went away (or timed out): free the batch slot.
+        try:
+            engine.abort(rid)
+        except EngineDeadError:
+            pass
+        raise
+    except RequestRejectedError as exc:
+        return _error(400, f"rid: {exc}")
+    return web.json_response(format_result(result, return_logprob))
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    mode = body.get("mode", "abort")
+    if mode not in ("abort", "in_place", "retract"):
+        raise BadRequest("mode", "must be one of abort, in_place, retract")
+    await _await(_engine(request).pause(mode))
+    return web.json_response({"success": True, "message": f"paused ({mode})"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await _await(_engine(request).resume())
+    return web.json_response({"success": True, "message": "resumed"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    rid = body.get("rid")
+    abort_all = body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise BadRequest("abort_all", "must be a bool")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRequest("rid", "must be a string")
+    if rid is None and not abort_all:
+        raise BadRequest("rid", "give a rid or abort_all=true")
+    n = await _await(_engine(request).abort(rid, abort_all))
+    return web.json_response({"success": True, "num_aborted": n})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    await _await(_engine(request).flush_cache())
+    return web.json_response({"success": True, "message": "cache flushed"})
+
+
+def _parse_version(value: Any, field: str) -> int | None:
+    if value is None or value == "":
+        return None
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise BadRequest(field, "must be an int")
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    body = await _json_body(request)
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("model_path", "is required and must be a string")
+    version = _parse_version(body.get("weight_version"), "weight_version")
+    try:
+        # Reading the checkpoint is slow IO; keep it off the event loop.
+        fut = await asyncio.to_thread(engine.update_weights_from_disk, path, version)
+        new_version = await _await(fut)
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any load failure is reported to the caller
+        logger.warning("update_weights_from_disk(%s) failed: %s", path, exc)
+        return web.json_response(
+            {"success": False, "message": f"model_path: {exc}", "weight_version": engine.weight_version}, status=400
+        )
+    logger.info("weights loaded from %s, weight_version=%d", path, new_version)
+    return web.json_response(
+        {"success": True, "message": f"loaded {path}", "weight_version": new_version}
+    )
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    from safetensors.torch import load as load_safetensors
+
+    engine = _engine(request)
+    version = _parse_version(request.query.get("weight_version"), "weight_version")
+    flush = request.query.get("flush", "0").lower() in ("1", "true", "yes")
+    raw = await request.read()
+    if not raw:
+        raise BadRequest("body", "empty; expected a safetensors file")
+    try:
+        tensors = await asyncio.to_thread(load_safetensors, raw)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises assorted types on garbage
+        raise BadRequest("body", f"not a valid safetensors file ({exc})") from exc
+    try:
+        new_version = await _await(engine.update_weights_from_tensors(tensors, version, flush))
+    except UnknownParameterError as exc:
+        return web.json_response(
+            {"success": False, "message": str(exc), "weight_version": engine.weight_version}, status=400
+        )
+    except ValueError as exc:
+        return web.json_response(
+            {"success": False, "message": str(exc), "weight_version": engine.weight_version}, status=400
+        )
+    return web.json_response(
+        {"success": True, "message": f"updated {len(tensors)} tensors", "weight_version": new_version}
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return _error(400, str(exc))
+    except EngineDeadError as exc:
+        return _dead_response(exc)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report, never leave the client hanging
+        logger.exception("unhandled error on %s", request.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+
+def build_app(engine: Engine) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+    app[ENGINE_KEY] = engine
+    app.router.add_get("/health", health)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_load", get_load)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/pause_generation", pause_generation)
+    app.router.add_post("/continue_generation", continue_generation)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Embedded CPU inference server (SGLang-native API subset)")
+    ap.add_argument("--model-path", required=True, help="HF model folder (config + safetensors)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill forward")
+    ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    ap.add_argument("--weight-version", type=int, default=0)
+    ap.add_argument("--log-level", default="INFO")
+    # Testing aid: slows every decode step so pause/abort races are observable
+    # on fast tiny models; never useful in production.
+    ap.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace, engine: Engine) -> None:
+    app = build_app(engine)
+    # handler_cancellation: a disconnected client cancels its handler, which
+    # aborts its request instead of decoding for nobody.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    # Aborting first lets in-flight /generate handlers answer (with partial
+    # output) before the runner closes their connections.
+    await asyncio.to_thread(engine.shutdown, 5.0)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    engine = Engine(
+        args.model_path,
+        dtype=dtype,
+        max_running_requests=args.max_running_requests,
+        seed=args.seed,
+        weight_version=args.weight_version,
+        max_prefill_tokens=args.max_prefill_tokens,
+        step_delay_s=args.step_delay,
+    )
+    engine.start()
+    try:
+        asyncio.run(_serve(args, engine))
+    finally:
+        engine.shutdown(5.0)
+    logger.info("bye")
+
+
+if __name__ == "__main__":
+    main()
+    # Interpreter teardown with torch + transformers loaded takes seconds of
+    # pure destructor work; everything that matters is already flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
