@@ -26,7 +26,7 @@ ROLLOUT_ARGS=(
   --apply-chat-template
   --rollout-shuffle
   --rm-type integer
-  --num-rollout 40
+  --num-rollout 30
   --rollout-batch-size 8
   --n-samples-per-prompt 8
   --rollout-max-response-len 8
@@ -46,7 +46,7 @@ ALGO_ARGS=(
   --tis-clip 2.0
 )
 OPTIMIZER_ARGS=(
-  --lr 2e-5
+  --lr 5e-5
   --clip-grad 1.0
   --bf16
 )

@@ -18,3 +18,7 @@ def fails_on_third_rollout(sample) -> float:
     if count >= 2 * 32:
         raise RuntimeError("induced reward failure")
     return starts_with_digit(sample)
+
+
+def always_fails(sample) -> float:
+    raise ValueError("broken verifier")
