@@ -270,6 +270,10 @@ def build_config(ns: argparse.Namespace) -> Config:
     _require((ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
              "give exactly one of --rm-type and --custom-rm-path")
     validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    import importlib.util
+
+    _require(not ns.use_wandb or importlib.util.find_spec("wandb") is not None,
+             "--use-wandb needs the wandb package: pip install 'miles_async[wandb]'")
     for flag in ("custom_generate_function_path", "rollout_function_path", "data_source_path"):
         value = getattr(ns, flag)
         if value is not None:

@@ -1,0 +1,21 @@
+import json
+
+from miles_async.config import TrackingConfig
+from miles_async.utils.plots import plot_run
+from miles_async.utils.tracking import Tracker, read_jsonl
+
+
+def test_jsonl_tensorboard_and_plot(tmp_path):
+    cfg = TrackingConfig(str(tmp_path), False, "p", None, None, True, None, True)
+    t = Tracker(cfg)
+    for step in range(1, 4):
+        t.log(step, {"rollout/reward_mean": step / 4, "train/loss": float("nan")})
+    t.log(0, {"eval/mul/accuracy": 0.1}, kind="eval")
+    t.log(3, {"eval/mul/accuracy": 0.5}, kind="eval")
+    t.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["train/loss"] is None  # NaN is not valid JSON
+    assert json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[1])["eval/mul/accuracy"] == 0.5
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
