@@ -36,6 +36,7 @@ class Tracker:
         self.eval_path = self.dir / "eval.jsonl"
         self._wandb = None
         self._tb = None
+        self._last_eval: dict[str, Any] = {}
         if cfg.use_wandb:
             import wandb
 
@@ -54,6 +55,12 @@ class Tracker:
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
         record = {"step": step, **_clean(metrics)}
+        if kind == "eval":
+            # Background evals finish at any time; the next train line repeats the latest
+            # one (with the step it measured), so every line shows the current accuracy.
+            self._last_eval = {"eval/step": step, **{k: v for k, v in record.items() if k.endswith("/accuracy")}}
+        else:
+            record.update(self._last_eval)
         self._write(self.eval_path if kind == "eval" else self.metrics_path, record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)

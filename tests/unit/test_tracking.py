@@ -12,9 +12,12 @@ def test_jsonl_tensorboard_and_plot(tmp_path):
         t.log(step, {"rollout/reward_mean": step / 4, "train/loss": float("nan")})
     t.log(0, {"eval/mul/accuracy": 0.1}, kind="eval")
     t.log(3, {"eval/mul/accuracy": 0.5}, kind="eval")
+    t.log(4, {"rollout/reward_mean": 1.0})
     t.close()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["train/loss"] is None  # NaN is not valid JSON
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[0]["train/loss"] is None  # NaN is not valid JSON
+    assert "eval/mul/accuracy" not in rows[0]
+    assert rows[3]["eval/mul/accuracy"] == 0.5 and rows[3]["eval/step"] == 3
     assert json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[1])["eval/mul/accuracy"] == 0.5
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     png = plot_run(tmp_path)
