@@ -78,3 +78,18 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     assert any(not torch.equal(initial[k], single[k]) for k in single)  # the step did change the weights
     for k in single:
         torch.testing.assert_close(pair[k], single[k], rtol=1e-3, atol=1e-5)
+
+
+def test_kl_loss_to_the_reference_model(tiny_model, tiny_task, tmp_path):
+    """With --use-kl-loss the policy is pulled towards --ref-load: KL is 0 at the start, then grows and is logged."""
+    train, _ = tiny_task
+    cfg = parse_args(["--hf-checkpoint", str(tiny_model), "--ref-load", str(tiny_model), "--prompt-data", str(train),
+                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
+                      "--rm-type", "integer", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.5",
+                      "--kl-loss-type", "k3", "--entropy-coef", "0.01", "--output-dir", str(tmp_path)])
+    actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
+    first = actor.train(0, _batch())
+    second = actor.train(1, _batch())
+    assert first["train/kl_loss"] == pytest.approx(0.0, abs=1e-7)
+    assert second["train/kl_loss"] > 1e-6
+    assert second["train/entropy"] > 0
