@@ -52,8 +52,9 @@ def env() -> dict:
                 RAY_DEDUP_LOGS="0")
 
 
-def run_train(args: list[str], out_dir: Path, timeout: float = 300) -> Run:
-    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT, env=env(),
+def run_train(args: list[str], out_dir: Path, timeout: float = 300, extra_env: dict | None = None) -> Run:
+    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT,
+                          env={**env(), **(extra_env or {})},
                           capture_output=True, text=True, timeout=timeout)
     return Run(proc.returncode, proc.stdout + proc.stderr, out_dir)
 

@@ -162,3 +162,36 @@ def test_bad_flags_fail_before_any_worker_starts(tiny_model, tiny_task, tmp_path
     assert proc.returncode == 2
     assert "--global-batch-size 7" in proc.stderr
     assert not (tmp_path / "processes.json").exists()
+
+
+def test_joins_an_existing_ray_cluster(tiny_model, tiny_task, tmp_path):
+    """--ray-address: the run uses a cluster it did not start, and leaves it running but clean."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
+                             "--disable-usage-stats", "--block"], env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the head's GCS port accepts connections once the cluster is up
+            assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.5)
+        # `ray start` clusters use token auth; a driver joining one says so (the token is in ~/.ray).
+        run = run_train(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
+                                  "--ray-address", f"127.0.0.1:{port}"), tmp_path,
+                        extra_env={"RAY_AUTH_MODE": "token"})
+        assert run.returncode == 0, run.output[-3000:]
+        assert len(run.metrics) == 2
+        assert wait_all_dead(all_pids(run.processes())) == []
+        assert head.poll() is None  # the cluster outlives the run
+    finally:
+        head.terminate()
+        head.wait(60)

@@ -22,3 +22,14 @@ def test_jsonl_tensorboard_and_plot(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = TrackingConfig(str(tmp_path), True, "miles-async-test", None, "offline-run", False, None, False)
+    t = Tracker(cfg, run_config={"lr": 1e-3})
+    t.log(1, {"rollout/reward_mean": 0.5})
+    t.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
