@@ -56,7 +56,11 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             metrics = {**current["metrics"], "time/wait_rollout_seconds": time.time() - t_wait}
             has_next = rollout_id + 1 < loop.num_rollout
             weight_update_due = (rollout_id + 1) % loop.update_weights_interval == 0
-            next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) if has_next else None
+            # The fully-async producer generates without a pending drain; when the weights are
+            # about to change, the next drain waits for them so it is measured against them.
+            defer_next_drain = loop.fully_async and has_next and weight_update_due
+            next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) \
+                if has_next and not defer_next_drain else None
 
             metrics.update(await comps.actor.train(rollout_id, current["data"][0], cfg.rollout.sampling.temperature))
 
@@ -72,11 +76,13 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
 
             if weight_update_due:
                 # One-step-off: let the in-flight rollout finish on the old weights before they change.
-                if next_rollout is not None:
+                if next_rollout is not None and not loop.fully_async:
                     t_drain = time.time()
                     current, next_rollout = await next_rollout, None
                     metrics["time/wait_rollout_seconds"] += time.time() - t_drain
                 metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
+                if defer_next_drain:
+                    next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
 
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
                 await evals.dispatch(rollout_id + 1)

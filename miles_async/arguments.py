@@ -22,6 +22,7 @@ from miles_async.config import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    FullyAsyncConfig,
     LoopConfig,
     OptimizerConfig,
     RewardConfig,
@@ -88,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-max-concurrent-requests", type=int, default=256)
     g.add_argument("--rollout-timeout", type=float, default=1800.0,
                    help="seconds one rollout may take before the run fails")
+
+    g = p.add_argument_group("fully async")
+    g.add_argument("--fully-async", action="store_true",
+                   help="a persistent producer keeps groups generating across training steps")
+    g.add_argument("--max-staleness-steps", "--max-weight-staleness", dest="max_staleness_steps", type=int,
+                   default=1, help="how many policy versions a trained group may lag behind (groups-ahead bound)")
+    g.add_argument("--async-max-concurrent-groups", type=int, default=None,
+                   help="groups generating at once (default: rollout-batch-size * (max-staleness-steps + 1))")
+    g.add_argument("--zero-variance-filter", action="store_true",
+                   help="drop groups whose rewards are all equal and keep pulling until a full batch")
+    g.add_argument("--zero-variance-tol", type=float, default=1e-6)
+    g.add_argument("--rollout-watchdog-seconds", type=float, default=60.0,
+                   help="warn when no group finishes for this long")
+    g.add_argument("--pause-generation-mode", default="in_place", choices=("in_place", "abort"),
+                   help="what in-flight requests do during a weight update: freeze, or return partial output")
 
     g = p.add_argument_group("rewards and plugins")
     g.add_argument("--rm-type", default=None, choices=RM_TYPES)
@@ -207,6 +223,15 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
+    """Stale samples need a loss anchored to the policy that generated them: the engines'
+    log-probs with truncated importance sampling, or as the PPO old policy. Stale trainer
+    policies are not kept, so without either the update is silently biased."""
+    if not (ns.use_tis or ns.use_rollout_logprobs):
+        raise ConfigError("--fully-async trains on samples from older policies: add --use-tis (truncated "
+                          "importance sampling against the rollout log-probs) or --use-rollout-logprobs")
+
+
 def _parse_eval_datasets(values: list[str] | None) -> tuple[tuple[str, str], ...]:
     if not values:
         return ()
@@ -286,6 +311,25 @@ def build_config(ns: argparse.Namespace) -> Config:
     for name, path in eval_datasets:
         count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
 
+    fully_async = None
+    if ns.fully_async:
+        validate_async_off_policy_correction(ns)
+        _require(ns.update_weights_interval == 1, "--fully-async needs --update-weights-interval 1 (the staleness "
+                                                  "bound counts weight versions)")
+        _require(ns.max_staleness_steps >= 0, "--max-staleness-steps must be >= 0")
+        _require(ns.load is None, "--load cannot resume a --fully-async run yet: its in-flight groups are not "
+                                  "recorded by uid, so resuming could skip prompts")
+        _require(ns.rollout_function_path is None, "--rollout-function-path cannot be used with --fully-async "
+                                                   "(the producer generates group by group)")
+        concurrent = ns.async_max_concurrent_groups or ns.rollout_batch_size * (ns.max_staleness_steps + 1)
+        _require(ns.rollout_batch_size <= concurrent <= ns.rollout_batch_size * (ns.max_staleness_steps + 1),
+                 f"--async-max-concurrent-groups {concurrent} must lie between --rollout-batch-size "
+                 f"{ns.rollout_batch_size} and rollout-batch-size * (max-staleness-steps + 1)")
+        fully_async = FullyAsyncConfig(ns.max_staleness_steps, concurrent, ns.zero_variance_filter,
+                                       ns.zero_variance_tol, ns.rollout_watchdog_seconds)
+    else:
+        _require(not ns.zero_variance_filter, "--zero-variance-filter needs --fully-async for now")
+
     samples_per_rollout = ns.rollout_batch_size * ns.n_samples_per_prompt
     if ns.global_batch_size is None and ns.num_steps_per_rollout is None:
         num_steps, global_batch = 1, samples_per_rollout
@@ -361,6 +405,8 @@ def build_config(ns: argparse.Namespace) -> Config:
         custom_generate_function_path=ns.custom_generate_function_path,
         rollout_function_path=ns.rollout_function_path,
         data_source_path=ns.data_source_path,
+        fully_async=fully_async,
+        timeout=ns.rollout_timeout,
     )
     eval_cfg = EvalConfig(
         datasets=eval_datasets,
@@ -427,6 +473,8 @@ def build_config(ns: argparse.Namespace) -> Config:
             save_interval=ns.save_interval,
             debug_exit_after_rollout=ns.debug_exit_after_rollout,
             rollout_timeout=ns.rollout_timeout,
+            fully_async=ns.fully_async,
+            pause_generation_mode=ns.pause_generation_mode,
         ),
     )
 

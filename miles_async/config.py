@@ -68,6 +68,15 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class FullyAsyncConfig:
+    max_staleness_steps: int
+    max_concurrent_groups: int
+    zero_variance_filter: bool
+    zero_variance_tol: float
+    watchdog_seconds: float
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     data: DataConfig
     reward: RewardConfig
@@ -79,6 +88,8 @@ class RolloutConfig:
     custom_generate_function_path: str | None
     rollout_function_path: str | None
     data_source_path: str | None
+    fully_async: FullyAsyncConfig | None = None
+    timeout: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +185,8 @@ class LoopConfig:
     save_interval: int | None
     debug_exit_after_rollout: int | None
     rollout_timeout: float
+    fully_async: bool = False
+    pause_generation_mode: str = "in_place"
 
 
 @dataclass(frozen=True)

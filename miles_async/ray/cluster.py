@@ -19,7 +19,8 @@ def init_ray(cfg: ClusterConfig) -> None:
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
+        # address="local": always a fresh cluster of our own, even if another one runs on this machine.
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
                  logging_level=logging.WARNING)
 
 

@@ -16,9 +16,12 @@ from miles_async.config import EvalConfig, RolloutConfig
 from miles_async.rollout.batch import rollout_metrics, to_train_batch
 from miles_async.rollout.data_source import DataSource, PromptItem, load_prompts
 from miles_async.rollout.eval import evaluate
+from miles_async.rollout.filters import BatchAssembler
+from miles_async.rollout.fully_async import FullyAsyncProducer
 from miles_async.rollout.generate import GenerateContext, encode_prompt, generate_sample
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_rollout
+from miles_async.rollout.staleness import StalenessManager
 from miles_async.inference.router import Router
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
 from miles_async.utils.plugins import load_function
@@ -75,6 +78,14 @@ class RolloutExecutor:
         # Data-source state just before each rollout drew its prompts: a checkpoint of rollout N
         # is taken while N+1 may already be generating, and must resume by regenerating N+1.
         self._state_before: dict[int, dict] = {}
+        self.producer = None
+        if cfg.fully_async is not None:
+            fa = cfg.fully_async
+            self.producer = FullyAsyncProducer(
+                self.ctx, self.data_source.next_item,
+                StalenessManager(fa.max_concurrent_groups, cfg.rollout_batch_size, fa.max_staleness_steps),
+                BatchAssembler(cfg.rollout_batch_size, fa.zero_variance_tol if fa.zero_variance_filter else None),
+                fa.watchdog_seconds, cfg.timeout)
         self.eval_datasets = {name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key,
                                                  flag=f"--eval-prompt-data ({name})")
                               for name, path in eval_cfg.datasets}
@@ -86,8 +97,11 @@ class RolloutExecutor:
         self._state_before[rollout_id] = self.data_source.state_dict()
         for old in [k for k in self._state_before if k < rollout_id - 2]:
             del self._state_before[old]
-        groups = await self.rollout_fn(self.ctx, rollout_id)
-        metrics = rollout_metrics(groups)
+        if self.producer is not None:
+            groups, async_metrics = await self.producer.get_batch()
+        else:
+            groups, async_metrics = await self.rollout_fn(self.ctx, rollout_id), {}
+        metrics = {**rollout_metrics(groups), **async_metrics}
         metrics["rollout/reward_errors"] = self.reward.errors - errors_before
         metrics["rollout/generate_seconds"] = time.time() - t0
         if self.rollout_log is not None:
@@ -108,7 +122,14 @@ class RolloutExecutor:
         atomic_write_json(iteration_dir(save_dir, rollout_id) / STATE_FILE,
                           {"rollout_id": rollout_id, "data_source": state})
 
+    def on_step(self, step: int) -> None:
+        """The trainer finished ``step`` steps and the engines serve those weights."""
+        if self.producer is not None:
+            self.producer.on_step(step)
+
     async def dispose(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()
         await self.router.close()
 
     def pid(self) -> int:

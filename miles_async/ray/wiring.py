@@ -61,7 +61,7 @@ async def record_processes(comps: Components, path: str) -> dict:
 async def update_weights(cfg: Config, comps: Components, weight_version: int) -> dict:
     """Pause the engines (requests freeze in place), stream the weights in, flush and continue."""
     t0 = time.time()
-    await comps.controller.pause.remote("in_place")
+    await comps.controller.pause.remote(cfg.loop.pause_generation_mode)
     try:
         metrics = await comps.actor.push_weights(comps.engine_urls, weight_version, cfg.engine.dtype,
                                                  cfg.engine.request_timeout)
@@ -70,6 +70,7 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
     versions = await comps.controller.weight_versions.remote()
     if any(v != weight_version for v in versions):
         raise RuntimeError(f"weight update to version {weight_version} did not reach every engine: {versions}")
+    await comps.executor.on_step.remote(weight_version)
     metrics["weights/update_seconds"] = time.time() - t0
     metrics["weights/version"] = weight_version
     return metrics

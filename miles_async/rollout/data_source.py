@@ -116,6 +116,16 @@ class DataSource:
         self.offset += self.batch_size
         return [self.items[i] for i in idx]
 
+    def next_item(self) -> PromptItem:
+        """One prompt at a time, epoch after epoch (the fully-async producer's access)."""
+        if self.offset >= len(self.items):
+            self.epoch += 1
+            self.offset = 0
+            self._order = self._epoch_order(self.epoch)
+        item = self.items[self._order[self.offset]]
+        self.offset += 1
+        return item
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "num_items": len(self.items)}
 

@@ -16,6 +16,9 @@ def fails_on_third_rollout(sample) -> float:
     count = int(marker.read_text()) if marker.exists() else 0
     marker.write_text(str(count + 1))
     if count >= 2 * 32:
+        import time
+
+        Path(str(marker) + ".raised").write_text(str(time.time()))
         raise RuntimeError("induced reward failure")
     return starts_with_digit(sample)
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

@@ -1,0 +1,116 @@
+"""Group filtering and batch assembly for fully-async training.
+
+A group whose samples all got the same reward has zero group-relative advantage: training on
+it costs a step's compute and moves nothing. Such groups are dropped, and the caller gives their
+capacity back (``StalenessManager.on_filtered``) so the producer replaces them instead of the
+step waiting forever for groups that will never come.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Callable, Literal
+
+from miles_async.rollout.sample import Sample
+
+Group = list[Sample]
+
+
+def zero_variance_groups(rewards_per_group: list[list[float]], tol: float) -> list[bool]:
+    """Per group, True when every reward lies within ``tol`` of every other (max - min <= tol).
+
+    A group of zero or one reward is trivially zero-variance; whether to drop it is the
+    caller's decision (``BatchAssembler`` keeps singletons).
+    """
+    if not (tol >= 0 and math.isfinite(tol)):
+        raise ValueError(f"zero_variance_groups: tol must be a finite number >= 0, got {tol!r}")
+    flags = []
+    for i, rewards in enumerate(rewards_per_group):
+        for r in rewards:
+            # NaN compares false with everything, so it would make a group look informative.
+            if not math.isfinite(r):
+                raise ValueError(f"zero_variance_groups: group {i} has a non-finite reward {r!r}")
+        flags.append(not rewards or max(rewards) - min(rewards) <= tol)
+    return flags
+
+
+class BatchAssembler:
+    """Collects finished groups, in completion order, until a training batch of kept groups exists.
+
+    ``add`` classifies each group as ``"kept"`` or ``"dropped"``; a dropped group is gone and
+    the caller accounts for it (``on_filtered``, mark its uid filtered). ``take`` hands out the
+    oldest ``batch_size`` kept groups. Counters ``kept``/``dropped``/``evicted`` are cumulative.
+    """
+
+    def __init__(self, batch_size: int, tol: float | None = 0.0):
+        """``tol`` is the zero-variance tolerance; ``None`` turns the filter off (every group kept)."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"BatchAssembler: batch_size must be an int >= 1, got {batch_size!r}")
+        if tol is not None and not (tol >= 0 and math.isfinite(tol)):
+            raise ValueError(f"BatchAssembler: tol must be None or a finite number >= 0, got {tol!r}")
+        self.batch_size = batch_size
+        self.tol = tol
+        self._ready: deque[Group] = deque()
+        self.kept = 0
+        self.dropped = 0
+        self.evicted = 0
+
+    @staticmethod
+    def _validate(group: Group) -> list[float]:
+        if not group:
+            raise ValueError("BatchAssembler.add: empty group")
+        uids = {s.uid for s in group}
+        if len(uids) != 1:
+            raise ValueError(f"BatchAssembler.add: a group must share one uid, got {sorted(uids)}")
+        missing = [s.index for s in group if s.reward is None]
+        if missing:
+            raise ValueError(f"BatchAssembler.add: group {group[0].uid!r} has unscored samples "
+                             f"(indices {missing}); reward it before adding")
+        return [float(s.reward) for s in group]
+
+    def add(self, group: Group) -> Literal["kept", "dropped"]:
+        rewards = self._validate(group)
+        # A singleton has no group baseline to vary around; with one sample per prompt a
+        # "filter" would drop every group and training would never get a batch.
+        if self.tol is not None and len(group) > 1 and zero_variance_groups([rewards], self.tol)[0]:
+            self.dropped += 1
+            return "dropped"
+        self._ready.append(group)
+        self.kept += 1
+        return "kept"
+
+    def num_ready(self) -> int:
+        """Kept groups buffered and not yet taken."""
+        return len(self._ready)
+
+    def ready(self) -> bool:
+        return len(self._ready) >= self.batch_size
+
+    def take(self) -> list[Group]:
+        """Exactly ``batch_size`` kept groups, oldest completion first."""
+        if not self.ready():
+            raise RuntimeError(f"BatchAssembler.take: {len(self._ready)} kept groups, need {self.batch_size}")
+        return [self._ready.popleft() for _ in range(self.batch_size)]
+
+    def evict(self, predicate: Callable[[Group], bool]) -> list[Group]:
+        """Remove and return the buffered groups for which ``predicate`` holds, keeping order.
+
+        Meant for groups that became too stale to train once a step finished; the caller gives
+        their capacity back (``on_filtered``) and may regenerate their prompts.
+        """
+        out = [g for g in self._ready if predicate(g)]
+        if out:
+            self._ready = deque(g for g in self._ready if not predicate(g))
+            self.evicted += len(out)
+        return out
+
+    def flush_partial(self) -> list[Group]:
+        """Everything kept and not taken, possibly fewer than ``batch_size``, for an epoch's end.
+
+        The caller decides what to do with a short batch (log it, ``on_filtered`` each group,
+        mark the uids filtered) rather than waiting for groups the exhausted data cannot supply.
+        """
+        out = list(self._ready)
+        self._ready.clear()
+        return out

@@ -1,0 +1,182 @@
+"""The fully-async producer: keeps groups generating across training steps under a staleness bound.
+
+The producer submits a group whenever the staleness manager has capacity; finished groups
+are rewarded, filtered and buffered in completion order. ``get_batch`` drains one training
+batch, racing the producer task so a producer failure surfaces at once with its traceback,
+and logs a watchdog warning when no group finishes for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable
+
+from miles_async.rollout.data_source import PromptItem
+from miles_async.rollout.filters import BatchAssembler
+from miles_async.rollout.rollout import RolloutContext, generate_group
+from miles_async.rollout.sample import Sample
+from miles_async.rollout.staleness import StalenessManager
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerError(RuntimeError):
+    pass
+
+
+class FullyAsyncProducer:
+    def __init__(self, ctx: RolloutContext, next_item: Callable[[], PromptItem], staleness: StalenessManager,
+                 assembler: BatchAssembler, watchdog_seconds: float, timeout: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.ctx = ctx
+        self.next_item = next_item
+        self.staleness = staleness
+        self.assembler = assembler
+        self.watchdog_seconds = watchdog_seconds
+        self.timeout = timeout
+        self.clock = clock
+        self.current_step = 0
+        # One event per side: a side clearing its own event can never swallow the other's wake-up.
+        self._producer_wake = asyncio.Event()
+        self._consumer_wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._group_counter = 0
+        self._idle_since: float | None = None
+        self._idle_total = 0.0
+        self._window_start = clock()
+        self.completion_seconds: list[float] = []
+        # Groups that finished (or waited) past the staleness bound are not trained; their
+        # prompts are generated again so nothing is lost.
+        self._retry: deque[PromptItem] = deque()
+        self._items: dict[str, PromptItem] = {}
+        self.stale_regenerated = 0
+        self.last_completion = clock()
+
+    def _notify(self) -> None:
+        self._producer_wake.set()
+        self._consumer_wake.set()
+
+    # -- producer ----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._produce(), name="fully-async-producer")
+
+    async def _one_group(self, item: PromptItem, step: int) -> None:
+        t0 = self.clock()
+        self._group_counter += 1
+        group = await generate_group(self.ctx, item, self._group_counter, self.ctx.n_samples_per_prompt,
+                                     self.ctx.sampling_params)
+        for s in group:
+            s.metadata["submitted_at_step"] = step
+        self.completion_seconds.append(self.clock() - t0)
+        self.last_completion = self.clock()
+        self.staleness.on_accepted()
+        if not self.staleness.is_fresh(step):
+            self._regenerate(item)
+        elif self.assembler.add(group) == "dropped":
+            self.staleness.on_filtered()
+            self._items.pop(item.uid, None)
+        self._notify()
+
+    def _regenerate(self, item: PromptItem) -> None:
+        self.staleness.on_filtered()
+        self._retry.append(item)
+        self.stale_regenerated += 1
+
+    def _take_item(self) -> PromptItem:
+        item = self._retry.popleft() if self._retry else self.next_item()
+        self._items[item.uid] = item
+        return item
+
+    async def _produce(self) -> None:
+        in_flight: set[asyncio.Task] = set()
+        try:
+            while True:
+                while self.staleness.try_submit():
+                    if self._idle_since is not None:
+                        self._idle_total += self.clock() - self._idle_since
+                        self._idle_since = None
+                    in_flight.add(asyncio.create_task(self._one_group(self._take_item(), self.current_step)))
+                if not in_flight and self._idle_since is None:
+                    self._idle_since = self.clock()  # generation idle: the staleness bound holds it back
+                wake = asyncio.create_task(self._producer_wake.wait())
+                done, _ = await asyncio.wait(in_flight | {wake}, return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                self._producer_wake.clear()
+                for t in done - {wake}:
+                    in_flight.discard(t)
+                    t.result()  # a failed group kills the producer; get_batch re-raises it
+        finally:
+            for t in in_flight:
+                t.cancel()
+
+    def on_step(self, step: int) -> None:
+        """Training finished ``step`` steps (and the engines hold those weights): more capacity."""
+        self.current_step = step
+        self.staleness.on_step(step)
+        for group in self.assembler.evict(lambda g: not self.staleness.is_fresh(g[0].metadata["submitted_at_step"])):
+            self._regenerate(self._items[group[0].uid])
+        self._notify()
+
+    # -- consumer ----------------------------------------------------------------------
+    async def get_batch(self) -> tuple[list[list[Sample]], dict[str, Any]]:
+        self.start()
+        buffered_at_start = self.assembler.num_ready()
+        t_start = self.clock()
+        while True:
+            self._consumer_wake.clear()  # before the check, so no wake-up between the two is lost
+            if self.assembler.ready():
+                break
+            if self._task.done():
+                exc = self._task.exception() if not self._task.cancelled() else None
+                raise ProducerError(f"the fully-async producer stopped: {exc!r}") from exc
+            waiter = asyncio.create_task(self._consumer_wake.wait())
+            done, _ = await asyncio.wait({waiter, self._task}, timeout=self.watchdog_seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                waiter.cancel()
+            if not done:
+                stalled = self.clock() - self.last_completion
+                logger.warning("watchdog: no group finished for %.0fs (running %d, buffered %d)", stalled,
+                               self.staleness.running, self.assembler.num_ready())
+                if self.clock() - t_start > self.timeout:
+                    raise ProducerError(f"no training batch after {self.timeout:.0f}s (--rollout-timeout)")
+        groups = self.assembler.take()
+        for g in groups:
+            self._items.pop(g[0].uid, None)
+        self._notify()  # taking a batch may free capacity
+        return groups, self._metrics(groups, buffered_at_start, self.clock() - t_start)
+
+    def _metrics(self, groups: list[list[Sample]], buffered: int, waited: float) -> dict[str, float]:
+        ages = [self.current_step - min(s.weight_versions or [self.current_step]) for g in groups for s in g]
+        now = self.clock()
+        window = max(now - self._window_start, 1e-9)
+        idle = self._idle_total + (now - self._idle_since if self._idle_since is not None else 0.0)
+        times = sorted(self.completion_seconds) or [0.0]
+        metrics = {
+            "async/staleness_min": min(ages), "async/staleness_mean": statistics.fmean(ages),
+            "async/staleness_max": max(ages), "async/buffer_at_wait_start": buffered,
+            "async/wait_seconds": waited, "async/producer_idle_frac": min(1.0, idle / window),
+            "async/groups_kept": self.assembler.kept, "async/groups_dropped": self.assembler.dropped,
+            "async/group_seconds_mean": statistics.fmean(times),
+            "async/group_seconds_p90": times[int(0.9 * (len(times) - 1))],
+            "async/running_groups": self.staleness.running,
+            "async/stale_regenerated": self.stale_regenerated,
+        }
+        self._window_start, self._idle_total = now, 0.0
+        if self._idle_since is not None:
+            self._idle_since = now
+        self.completion_seconds.clear()
+        return metrics
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass

@@ -1,0 +1,64 @@
+"""--fully-async end to end on a tiny model: staleness bounded, filtering never hangs, failures surface."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead
+
+pytestmark = pytest.mark.timeout(600)
+
+ASYNC = ["--fully-async", "--use-tis", "--custom-rm-path", "tests.e2e.rewards:starts_with_digit",
+         "--rollout-max-response-len", "2", "--lr", "1e-2"]
+
+
+def _flags(args):
+    i = args.index("--rm-type")
+    return args[:i] + args[i + 2:]
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_staleness_is_bounded_by_recorded_versions(staleness, tiny_model, tiny_task, tmp_path):
+    run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8",
+                                     "--max-staleness-steps", str(staleness), *ASYNC)), tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    m = run.metrics
+    assert len(m) == 8
+    assert max(r["async/staleness_max"] for r in m) <= staleness
+    if staleness:  # the producer really ran ahead of the trainer
+        assert max(r["async/staleness_max"] for r in m) >= 1
+    assert all(r["rollout/num_samples"] == 32 for r in m)
+    assert wait_all_dead(all_pids(run.processes())) == []
+
+
+def test_zero_variance_filter_keeps_pulling_and_never_hangs(tiny_model, tiny_task, tmp_path):
+    # A reward that is 0 for every sample would drop every group; this one drops many groups.
+    run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "6",
+                                     "--zero-variance-filter", "--n-samples-per-prompt", "2", *ASYNC)), tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    m = run.metrics
+    assert len(m) == 6
+    assert m[-1]["async/groups_dropped"] > 0
+    assert all(r["rollout/zero_variance_group_frac"] == 0 for r in m)
+
+
+def test_producer_failure_surfaces_fast(tiny_model, tiny_task, tmp_path):
+    marker = tmp_path / "count"
+    os.environ["MILES_ASYNC_TEST_MARKER"] = str(marker)
+    try:
+        args = tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "50", *ASYNC)
+        args = _flags(args)
+        args[args.index("tests.e2e.rewards:starts_with_digit")] = "tests.e2e.rewards:fails_on_third_rollout"
+        run = run_train(args, tmp_path)
+        exited = time.time()
+    finally:
+        del os.environ["MILES_ASYNC_TEST_MARKER"]
+    assert run.returncode != 0
+    assert "induced reward failure" in run.output and "producer" in run.output
+    assert len(run.metrics) < 50
+    raised = float((tmp_path / "count.raised").read_text())
+    assert exited - raised < 20, exited - raised  # error surfaced and everything shut down
+    assert wait_all_dead(all_pids(run.processes())) == []
