@@ -125,3 +125,25 @@ def test_load_sets_start_rollout_id(tmp_path, data):
     iteration_dir(ckpt, 1).mkdir(parents=True)
     mark_complete(ckpt, 1)
     assert parse_args(base(tmp_path, data, "--load", str(ckpt))).loop.start_rollout_id == 2
+
+
+def test_fully_async_requires_an_off_policy_correction(tmp_path, data):
+    with pytest.raises(ConfigError, match="add --use-tis"):
+        parse_args(base(tmp_path, data, "--fully-async"))
+    cfg = parse_args(base(tmp_path, data, "--fully-async", "--use-tis", "--max-staleness-steps", "2"))
+    assert cfg.rollout.fully_async.max_concurrent_groups == 4 * 3 and cfg.loop.fully_async
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--update-weights-interval", "2"], "needs --update-weights-interval 1"),
+    (["--async-max-concurrent-groups", "2"], "must lie between"),
+    (["--max-weight-staleness", "-1"], "--max-staleness-steps must be >= 0"),
+])
+def test_fully_async_contradictions(tmp_path, data, extra, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_args(base(tmp_path, data, "--fully-async", "--use-tis", *extra))
+
+
+def test_zero_variance_filter_needs_fully_async(tmp_path, data):
+    with pytest.raises(ConfigError, match="--zero-variance-filter needs --fully-async"):
+        parse_args(base(tmp_path, data, "--zero-variance-filter"))
