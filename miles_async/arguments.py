@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warn when no group finishes for this long")
     g.add_argument("--pause-generation-mode", default="in_place", choices=("in_place", "abort"),
                    help="what in-flight requests do during a weight update: freeze, or return partial output")
+    g.add_argument("--partial-rollout", action="store_true",
+                   help="continue a sample aborted by a weight update from its tokens instead of regenerating it "
+                        "(only abort-mode pauses abort samples)")
+    g.add_argument("--mask-offpolicy-in-partial-rollout", action="store_true",
+                   help="loss mask 0 on tokens from weights older than the sample's newest; needs --partial-rollout")
 
     g = p.add_argument_group("rewards and plugins")
     g.add_argument("--rm-type", default=None, choices=RM_TYPES)
@@ -311,14 +316,15 @@ def build_config(ns: argparse.Namespace) -> Config:
     for name, path in eval_datasets:
         count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
 
+    _require(ns.partial_rollout or not ns.mask_offpolicy_in_partial_rollout,
+             "--mask-offpolicy-in-partial-rollout needs --partial-rollout (without it no sample mixes weight "
+             "versions across an abort)")
     fully_async = None
     if ns.fully_async:
         validate_async_off_policy_correction(ns)
         _require(ns.update_weights_interval == 1, "--fully-async needs --update-weights-interval 1 (the staleness "
                                                   "bound counts weight versions)")
         _require(ns.max_staleness_steps >= 0, "--max-staleness-steps must be >= 0")
-        _require(ns.load is None, "--load cannot resume a --fully-async run yet: its in-flight groups are not "
-                                  "recorded by uid, so resuming could skip prompts")
         _require(ns.rollout_function_path is None, "--rollout-function-path cannot be used with --fully-async "
                                                    "(the producer generates group by group)")
         concurrent = ns.async_max_concurrent_groups or ns.rollout_batch_size * (ns.max_staleness_steps + 1)
@@ -407,6 +413,8 @@ def build_config(ns: argparse.Namespace) -> Config:
         data_source_path=ns.data_source_path,
         fully_async=fully_async,
         timeout=ns.rollout_timeout,
+        partial_rollout=ns.partial_rollout,
+        mask_offpolicy_in_partial_rollout=ns.mask_offpolicy_in_partial_rollout,
     )
     eval_cfg = EvalConfig(
         datasets=eval_datasets,

@@ -90,6 +90,8 @@ class RolloutConfig:
     data_source_path: str | None
     fully_async: FullyAsyncConfig | None = None
     timeout: float = 1800.0
+    partial_rollout: bool = False
+    mask_offpolicy_in_partial_rollout: bool = False
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,10 @@ class RolloutExecutor:
             items = load_prompts(cfg.data.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
             self.data_source = DataSource(cfg.data, cfg.rollout_batch_size,
                                           _filter_long_prompts(items, self.tokenizer, cfg))
+        loaded = None
         if load_dir is not None and load_rollout_id is not None:
-            state = json.loads((iteration_dir(load_dir, load_rollout_id) / STATE_FILE).read_text())
-            self.data_source.load_state_dict(state["data_source"])
+            loaded = json.loads((iteration_dir(load_dir, load_rollout_id) / STATE_FILE).read_text())
+            self.data_source.load_state_dict(loaded["data_source"])
         gen_fn = (load_function(cfg.custom_generate_function_path, "--custom-generate-function-path")
                   if cfg.custom_generate_function_path else generate_sample)
         self.rollout_fn = (load_function(cfg.rollout_function_path, "--rollout-function-path")
@@ -82,10 +83,14 @@ class RolloutExecutor:
         if cfg.fully_async is not None:
             fa = cfg.fully_async
             self.producer = FullyAsyncProducer(
-                self.ctx, self.data_source.next_item,
+                self.ctx, self.data_source,
                 StalenessManager(fa.max_concurrent_groups, cfg.rollout_batch_size, fa.max_staleness_steps),
                 BatchAssembler(cfg.rollout_batch_size, fa.zero_variance_tol if fa.zero_variance_filter else None),
                 fa.watchdog_seconds, cfg.timeout)
+            if loaded is not None:
+                if "fully_async" not in loaded:
+                    raise ValueError("--load: the checkpoint was not written by a --fully-async run")
+                self.producer.load_state_dict(loaded["fully_async"])
         self.eval_datasets = {name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key,
                                                  flag=f"--eval-prompt-data ({name})")
                               for name, path in eval_cfg.datasets}
@@ -107,6 +112,7 @@ class RolloutExecutor:
         if self.rollout_log is not None:
             with self.rollout_log.open("a") as fh:
                 fh.write(json.dumps({"rollout_id": rollout_id, "uids": [g[0].uid for g in groups],
+                                     "epochs": [g[0].metadata.get("epoch") for g in groups],
                                      "rewards": [[s.reward for s in g] for g in groups]}) + "\n")
         return {"data": [ray.put(to_train_batch(groups))], "metrics": metrics}
 
@@ -118,9 +124,11 @@ class RolloutExecutor:
         return metrics
 
     async def save(self, rollout_id: int, save_dir: str) -> None:
-        state = self._state_before.get(rollout_id + 1, self.data_source.state_dict())
-        atomic_write_json(iteration_dir(save_dir, rollout_id) / STATE_FILE,
-                          {"rollout_id": rollout_id, "data_source": state})
+        state = {"rollout_id": rollout_id,
+                 "data_source": self._state_before.get(rollout_id + 1, self.data_source.state_dict())}
+        if self.producer is not None:
+            state["fully_async"] = self.producer.state_dict(trained_steps=rollout_id + 1)
+        atomic_write_json(iteration_dir(save_dir, rollout_id) / STATE_FILE, state)
 
     def on_step(self, step: int) -> None:
         """The trainer finished ``step`` steps and the engines serve those weights."""

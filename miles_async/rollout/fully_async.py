@@ -29,11 +29,11 @@ class ProducerError(RuntimeError):
 
 
 class FullyAsyncProducer:
-    def __init__(self, ctx: RolloutContext, next_item: Callable[[], PromptItem], staleness: StalenessManager,
+    def __init__(self, ctx: RolloutContext, data_source: Any, staleness: StalenessManager,
                  assembler: BatchAssembler, watchdog_seconds: float, timeout: float,
                  clock: Callable[[], float] = time.monotonic):
         self.ctx = ctx
-        self.next_item = next_item
+        self.data_source = data_source
         self.staleness = staleness
         self.assembler = assembler
         self.watchdog_seconds = watchdog_seconds
@@ -51,8 +51,11 @@ class FullyAsyncProducer:
         self.completion_seconds: list[float] = []
         # Groups that finished (or waited) past the staleness bound are not trained; their
         # prompts are generated again so nothing is lost.
-        self._retry: deque[PromptItem] = deque()
-        self._items: dict[str, PromptItem] = {}
+        self._retry: deque[tuple[int, PromptItem]] = deque()
+        # (epoch, uid) -> prompt, for every group drawn but not yet trained or filtered.
+        self._open: dict[tuple[int, str], PromptItem] = {}
+        # (epoch -> uids) trained or filtered: never drawn again in that epoch, also after a resume.
+        self.consumed: dict[int, set[str]] = {}
         self.stale_regenerated = 0
         self.last_completion = clock()
 
@@ -65,32 +68,42 @@ class FullyAsyncProducer:
         if self._task is None:
             self._task = asyncio.create_task(self._produce(), name="fully-async-producer")
 
-    async def _one_group(self, item: PromptItem, step: int) -> None:
+    async def _one_group(self, epoch: int, item: PromptItem, step: int) -> None:
         t0 = self.clock()
         self._group_counter += 1
         group = await generate_group(self.ctx, item, self._group_counter, self.ctx.n_samples_per_prompt,
                                      self.ctx.sampling_params)
         for s in group:
             s.metadata["submitted_at_step"] = step
+            s.metadata["epoch"] = epoch
         self.completion_seconds.append(self.clock() - t0)
         self.last_completion = self.clock()
         self.staleness.on_accepted()
         if not self.staleness.is_fresh(step):
-            self._regenerate(item)
+            self._regenerate(epoch, item)
         elif self.assembler.add(group) == "dropped":
             self.staleness.on_filtered()
-            self._items.pop(item.uid, None)
+            self._consume(epoch, item.uid)
         self._notify()
 
-    def _regenerate(self, item: PromptItem) -> None:
+    def _consume(self, epoch: int, uid: str) -> None:
+        self._open.pop((epoch, uid), None)
+        self.consumed.setdefault(epoch, set()).add(uid)
+
+    def _regenerate(self, epoch: int, item: PromptItem) -> None:
         self.staleness.on_filtered()
-        self._retry.append(item)
+        self._retry.append((epoch, item))
         self.stale_regenerated += 1
 
-    def _take_item(self) -> PromptItem:
-        item = self._retry.popleft() if self._retry else self.next_item()
-        self._items[item.uid] = item
-        return item
+    def _draw(self) -> tuple[int, PromptItem]:
+        if self._retry:
+            return self._retry.popleft()
+        while True:
+            item = self.data_source.next_item()
+            epoch = self.data_source.epoch
+            if item.uid not in self.consumed.get(epoch, ()) and (epoch, item.uid) not in self._open:
+                self._open[(epoch, item.uid)] = item
+                return epoch, item
 
     async def _produce(self) -> None:
         in_flight: set[asyncio.Task] = set()
@@ -100,7 +113,7 @@ class FullyAsyncProducer:
                     if self._idle_since is not None:
                         self._idle_total += self.clock() - self._idle_since
                         self._idle_since = None
-                    in_flight.add(asyncio.create_task(self._one_group(self._take_item(), self.current_step)))
+                    in_flight.add(asyncio.create_task(self._one_group(*self._draw(), self.current_step)))
                 if not in_flight and self._idle_since is None:
                     self._idle_since = self.clock()  # generation idle: the staleness bound holds it back
                 wake = asyncio.create_task(self._producer_wake.wait())
@@ -119,7 +132,8 @@ class FullyAsyncProducer:
         self.current_step = step
         self.staleness.on_step(step)
         for group in self.assembler.evict(lambda g: not self.staleness.is_fresh(g[0].metadata["submitted_at_step"])):
-            self._regenerate(self._items[group[0].uid])
+            epoch = group[0].metadata["epoch"]
+            self._regenerate(epoch, self._open[(epoch, group[0].uid)])
         self._notify()
 
     # -- consumer ----------------------------------------------------------------------
@@ -146,8 +160,8 @@ class FullyAsyncProducer:
                 if self.clock() - t_start > self.timeout:
                     raise ProducerError(f"no training batch after {self.timeout:.0f}s (--rollout-timeout)")
         groups = self.assembler.take()
-        for g in groups:
-            self._items.pop(g[0].uid, None)
+        for g in groups:  # handed to the trainer: consumed for this epoch
+            self._consume(g[0].metadata["epoch"], g[0].uid)
         self._notify()  # taking a batch may free capacity
         return groups, self._metrics(groups, buffered_at_start, self.clock() - t_start)
 
@@ -172,6 +186,21 @@ class FullyAsyncProducer:
             self._idle_since = now
         self.completion_seconds.clear()
         return metrics
+
+    # -- resume ------------------------------------------------------------------------
+    def state_dict(self, trained_steps: int) -> dict:
+        """Consumed uids of every epoch that still has prompts to give; in-flight and buffered
+        groups are not saved: a resumed run draws their prompts again."""
+        oldest = min([self.data_source.epoch, *(e for e, _ in self._open), *(e for e, _ in self._retry)])
+        return {"epoch": oldest, "step": trained_steps,
+                "consumed": {str(e): sorted(u) for e, u in self.consumed.items() if e >= oldest}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = {int(e): set(u) for e, u in state["consumed"].items()}
+        self.data_source.load_state_dict({"epoch": state["epoch"], "offset": 0,
+                                          "num_items": len(self.data_source.items)})
+        self.current_step = int(state["step"])
+        self.staleness.resume_at_step(self.current_step)
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():

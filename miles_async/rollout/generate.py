@@ -1,7 +1,8 @@
 """Turning prompts into samples: tokenisation and the default per-sample generate function.
 
 A custom generate function (``--custom-generate-function-path``) has the same signature as
-``generate_sample``: ``async fn(ctx, sample, sampling_params) -> Sample``.
+``generate_sample``: ``async fn(ctx, sample, sampling_params) -> Sample``; see
+``generate_sample`` for what it must do to support ``--partial-rollout``.
 """
 
 from __future__ import annotations
@@ -34,22 +35,81 @@ def encode_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> lis
     return tokenizer.encode(prompt)
 
 
-def apply_engine_output(sample: Sample, out: dict) -> Sample:
-    """Fill a sample from an SGLang-shaped /generate response."""
+def apply_engine_output(sample: Sample, out: dict, append: bool = False) -> Sample:
+    """Fill a sample from an SGLang-shaped /generate response.
+
+    ``append``: the response continues the sample's tokens (a resumed partial rollout), so its
+    tokens, log-probs and weight versions are added after the existing ones instead of
+    replacing them.
+    """
     meta = out["meta_info"]
-    sample.response_tokens = list(out["output_ids"])
-    sample.response = out.get("text", "")
-    sample.rollout_logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
-    n = len(sample.response_tokens)
+    tokens = list(out["output_ids"])
+    text = out.get("text", "")
+    logprobs = [float(item[0]) for item in meta.get("output_token_logprobs") or []]
     versions = meta.get("output_token_weight_versions")
-    sample.weight_versions = list(versions) if versions else [int(meta.get("weight_version", 0))] * n
+    versions = list(versions) if versions else [int(meta.get("weight_version", 0))] * len(tokens)
+    if append:
+        sample.append_output(tokens, logprobs, versions)
+        sample.response += text
+    else:
+        sample.response_tokens, sample.response = tokens, text
+        sample.rollout_logprobs, sample.weight_versions = logprobs, versions
     sample.status = _FINISH.get(meta["finish_reason"]["type"], SampleStatus.FAILED)
     return sample
 
 
+def continuation_request(sample: Sample, sampling_params: dict) -> tuple[list[int], dict] | None:
+    """The /generate input and sampling params that continue an aborted sample.
+
+    The engine sees prompt + response so far as its prompt, and ``max_new_tokens`` (and
+    ``min_new_tokens``) shrink by what was already generated, so the finished response obeys
+    the original budget. None when the budget is already spent.
+    """
+    if "max_new_tokens" not in sampling_params:
+        raise ValueError("partial rollouts need an explicit sampling_params['max_new_tokens'] to know how many "
+                         "tokens a resumed sample may still generate")
+    remaining = sample.remaining_budget(int(sampling_params["max_new_tokens"]))
+    if remaining <= 0:
+        return None
+    params = {**sampling_params, "max_new_tokens": remaining}
+    if params.get("min_new_tokens"):
+        params["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - sample.response_length)
+    return sample.tokens, params
+
+
 async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
-    sample.started_at = time.time()
-    out = await ctx.router.generate(sample.prompt_tokens, sampling_params, return_logprob=True)
-    apply_engine_output(sample, out)
+    """Generate (or continue) one sample's response.
+
+    A sample whose status is ABORTED is a partial rollout to continue: the engines were paused
+    in abort mode and returned what they had. The rollout driver hands such a sample back only
+    under ``--partial-rollout`` (otherwise it clears the response and resets the status first).
+    Continuing means: request ``prompt_tokens + response_tokens`` with ``max_new_tokens``
+    reduced by the tokens already generated (``continuation_request``), then APPEND the new
+    tokens, log-probs and per-token weight versions (``apply_engine_output(..., append=True)``)
+    and keep ``loss_mask``, if set, aligned with the response. If no budget is left, finish
+    the sample as TRUNCATED without a request.
+
+    A custom generate function supports partial rollouts by doing the same. One that does
+    not should clear the response of an ABORTED sample and start over; it is then correct,
+    only wasteful.
+    """
+    resuming = sample.status == SampleStatus.ABORTED
+    if resuming:
+        request = continuation_request(sample, sampling_params)
+        if request is None:
+            sample.status = SampleStatus.TRUNCATED
+            sample.finished_at = time.time()
+            return sample
+        input_ids, params = request
+    else:
+        # A resumed sample keeps its first start time: the metrics measure the whole generation.
+        sample.started_at = time.time()
+        input_ids, params = sample.prompt_tokens, sampling_params
+    out = await ctx.router.generate(input_ids, params, return_logprob=True)
+    apply_engine_output(sample, out, append=resuming)
+    if resuming and ctx.tokenizer is not None:
+        # Decoding pieces separately can split a multi-byte character at the resume point.
+        sample.response = ctx.tokenizer.decode(sample.response_tokens,
+                                               skip_special_tokens=params.get("skip_special_tokens", True))
     sample.finished_at = time.time()
     return sample

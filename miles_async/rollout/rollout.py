@@ -14,13 +14,14 @@ from typing import Any
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_prompt
 from miles_async.rollout.rewards import RewardModel
-from miles_async.rollout.sample import Sample, SampleStatus
+from miles_async.rollout.sample import OFFPOLICY_MASKED_TOKENS, PARTIAL_RESUMES, Sample, SampleStatus
 from miles_async.utils.async_utils import gather_fail_fast
 
 logger = logging.getLogger(__name__)
 
-# An engine aborts requests only when paused in "abort" mode; such a sample is generated
-# again from scratch (partial rollouts keep its tokens instead) a bounded number of times.
+# An engine aborts requests only when paused in "abort" mode. Without partial rollouts such a
+# sample is generated again from scratch at most this many times; with them it is resumed as
+# often as it makes progress, and only this many aborts in a row without a new token fail it.
 MAX_ABORT_RETRIES = 3
 
 
@@ -35,6 +36,8 @@ class RolloutContext:
     sampling_params: dict
     semaphore: asyncio.Semaphore
     prompt_token_cache: dict[str, list[int]] = field(default_factory=dict)
+    partial_rollout: bool = False  # resume ABORTED samples from their tokens instead of regenerating
+    mask_offpolicy_in_partial_rollout: bool = False  # train only tokens of a sample's newest weights
 
     def prompt_tokens(self, item: PromptItem) -> list[int]:
         tokens = self.prompt_token_cache.get(item.uid)
@@ -44,15 +47,36 @@ class RolloutContext:
         return tokens
 
 
+async def _generate_until_done(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample:
+    aborts_without_progress = 0
+    restarts = 0
+    while True:
+        generated_before = sample.response_length
+        sample = await ctx.generate_fn(ctx.generate_ctx, sample, sampling_params)
+        if sample.status != SampleStatus.ABORTED:
+            return sample
+        if ctx.partial_rollout:
+            # Progress shrinks the remaining budget, so only aborts that add nothing can repeat forever.
+            progressed = sample.response_length > generated_before
+            aborts_without_progress = 0 if progressed else aborts_without_progress + 1
+            if aborts_without_progress > MAX_ABORT_RETRIES:
+                raise RuntimeError(f"sample uid={sample.uid} was aborted {aborts_without_progress} times in a row "
+                                   f"without generating a token")
+            if sample.response_tokens:  # with nothing kept, going again is a plain retry, not a resume
+                sample.metadata[PARTIAL_RESUMES] = sample.partial_resumes + 1
+        else:
+            restarts += 1
+            if restarts > MAX_ABORT_RETRIES:
+                raise RuntimeError(f"sample uid={sample.uid} was aborted {restarts} times in a row")
+            sample.response_tokens, sample.rollout_logprobs, sample.weight_versions = [], [], []
+            sample.response, sample.loss_mask, sample.status = "", None, SampleStatus.PENDING
+
+
 async def generate_one(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample:
     async with ctx.semaphore:
-        for _ in range(MAX_ABORT_RETRIES + 1):
-            sample = await ctx.generate_fn(ctx.generate_ctx, sample, sampling_params)
-            if sample.status != SampleStatus.ABORTED:
-                break
-            sample.response_tokens, sample.rollout_logprobs, sample.weight_versions = [], [], []
-        else:
-            raise RuntimeError(f"sample uid={sample.uid} was aborted {MAX_ABORT_RETRIES + 1} times in a row")
+        sample = await _generate_until_done(ctx, sample, sampling_params)
+    if ctx.mask_offpolicy_in_partial_rollout:
+        sample.metadata[OFFPOLICY_MASKED_TOKENS] = sample.mask_offpolicy_tokens()
     sample.reward = await ctx.reward.score(sample)
     return sample
 

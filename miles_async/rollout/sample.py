@@ -7,6 +7,11 @@ from enum import Enum
 from typing import Any
 
 
+# Metadata keys written by the rollout driver and read by the rollout metrics.
+PARTIAL_RESUMES = "partial_resumes"
+OFFPOLICY_MASKED_TOKENS = "offpolicy_masked_tokens"
+
+
 class SampleStatus(str, Enum):
     PENDING = "pending"
     COMPLETED = "completed"  # stopped on EOS / a stop token
@@ -21,6 +26,9 @@ class Sample:
 
     ``weight_versions`` holds, per response token, the engine weight version that
     produced it, so staleness is measured rather than assumed.
+
+    An ABORTED sample keeps the tokens generated so far: that is the whole state a partial
+    rollout needs to continue it (``--partial-rollout``), whichever generate function runs.
     """
 
     uid: str  # the prompt's uid; every sample of a group shares it
@@ -51,3 +59,48 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
+
+    @property
+    def partial_resumes(self) -> int:
+        return int(self.metadata.get(PARTIAL_RESUMES, 0))
+
+    def remaining_budget(self, max_new_tokens: int) -> int:
+        """Response tokens still allowed when ``max_new_tokens`` bounds the whole response."""
+        return max(0, max_new_tokens - self.response_length)
+
+    def append_output(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Extend the response with the continuation of an aborted generation."""
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise ValueError(f"sample uid={self.uid}: continuation of {len(tokens)} tokens came with "
+                             f"{len(logprobs)} log-probs and {len(versions)} weight versions")
+        self.response_tokens.extend(tokens)
+        self.rollout_logprobs.extend(logprobs)
+        self.weight_versions.extend(versions)
+        # An explicit mask (e.g. set by a custom generate function) must stay aligned with the
+        # response; freshly generated tokens are trained unless masked later.
+        if self.loss_mask is not None:
+            self.loss_mask.extend([1] * len(tokens))
+
+    def mask_offpolicy_tokens(self) -> int:
+        """Set loss mask 0 on tokens from weights older than this sample's newest version.
+
+        Returns how many trained tokens this newly masked. A sample without per-token
+        versions carries no evidence of mixing, so it is left alone.
+        """
+        if not self.weight_versions:
+            return 0
+        if len(self.weight_versions) != self.response_length:
+            raise ValueError(f"sample uid={self.uid}: {len(self.weight_versions)} weight versions for "
+                             f"{self.response_length} response tokens; cannot tell which tokens are off-policy")
+        mask = list(self.effective_loss_mask())
+        if len(mask) != self.response_length:
+            raise ValueError(f"sample uid={self.uid}: loss mask of {len(mask)} tokens for "
+                             f"{self.response_length} response tokens")
+        newest = max(self.weight_versions)
+        masked = 0
+        for i, version in enumerate(self.weight_versions):
+            if version < newest and mask[i]:
+                mask[i] = 0
+                masked += 1
+        self.loss_mask = mask
+        return masked

@@ -62,3 +62,43 @@ def test_producer_failure_surfaces_fast(tiny_model, tiny_task, tmp_path):
     raised = float((tmp_path / "count.raised").read_text())
     assert exited - raised < 20, exited - raised  # error surfaced and everything shut down
     assert wait_all_dead(all_pids(run.processes())) == []
+
+
+def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny_task, tmp_path):
+    """Kill -9 the driver mid-epoch; the resumed run trains each prompt of each epoch exactly once."""
+    import json
+    import signal
+    from collections import Counter
+
+    from tests.e2e.runner import start_train
+
+    ckpt = tmp_path / "ckpt"
+    # 64 prompts, 8 per step: 16 rollouts are exactly two epochs.
+    args = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "16", "--save", str(ckpt),
+                            "--save-interval", "1", "--max-staleness-steps", "2", *ASYNC))
+    proc = start_train(args)
+    pointer = ckpt / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 300
+    while not (pointer.exists() and int(pointer.read_text()) >= 4):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    procs = json.loads((tmp_path / "a" / "processes.json").read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    wait_all_dead(all_pids(procs), timeout=60)
+    saved = int(pointer.read_text())
+    assert saved < 15
+    lines = (tmp_path / "a" / "rollouts.jsonl").read_text().splitlines()
+    first = {r["rollout_id"]: r for r in map(json.loads, lines)}
+    resumed_args = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "16",
+                                    "--load", str(ckpt), "--max-staleness-steps", "2", *ASYNC))
+    second = run_train(resumed_args, tmp_path / "b")
+    assert second.returncode == 0, second.output[-3000:]
+    assert [m["step"] for m in second.metrics] == list(range(saved + 2, 17))
+    trained = [(e, u) for rid in range(saved + 1) for e, u in zip(first[rid]["epochs"], first[rid]["uids"])]
+    trained += [(e, u) for r in second.rollouts for e, u in zip(r["epochs"], r["uids"])]
+    counts = Counter(trained)
+    assert max(counts.values()) == 1, [k for k, v in counts.items() if v > 1]
+    per_epoch = Counter(e for e, _ in trained)
+    assert per_epoch[0] == 64  # the first epoch is complete: nothing lost across the kill
+    assert sum(per_epoch.values()) == 16 * 8
