@@ -45,6 +45,7 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
         return await wait_for(comps.executor.generate.remote(rollout_id), loop.rollout_timeout,
                               f"rollout {rollout_id} (--rollout-timeout)")
 
+    engine_busy = await comps.controller.busy_seconds.remote()
     next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
     current = None
     try:
@@ -87,6 +88,10 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
                 await evals.dispatch(rollout_id + 1)
             metrics["time/step_seconds"] = time.time() - t_wait
+            busy = await comps.controller.busy_seconds.remote()
+            metrics["engine/idle_frac"] = max(0.0, 1 - (busy - engine_busy) /
+                                              (cfg.engine.num_engines * metrics["time/step_seconds"]))
+            engine_busy = busy
             tracker.log(rollout_id + 1, metrics)
             if loop.debug_exit_after_rollout is not None and \
                     rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:

@@ -159,6 +159,10 @@ class EngineClient:
     async def model_info(self) -> dict[str, Any]:
         return await self._request("GET", "/get_model_info")
 
+    async def load(self) -> dict[str, Any]:
+        """Running/waiting requests and the engine's counters (``/get_load``)."""
+        return await self._request("GET", "/get_load")
+
     async def pause(self, mode: str = "abort") -> dict[str, Any]:
         """POST /pause_generation; mode is "abort", "in_place" or "retract"."""
         return await self._request("POST", "/pause_generation", json_body={"mode": mode})

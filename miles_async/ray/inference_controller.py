@@ -65,6 +65,11 @@ class InferenceController:
         infos = await self._all("model_info")
         return [int(i["weight_version"]) for i in infos]
 
+    async def busy_seconds(self) -> float:
+        """Seconds all engines together spent in forward passes since they started."""
+        loads = await self._all("load")
+        return float(sum(x.get("busy_seconds", 0.0) for x in loads))
+
     async def dispose(self) -> None:
         for c in self.clients:
             await c.close()

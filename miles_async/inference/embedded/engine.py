@@ -303,7 +303,7 @@ class Engine:
         self._paused = False
         self._stopping = False
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_batches": 0, "max_batch_size": 0,
-                      "prefill_rows_deduplicated": 0}
+                      "prefill_rows_deduplicated": 0, "busy_seconds": 0.0}
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -510,11 +510,14 @@ class Engine:
                     self._drain_inbox(block=idle)
                     if self._stopping or self._paused:
                         continue
+                    t0 = time.perf_counter()
                     self._admit()
                     if self._rows:
                         self._decode_step()
                         if self.step_delay_s > 0:
                             time.sleep(self.step_delay_s)
+                    # Busy time (prefill + decode) against wall time gives the engine's idle fraction.
+                    self.stats["busy_seconds"] += time.perf_counter() - t0
             self._abort_everything()
             self._die(EngineDeadError("engine was shut down"))
         except BaseException as exc:  # noqa: BLE001 - must fail every waiter, whatever happened
