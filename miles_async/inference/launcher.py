@@ -75,6 +75,19 @@ class EngineProcess:
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
 
+    def __enter__(self) -> "EngineProcess":
+        """Start and wait until healthy (``cfg.startup_timeout``); stopped on leaving the block."""
+        self.start()
+        try:
+            self.wait_healthy(self.cfg.startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def wait_healthy(self, timeout: float) -> None:
         """Poll /health, failing at once if the process exits instead."""
         deadline = time.monotonic() + timeout

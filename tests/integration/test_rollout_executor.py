@@ -33,13 +33,8 @@ def _cfg(tiny_model, tiny_task, tmp_path, *extra):
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_task, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    proc = EngineProcess(_cfg(tiny_model, tiny_task, tmp, "--rm-type", "integer").engine, 0, str(tmp))
-    proc.start()
-    try:
-        proc.wait_healthy(120)
+    with EngineProcess(_cfg(tiny_model, tiny_task, tmp, "--rm-type", "integer").engine, 0, str(tmp)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _executor(cfg, url):

@@ -26,13 +26,8 @@ def cfg(tiny_model, tiny_task, tmp_path):
 
 @pytest.fixture
 def engine(cfg, tmp_path):
-    proc = EngineProcess(cfg.engine, 0, str(tmp_path))
-    proc.start()
-    try:
-        proc.wait_healthy(120)
+    with EngineProcess(cfg.engine, 0, str(tmp_path)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _generate(url: str, prompts: list[list[int]], n_tokens: int = 6) -> list[dict]:
