@@ -73,7 +73,9 @@ class RolloutExecutor:
         gctx = GenerateContext(self.router, self.tokenizer)
         self.ctx = RolloutContext(self.data_source, gctx, gen_fn, self.reward, cfg.data.apply_chat_template,
                                   cfg.n_samples_per_prompt, cfg.sampling.to_sglang(),
-                                  asyncio.Semaphore(cfg.max_concurrent_requests))
+                                  asyncio.Semaphore(cfg.max_concurrent_requests),
+                                  partial_rollout=cfg.partial_rollout,
+                                  mask_offpolicy_in_partial_rollout=cfg.mask_offpolicy_in_partial_rollout)
         self.eval_ctx = dataclasses.replace(self.ctx, data_source=None,
                                             semaphore=asyncio.Semaphore(cfg.max_concurrent_requests))
         # Data-source state just before each rollout drew its prompts: a checkpoint of rollout N

@@ -46,8 +46,9 @@ def second_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
+    # One torch thread: on a small shared CPU box two threads contend and decode ~50x slower.
     cfg = EngineConfig(backend="embedded", model_path=str(tiny_model), num_engines=1, dtype="float32",
-                       max_running_requests=16, num_threads=2, host="127.0.0.1", startup_timeout=120.0,
+                       max_running_requests=16, num_threads=1, host="127.0.0.1", startup_timeout=120.0,
                        request_timeout=60.0, seed=0)
     proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
     proc.start()
