@@ -42,7 +42,7 @@ class Run:
 def tiny_args(model: Path, task: tuple[Path, Path], out_dir: Path, *extra: str) -> list[str]:
     train, held_out = task
     return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", "tiny", str(held_out),
-            "--apply-chat-template", "--rm-type", "first_integer", "--rollout-batch-size", "8",
+            "--apply-chat-template", "--use-tis", "--rm-type", "first_integer", "--rollout-batch-size", "8",
             "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--rollout-dtype", "float32",
             "--lr", "3e-3", "--rollout-shuffle", "--output-dir", str(out_dir), "--no-plot", *extra]
 

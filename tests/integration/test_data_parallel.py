@@ -50,7 +50,7 @@ def _worker(rank, cfg, world, port, out):
 
 def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    common = ["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4",
+    common = ["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4",
               "--n-samples-per-prompt", "4", "--num-rollout", "2", "--rm-type", "integer", "--lr", "1e-2",
               "--global-batch-size", "8", "--max-tokens-per-gpu", "24", "--output-dir", str(tmp_path)]
     one = parse_args(common)
@@ -83,7 +83,7 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
 def test_kl_loss_to_the_reference_model(tiny_model, tiny_task, tmp_path):
     """With --use-kl-loss the policy is pulled towards --ref-load: KL is 0 at the start, then grows and is logged."""
     train, _ = tiny_task
-    cfg = parse_args(["--hf-checkpoint", str(tiny_model), "--ref-load", str(tiny_model), "--prompt-data", str(train),
+    cfg = parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--ref-load", str(tiny_model), "--prompt-data", str(train),
                       "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
                       "--rm-type", "integer", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.5",
                       "--kl-loss-type", "k3", "--entropy-coef", "0.01", "--output-dir", str(tmp_path)])

@@ -24,7 +24,7 @@ def local_ray():
 
 def _cfg(tiny_model, tiny_task, tmp_path, *extra):
     train, held_out = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "3",
+    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "3",
                        "--n-samples-per-prompt", "2", "--num-rollout", "4", "--apply-chat-template",
                        "--rollout-max-response-len", "3", "--rollout-dtype", "float32",
                        "--eval-prompt-data", "held", str(held_out), "--output-dir", str(tmp_path), *extra])

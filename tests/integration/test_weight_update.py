@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
+    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
                        "--n-samples-per-prompt", "4", "--num-rollout", "4", "--rm-type", "first_integer",
                        "--rollout-dtype", "float32", "--lr", "5e-2", "--update-weight-buffer-size", "20000",
                        "--output-dir", str(tmp_path)])

@@ -260,7 +260,7 @@ def test_metrics_are_zero_without_partial_rollouts():
 def base_args(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(8)))
-    return ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
+    return ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
             "--num-rollout", "2", "--rm-type", "integer", "--output-dir", str(tmp_path / "out")]
 
 
