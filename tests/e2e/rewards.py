@@ -25,3 +25,16 @@ def fails_on_third_rollout(sample) -> float:
 
 def always_fails(sample) -> float:
     raise ValueError("broken verifier")
+
+
+async def stall_once(ctx, sample, sampling_params):
+    """A generate function whose first call stalls for 4 s: an engine that stopped making progress."""
+    import asyncio
+
+    from miles_async.rollout.generate import generate_sample
+
+    marker = Path(os.environ["MILES_ASYNC_TEST_MARKER"])
+    if not marker.exists():
+        marker.write_text("stalled")
+        await asyncio.sleep(4)
+    return await generate_sample(ctx, sample, sampling_params)

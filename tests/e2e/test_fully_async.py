@@ -117,3 +117,17 @@ def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_mod
     assert max(r["async/staleness_max"] for r in m) <= 1
     assert sum(r["rollout/partial_resumed_samples"] for r in m) > 0
     assert max(r["rollout/response_len_max"] for r in m) > 32  # the tail was really there
+
+
+def test_watchdog_warns_when_no_group_finishes(tiny_model, tiny_task, tmp_path):
+    os.environ["MILES_ASYNC_TEST_MARKER"] = str(tmp_path / "stalled")
+    try:
+        run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
+                                         "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+                                         "--max-staleness-steps", "0", "--rollout-watchdog-seconds", "1",
+                                         "--custom-generate-function-path", "tests.e2e.rewards:stall_once",
+                                         *ASYNC)), tmp_path)
+    finally:
+        del os.environ["MILES_ASYNC_TEST_MARKER"]
+    assert run.returncode == 0, run.output[-3000:]
+    assert "watchdog: no group finished" in run.output

@@ -270,7 +270,9 @@ class Engine:
             model_path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
         self.model.eval()
-        self.model.requires_grad_(False)
+        # No requires_grad_(False): the decode loop runs under inference_mode anyway, and with
+        # frozen bf16 weights torch's CPU matmul on the non-contiguous last-token view that
+        # lm_head receives at prefill copies the weight once per row (~200x slower at B=32).
         self._attn_implementation = attn_implementation
         self.config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
