@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import table
@@ -49,7 +51,7 @@ def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout:
 def run(quick: bool, out_dir: Path) -> dict:
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
 
-    work = out_dir / "long_tail_work"
+    work = Path(tempfile.mkdtemp(prefix="miles_async_long_tail_"))  # models and run folders, not results
     model = make_tiny_model(work / "model", seed=0)
     train, _ = make_tiny_task_dataset(work / "data", n_train=256, n_eval=8, seed=0)
     num_rollout = 8 if quick else 24
@@ -57,8 +59,11 @@ def run(quick: bool, out_dir: Path) -> dict:
         "one-step-off (default)": [],
         "fully-async, staleness 2": ["--fully-async", "--max-staleness-steps", "2"],
     }
-    results = {name: _run(flags, work / name.split()[0].strip(",()"), model, train, num_rollout)
-               for name, flags in modes.items()}
+    try:
+        results = {name: _run(flags, work / name.split()[0].strip(",()"), model, train, num_rollout)
+                   for name, flags in modes.items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     base = results["one-step-off (default)"]
     rows = [[name, f"{r['samples_per_second']:.1f}", f"{r['samples_per_second'] / base['samples_per_second']:.2f}x",
              f"{r['response_tokens_per_second']:.0f}",

@@ -1,0 +1,131 @@
+"""Shared helpers for the benchmarks: machine info, the model and prompts, a managed engine, result tables."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)
+    except (ValueError, OSError):
+        mem_gib = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu,
+        # Affinity, not os.cpu_count(): a container may see the host's cores but be pinned to fewer.
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": mem_gib,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": commit,
+    }
+
+
+def smollm2_path() -> Path:
+    from miles_async.assets.smollm2 import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+def multiplication_prompts(work_dir: Path) -> tuple[Path, list[str]]:
+    """The multiplication train split (JSONL path, prompt texts), in file order so every run sees the same prompts."""
+    from miles_async.assets.arith_dataset import make_multiplication_dataset, read_records
+
+    train, _ = make_multiplication_dataset(Path(work_dir) / "mul", seed=0)
+    return train, [r["prompt"] for r in read_records(train)]
+
+
+def engine_config(model_path: Path, prompt_data: Path, dtype: str, num_threads: int, max_running: int = 64,
+                  out_dir: Path | None = None):
+    """An EngineConfig built the way the trainer builds it (parse_args), so flag defaults stay in one place."""
+    from miles_async.arguments import parse_args
+
+    out_dir = out_dir or Path(tempfile.gettempdir())
+    cfg = parse_args(["--use-tis", "--hf-checkpoint", str(model_path), "--prompt-data", str(prompt_data),
+                      "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "first_integer",
+                      "--rollout-dtype", dtype, "--rollout-num-threads", str(num_threads),
+                      "--sglang-server-concurrency", str(max_running), "--output-dir", str(out_dir)])
+    return cfg.engine
+
+
+@contextlib.contextmanager
+def running_engine(engine_cfg, log_dir: Path, index: int = 0, startup_timeout: float = 300.0) -> Iterator[Any]:
+    """A real engine server process for the duration of the block; stopped however the block exits."""
+    from miles_async.inference.launcher import EngineProcess
+
+    proc = EngineProcess(engine_cfg, index, str(log_dir))
+    try:
+        proc.start()
+        proc.wait_healthy(startup_timeout)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str | None = None) -> dict:
+    """One Markdown table of a benchmark's result; run.py renders every ``tables`` entry it finds."""
+    return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows], "note": note}
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, float):
+        if x == 0 or abs(x) >= 100:
+            return f"{x:.0f}" if abs(x) >= 100 else "0"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def render_table(t: dict) -> str:
+    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |",
+             "|" + "|".join("---" for _ in t["columns"]) + "|"]
+    for row in t["rows"]:
+        lines.append("| " + " | ".join(fmt(x) for x in row) + " |")
+    if t.get("note"):
+        lines += ["", t["note"]]
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""Run the benchmarks: ``python -m benchmarks.run [--quick] [--only NAME ...] [--out DIR]``.
+
+Each benchmark is a module with ``run(quick: bool, out_dir: Path) -> dict``. The dict is stored
+verbatim in ``results.json``; these keys are also rendered into ``results.md``:
+
+- ``tables``: a list of ``benchmarks.common.table(...)`` dicts (title, columns, rows, note);
+- ``plots``:  PNG file names the benchmark wrote into ``out_dir``;
+- ``notes``:  a list of sentences worth reading next to the numbers.
+
+To add a benchmark, write the module and add one line to ``REGISTRY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.common import machine_info, render_table
+
+# name -> module path. Modules are imported only when selected, so one benchmark's heavy or
+# broken imports never stop the others from running.
+REGISTRY: dict[str, str] = {
+    "engine_throughput": "benchmarks.engine_throughput",
+    "weight_sync": "benchmarks.weight_sync",
+    "long_tail": "benchmarks.long_tail",
+}
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def render_markdown(results: dict) -> str:
+    m = results.get("machine", {})
+    out = ["# miles-async benchmark results", "",
+           f"Last run {m.get('date', '?')} on {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, "
+           f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}, transformers {m.get('transformers', '?')}, "
+           f"commit {m.get('git_commit', '?')}.", ""]
+    for name, entry in results.get("benchmarks", {}).items():
+        em = entry.get("machine", {})
+        mode = "quick" if entry.get("quick") else "full"
+        out += [f"## {name}", "", f"{mode} run, {em.get('date', '?')}, {entry.get('seconds', 0):.0f} s.", ""]
+        if "error" in entry:
+            out += ["FAILED:", "", "```", entry["error"].rstrip(), "```", ""]
+            continue
+        for t in entry.get("tables", []):
+            out += [render_table(t), ""]
+        for note in entry.get("notes", []):
+            out += [f"- {note}"]
+        if entry.get("notes"):
+            out.append("")
+        for plot in entry.get("plots", []):
+            out += [f"![{name}]({plot})", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller settings (a few minutes in all)")
+    ap.add_argument("--only", nargs="+", choices=sorted(REGISTRY), metavar="NAME",
+                    help=f"run only these ({', '.join(REGISTRY)}); default: all")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
+    args = ap.parse_args(argv)
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        # Per-checkpoint progress bars drown the benchmark's own progress lines.
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "results.json"
+    # Earlier entries of benchmarks not run now are kept, so `--only X` refreshes X alone;
+    # every entry carries its own date, mode and machine.
+    results: dict = {"benchmarks": {}}
+    if json_path.exists():
+        try:
+            results = json.loads(json_path.read_text())
+            results.setdefault("benchmarks", {})
+        except ValueError:
+            print(f"warning: {json_path} is not valid JSON; starting afresh", file=sys.stderr)
+
+    machine = machine_info()
+    results["machine"] = machine
+    failed = []
+    for name in args.only or list(REGISTRY):
+        print(f"=== {name} ({'quick' if args.quick else 'full'})", flush=True)
+        t0 = time.perf_counter()
+        try:
+            entry = importlib.import_module(REGISTRY[name]).run(args.quick, out)
+        except Exception:  # noqa: BLE001 - one failed benchmark must not lose the others' results
+            entry = {"error": traceback.format_exc()}
+            failed.append(name)
+            print(entry["error"], file=sys.stderr, flush=True)
+        entry = {"quick": args.quick, "seconds": round(time.perf_counter() - t0, 1), "machine": machine, **entry}
+        results["benchmarks"][name] = entry
+        # Written after every benchmark so an interrupted run keeps what it measured.
+        json_path.write_text(json.dumps(results, indent=1) + "\n")
+        (out / "results.md").write_text(render_markdown(results))
+        for t in entry.get("tables", []):
+            print(render_table(t), "\n", flush=True)
+        print(f"=== {name} done in {entry['seconds']:.0f} s", flush=True)
+    print(f"results: {json_path} and {out / 'results.md'}")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
