@@ -49,11 +49,10 @@ from typing import Any, Callable
 
 import torch
 
+from miles_async.inference.embedded.sampling import sample_tokens
+
 logger = logging.getLogger(__name__)
 
-# Below this temperature sampling is numerically meaningless; SGLang uses the
-# same cut-off to switch a request to greedy decoding.
-GREEDY_TEMPERATURE = 1e-5
 
 # Control commands are tiny; anything beyond this backlog means the decode
 # thread is stuck, and callers should hear about it rather than queue forever.
@@ -152,77 +151,6 @@ def _eos_ids(model: torch.nn.Module) -> set[int]:
         else:
             ids.update(int(x) for x in src)
     return ids
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: torch.Tensor,
-    top_ks: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row and return ``(tokens, logprobs)``.
-
-    Each row uses its own temperature / top-p / top-k.  The returned log-prob is
-    that of the chosen token under the distribution it was actually drawn from:
-    ``log_softmax(logits / T)`` after top-k then top-p truncation and
-    renormalisation over the surviving tokens.  This is what an RL trainer
-    needs for importance ratios against the rollout policy.
-
-    Rows with ``temperature < 1e-5`` are greedy (argmax); their log-prob is
-    ``log_softmax(logits)`` at temperature 1 because the point-mass
-    distribution greedy decoding "samples" from would always give 0.
-
-    Logits already set to ``-inf`` (e.g. suppressed stop tokens) stay
-    impossible.  ``logits`` must be float32 ``[B, V]``.
-    """
-    greedy = temperatures < GREEDY_TEMPERATURE
-    n_greedy = int(greedy.sum())
-    # Uniform batches (the common case in RL) skip the boolean scatter/gather.
-    if n_greedy == logits.shape[0]:
-        return _greedy(logits)
-    if n_greedy == 0:
-        return _sample(logits, temperatures, top_ps, top_ks, generator)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long)
-    logprobs = torch.empty(logits.shape[0], dtype=torch.float32)
-    tokens[greedy], logprobs[greedy] = _greedy(logits[greedy])
-    sampled = ~greedy
-    tokens[sampled], logprobs[sampled] = _sample(
-        logits[sampled], temperatures[sampled], top_ps[sampled], top_ks[sampled], generator
-    )
-    return tokens, logprobs
-
-
-def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tok = logits.argmax(dim=-1)
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
-    return tok, lp
-
-
-def _sample(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: torch.Tensor,
-    top_ks: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    vocab = logits.shape[1]
-    s = logits / temperatures[:, None]
-    ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-    if bool((ks < vocab).any()) or bool((top_ps < 1.0).any()):
-        # One descending sort serves both filters; top-p is applied to the
-        # top-k-renormalised probabilities, as SGLang and vLLM do.
-        sorted_logits, order = s.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # The top token always survives because its mass_before is 0.
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_ps[:, None], float("-inf"))
-        s = torch.full_like(s, float("-inf")).scatter(-1, order, sorted_logits)
-    logp = torch.log_softmax(s, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def _read_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
