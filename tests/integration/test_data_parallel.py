@@ -11,28 +11,21 @@ import torch.multiprocessing as mp
 
 from miles_async.arguments import parse_args
 from miles_async.backends.fsdp.actor import FSDPTrainActor
+from miles_async.rollout.batch import to_train_batch
+from miles_async.rollout.sample import Sample
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _batch(seed: int = 0) -> dict:
     rng = random.Random(seed)
-    b = {k: [] for k in ("tokens", "prompt_lengths", "response_lengths", "loss_masks", "rollout_logprobs",
-                         "weight_versions", "rewards", "group_index", "uids")}
+    groups = []
     for g in range(4):
         prompt = [rng.randrange(5, 40) for _ in range(rng.randrange(3, 7))]
-        for _ in range(4):
-            resp = [rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))]
-            b["tokens"].append(prompt + resp)
-            b["prompt_lengths"].append(len(prompt))
-            b["response_lengths"].append(len(resp))
-            b["loss_masks"].append([1] * len(resp))
-            b["rollout_logprobs"].append([])
-            b["weight_versions"].append([0] * len(resp))
-            b["rewards"].append(float(rng.random() < 0.5))
-            b["group_index"].append(g)
-            b["uids"].append(str(g))
-    return b
+        groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
+                              response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
+                              reward=float(rng.random() < 0.5)) for i in range(4)])
+    return to_train_batch(groups)
 
 
 def _train(cfg, rank: int, world: int, port: int, out) -> None:

@@ -10,7 +10,9 @@ from miles_async.arguments import parse_args
 from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.inference.client import EngineClient
 from miles_async.inference.launcher import EngineProcess
+from miles_async.rollout.batch import to_train_batch
 from miles_async.rollout.generate import encode_prompt
+from miles_async.rollout.sample import Sample
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,19 +57,10 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
 
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
     # Reward the greedy outputs negatively: a policy step must move away from them.
-    batch = {"tokens": [], "prompt_lengths": [], "response_lengths": [], "loss_masks": [], "rollout_logprobs": [],
-             "weight_versions": [], "rewards": [], "group_index": [], "uids": []}
-    for g, (p, out) in enumerate(zip(prompts, before)):
-        for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]]):
-            batch["tokens"].append(p + resp)
-            batch["prompt_lengths"].append(len(p))
-            batch["response_lengths"].append(len(resp))
-            batch["loss_masks"].append([1] * len(resp))
-            batch["rollout_logprobs"].append([])
-            batch["weight_versions"].append([0] * len(resp))
-            batch["rewards"].append(0.0 if i == 0 else 1.0)
-            batch["group_index"].append(g)
-            batch["uids"].append(str(g))
+    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
+                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
+                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
+                            for g, (p, out) in enumerate(zip(prompts, before))])
     for step in range(3):
         actor.train(step, batch)
     pushed = actor.push_weights([engine.url], weight_version=3, engine_dtype="float32", timeout=60)

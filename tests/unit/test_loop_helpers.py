@@ -2,7 +2,6 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from miles_async.backends.packing import collate, pack_micro_batches
 from miles_async.ray.eval_dispatcher import EvalDispatcher
