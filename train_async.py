@@ -16,8 +16,7 @@ from miles_async.config import Config
 from miles_async.ray.cluster import init_ray
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
-                                    record_processes,
-                                    save_checkpoint, update_weights)
+                                    record_processes, save_checkpoint, train_step, update_weights)
 from miles_async.utils.async_utils import wait_for
 from miles_async.utils.misc import should_run_periodic_action
 from miles_async.utils.tracking import Tracker
@@ -63,7 +62,7 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) \
                 if has_next and not defer_next_drain else None
 
-            metrics.update(await comps.actor.train(rollout_id, current["data"][0], cfg.rollout.sampling.temperature))
+            metrics.update(await train_step(cfg, comps, rollout_id, current["data"][0]))
 
             external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
             if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,

@@ -7,6 +7,7 @@ flag, file or line at fault.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from miles_async.config import (
     AlgorithmConfig,
     CheckpointConfig,
     ClusterConfig,
+    ESTIMATORS,
     Config,
     DataConfig,
     EngineConfig,
@@ -152,7 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--update-weights-interval", type=int, default=1)
-    g.add_argument("--num-critic-only-steps", type=int, default=0)
+
+    g = p.add_argument_group("critic (--advantage-estimator ppo)")
+    g.add_argument("--critic-load", default=None, help="HF folder the critic starts from (default: --hf-checkpoint; "
+                                                       "its value head starts random)")
+    g.add_argument("--critic-num-nodes", type=int, default=None, help="default: --actor-num-nodes")
+    g.add_argument("--critic-num-gpus-per-node", type=int, default=None, help="default: --actor-num-gpus-per-node")
+    g.add_argument("--critic-lr", type=float, default=None, help="default: --lr")
+    g.add_argument("--critic-lr-warmup-iters", type=int, default=None, help="default: --lr-warmup-iters")
+    g.add_argument("--num-critic-only-steps", type=int, default=0,
+                   help="train only the critic on the first N rollouts (the actor waits for a useful baseline)")
+    g.add_argument("--value-clip", type=float, default=0.2, help="PPO value clipping; 0 turns it off")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-6)
@@ -166,12 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
 
     g = p.add_argument_group("algorithm")
-    g.add_argument("--advantage-estimator", default="grpo", choices=("grpo",))
-    g.add_argument("--disable-grpo-std-normalization", action="store_true")
+    g.add_argument("--advantage-estimator", default="grpo", choices=ESTIMATORS,
+                   help="gspo = GRPO advantages with the sequence-level ratio loss; ppo trains a critic (GAE)")
+    g.add_argument("--disable-grpo-std-normalization", action="store_true", help="Dr. GRPO: centre, do not scale")
+    g.add_argument("--normalize-advantages", action="store_true", help="whiten ppo's GAE advantages over the batch")
+    g.add_argument("--gamma", type=float, default=1.0, help="discount (reinforce_plus_plus, ppo)")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (ppo)")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="KL to --ref-load as a per-token reward penalty (reinforce_plus_plus, ppo)")
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None)
     g.add_argument("--eps-clip-c", type=float, default=None)
-    g.add_argument("--policy-loss-type", default="ppo", choices=("ppo", "gspo", "cispo"))
+    g.add_argument("--policy-loss-type", default=None, choices=("ppo", "gspo", "cispo"),
+                   help="default: gspo for --advantage-estimator gspo, else ppo")
     g.add_argument("--loss-agg-mode", default="token_mean",
                    choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
     g.add_argument("--use-kl-loss", action="store_true")
@@ -181,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-tis", action="store_true", help="truncated importance sampling against rollout log-probs")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--tis-level", default="token", choices=("token", "sequence"),
+                   help="importance ratio per token or per sequence (product over its tokens)")
+    g.add_argument("--tis-mode", default="truncate", choices=("truncate", "mask"),
+                   help="truncate the ratio into [tis-clip-low, tis-clip], or mask tokens whose ratio leaves it "
+                        "(icepop)")
+    g.add_argument("--keep-old-actor", action="store_true",
+                   help="PPO's old policy = the trainer's copy of the weights that generated each sample "
+                        "(kept on the CPU per weight version), instead of the weights before this step")
     g.add_argument("--use-rollout-logprobs", action="store_true",
                    help="use the engine's log-probs as the PPO old policy")
 
@@ -229,13 +256,55 @@ def _require(cond: bool, message: str) -> None:
 
 
 def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
-    """Stale samples need a loss anchored to the policy that generated them: the engines'
-    log-probs with truncated importance sampling, or as the PPO old policy. Stale trainer
-    policies are not kept, so without either the update is silently biased."""
-    if not (ns.use_tis or ns.use_rollout_logprobs):
+    """Every step here trains on samples from an older policy (one-step-off: 1 version behind;
+    --fully-async: up to --max-staleness-steps + 1). Which corrections are sound:
+
+    * --use-tis: PPO's old policy is the trainer's weights before the step (recomputed), and
+      the engine-to-trainer gap (staleness and numerics) is reweighted by a truncated or
+      masked importance ratio (decoupled PPO). Safe at any staleness.
+    * --use-rollout-logprobs: the engine's own log-probs are PPO's old policy, so the clip
+      bounds the whole gap. Safe; TIS is then the identity and is refused as a no-op.
+    * --keep-old-actor: the trainer recomputes log-probs under its kept copy of the weights
+      that generated each sample; needs one weight version per sample, so a partial
+      rollout must mask its off-policy prefix.
+    Without any of them the update is silently biased, so the run is refused."""
+    if not (ns.use_tis or ns.use_rollout_logprobs or ns.keep_old_actor):
         mode = "--fully-async" if ns.fully_async else "the one-step-off loop"
         raise ConfigError(f"{mode} trains on samples generated by an older policy: add --use-tis (truncated "
-                          "importance sampling against the rollout log-probs) or --use-rollout-logprobs")
+                          "importance sampling against the rollout log-probs), --use-rollout-logprobs or "
+                          "--keep-old-actor")
+    _require(not (ns.use_rollout_logprobs and ns.use_tis),
+             "--use-tis has no effect with --use-rollout-logprobs (the old policy is then the rollout policy, "
+             "so every importance weight is 1): drop one")
+    _require(not (ns.use_rollout_logprobs and ns.keep_old_actor),
+             "--keep-old-actor and --use-rollout-logprobs both choose PPO's old policy: drop one")
+    _require(not (ns.keep_old_actor and ns.partial_rollout and not ns.mask_offpolicy_in_partial_rollout),
+             "--keep-old-actor recomputes each sample under the one weight version that generated it, but "
+             "--partial-rollout mixes versions within a sample: add --mask-offpolicy-in-partial-rollout")
+
+
+def _validate_algorithm(ns: argparse.Namespace) -> None:
+    uses_critic = ns.advantage_estimator == "ppo"
+    _require(0 <= ns.gamma <= 1, "--gamma must lie in [0, 1]")
+    _require(0 <= ns.lambd <= 1, "--lambd must lie in [0, 1]")
+    _require(ns.value_clip >= 0, "--value-clip must be >= 0 (0 turns it off)")
+    _require(ns.kl_coef >= 0, "--kl-coef must be >= 0")
+    _require(ns.kl_coef == 0 or ns.advantage_estimator in ("ppo", "reinforce_plus_plus"),
+             f"--kl-coef puts the KL into per-token rewards, which only ppo and reinforce_plus_plus use; "
+             f"with --advantage-estimator {ns.advantage_estimator} use --use-kl-loss")
+    _require(ns.kl_coef == 0 or ns.ref_load is not None, "--kl-coef > 0 needs --ref-load (the reference model)")
+    _require(ns.advantage_estimator != "gspo" or ns.policy_loss_type in (None, "gspo"),
+             f"--advantage-estimator gspo is the sequence-level ratio loss; --policy-loss-type "
+             f"{ns.policy_loss_type} contradicts it")
+    _require(not ns.normalize_advantages or uses_critic,
+             "--normalize-advantages applies to ppo's GAE (the other estimators normalise on their own)")
+    for flag in ("critic_load", "critic_num_nodes", "critic_num_gpus_per_node", "critic_lr", "critic_lr_warmup_iters"):
+        _require(getattr(ns, flag) is None or uses_critic,
+                 f"--{flag.replace('_', '-')} needs --advantage-estimator ppo (the only estimator with a critic)")
+    _require(ns.num_critic_only_steps == 0 or uses_critic, "--num-critic-only-steps needs --advantage-estimator ppo")
+    _require(ns.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
+    _require(ns.critic_load is None or Path(ns.critic_load).is_dir(), f"--critic-load: not a folder: {ns.critic_load}")
+    _require(ns.critic_lr is None or ns.critic_lr > 0, "--critic-lr must be positive")
 
 
 def _parse_eval_datasets(values: list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -322,6 +391,7 @@ def build_config(ns: argparse.Namespace) -> Config:
              "versions across an abort)")
     fully_async = None
     validate_async_off_policy_correction(ns)
+    _validate_algorithm(ns)
     if ns.fully_async:
         _require(ns.update_weights_interval == 1, "--fully-async needs --update-weights-interval 1 (the staleness "
                                                   "bound counts weight versions)")
@@ -383,6 +453,17 @@ def build_config(ns: argparse.Namespace) -> Config:
     _require(num_workers >= 1, "--actor-num-nodes * --actor-num-gpus-per-node must be >= 1")
     _require(global_batch % num_workers == 0,
              f"the global batch ({global_batch} samples) must split evenly over {num_workers} training workers")
+    num_critic_workers = 0
+    if ns.advantage_estimator == "ppo":
+        num_critic_workers = (ns.critic_num_nodes or ns.actor_num_nodes) * \
+            (ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node)
+        _require(num_critic_workers >= 1, "--critic-num-nodes * --critic-num-gpus-per-node must be >= 1")
+        _require(global_batch % num_critic_workers == 0,
+                 f"the global batch ({global_batch} samples) must split evenly over {num_critic_workers} critic "
+                 f"workers")
+        _require(ns.num_critic_only_steps < num_rollout,
+                 f"--num-critic-only-steps {ns.num_critic_only_steps} leaves no rollout of --num-rollout "
+                 f"{num_rollout} for the actor")
     use_gpu = _cuda_available()
     threads = _default_threads()
 
@@ -434,7 +515,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         eps_clip=ns.eps_clip,
         eps_clip_high=ns.eps_clip_high if ns.eps_clip_high is not None else ns.eps_clip,
         eps_clip_c=ns.eps_clip_c,
-        loss_type=ns.policy_loss_type,
+        loss_type=ns.policy_loss_type or ("gspo" if ns.advantage_estimator == "gspo" else "ppo"),
         loss_agg_mode=ns.loss_agg_mode,
         use_kl_loss=ns.use_kl_loss,
         kl_loss_coef=ns.kl_loss_coef,
@@ -444,6 +525,14 @@ def build_config(ns: argparse.Namespace) -> Config:
         tis_clip=ns.tis_clip,
         tis_clip_low=ns.tis_clip_low,
         use_rollout_logprobs=ns.use_rollout_logprobs,
+        tis_level=ns.tis_level,
+        tis_mode=ns.tis_mode,
+        kl_coef=ns.kl_coef,
+        gamma=ns.gamma,
+        lambd=ns.lambd,
+        value_clip=ns.value_clip or None,
+        normalize_advantages=ns.normalize_advantages,
+        keep_old_actor=ns.keep_old_actor,
     )
     optimizer = OptimizerConfig(ns.lr, ns.min_lr, ns.lr_warmup_iters, ns.lr_decay_style, ns.weight_decay,
                                 ns.adam_beta1, ns.adam_beta2, ns.adam_eps, ns.clip_grad)
@@ -461,10 +550,20 @@ def build_config(ns: argparse.Namespace) -> Config:
         gradient_checkpointing=ns.gradient_checkpointing,
         seed=ns.seed,
         num_threads=ns.train_num_threads or threads,
+        max_kept_weight_versions=(ns.max_staleness_steps if ns.fully_async else 1) + 2,
     )
+    critic = None
+    if algorithm.uses_critic:
+        critic = dataclasses.replace(
+            train, role="critic", model_path=ns.critic_load or ns.hf_checkpoint, ref_model_path=None,
+            optimizer=dataclasses.replace(optimizer, lr=ns.critic_lr or ns.lr,
+                                          min_lr=min(ns.min_lr, ns.critic_lr or ns.lr),
+                                          lr_warmup_iters=ns.lr_warmup_iters if ns.critic_lr_warmup_iters is None
+                                          else ns.critic_lr_warmup_iters))
     output_dir = ns.output_dir or os.path.join("outputs", _timestamp())
     return Config(
-        cluster=ClusterConfig(ns.ray_address, num_workers, train.num_threads, engine.num_threads, use_gpu),
+        cluster=ClusterConfig(ns.ray_address, num_workers, train.num_threads, engine.num_threads, use_gpu,
+                              num_critic_workers),
         engine=engine,
         rollout=rollout,
         eval=eval_cfg,
@@ -484,7 +583,9 @@ def build_config(ns: argparse.Namespace) -> Config:
             rollout_timeout=ns.rollout_timeout,
             fully_async=ns.fully_async,
             pause_generation_mode=ns.pause_generation_mode,
+            num_critic_only_steps=ns.num_critic_only_steps,
         ),
+        critic=critic,
     )
 
 

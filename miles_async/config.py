@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -16,6 +18,7 @@ class ClusterConfig:
     train_num_threads: int
     rollout_num_threads: int
     use_gpu: bool
+    num_critic_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,22 @@ class AlgorithmConfig:
     tis_clip: float
     tis_clip_low: float
     use_rollout_logprobs: bool
+    tis_level: str = "token"  # "token" | "sequence"
+    tis_mode: str = "truncate"  # "truncate" | "mask" (icepop: drop tokens whose ratio leaves the band)
+    kl_coef: float = 0.0  # KL to the reference model as a per-token reward penalty (ppo, reinforce++)
+    gamma: float = 1.0
+    lambd: float = 1.0
+    value_clip: float | None = 0.2
+    normalize_advantages: bool = False
+    keep_old_actor: bool = False  # PPO's old policy = the trainer's copy of the weights that generated the data
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "ppo"
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return (self.use_kl_loss and self.kl_loss_coef > 0) or self.kl_coef > 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,8 @@ class TrainConfig:
     gradient_checkpointing: bool
     seed: int
     num_threads: int
+    role: str = "actor"  # "actor" or "critic": also the checkpoint sub-folder
+    max_kept_weight_versions: int = 2  # --keep-old-actor: weight versions still in flight
 
 
 @dataclass(frozen=True)
@@ -189,6 +210,7 @@ class LoopConfig:
     rollout_timeout: float
     fully_async: bool = False
     pause_generation_mode: str = "in_place"
+    num_critic_only_steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,4 +223,5 @@ class Config:
     checkpoint: CheckpointConfig
     tracking: TrackingConfig
     loop: LoopConfig
+    critic: TrainConfig | None = None
     extra: dict = field(default_factory=dict)

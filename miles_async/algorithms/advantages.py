@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from miles_async.algorithms.losses import masked_whiten
+from miles_async.config import ESTIMATORS
 
 __all__ = [
     "grpo_advantages",
@@ -30,6 +31,8 @@ __all__ = [
     "gae",
     "broadcast_to_tokens",
     "place_on_last_token",
+    "compute_advantages",
+    "ESTIMATORS",
 ]
 
 
@@ -247,3 +250,52 @@ def broadcast_to_tokens(seq_adv: Tensor, loss_mask: Tensor) -> Tensor:
             f"expected seq_adv [B] and loss_mask [B, T]; got {tuple(seq_adv.shape)} and {tuple(loss_mask.shape)}"
         )
     return torch.where(loss_mask.bool(), seq_adv[:, None], torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device))
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: Tensor,
+    group_index: Tensor,
+    loss_mask: Tensor,
+    *,
+    normalize_std: bool = True,
+    values: Tensor | None = None,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    normalize_advantages: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """One rollout batch's token advantages ``[B, T]`` (and value targets for ``ppo``).
+
+    The dispatch both backends use, over the *whole* rollout batch (whitening and
+    group baselines are batch statistics, so this runs before the batch is sharded):
+
+    * ``grpo`` / ``gspo``: group-normalised outcome advantage on every token
+      (``normalize_std=False`` is Dr. GRPO); gspo differs only in its loss.
+    * ``reinforce_plus_plus_baseline``: group-mean baseline, batch-whitened.
+    * ``reinforce_plus_plus``: whitened discounted returns of the outcome reward
+      minus ``kl_coef * kl`` per token.
+    * ``ppo``: GAE over the critic's ``values`` with the same KL-penalised token
+      rewards; returns ``(advantages, returns)``, advantages whitened over the batch
+      when ``normalize_advantages``.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose from {ESTIMATORS}")
+    if estimator in ("grpo", "gspo"):
+        seq = grpo_advantages(rewards, group_index, normalize_std=normalize_std)
+        return broadcast_to_tokens(seq, loss_mask), None
+    if estimator == "reinforce_plus_plus_baseline":
+        return broadcast_to_tokens(reinforce_plus_plus_baseline_advantages(rewards, group_index), loss_mask), None
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_returns(rewards, kl, loss_mask, gamma=gamma, kl_coef=kl_coef), None
+    if values is None:
+        raise ValueError("the ppo estimator needs the critic's values")
+    with torch.no_grad():
+        token_rewards = place_on_last_token(rewards.detach().to(_compute_dtype(rewards)), loss_mask)
+        if kl is not None and kl_coef:
+            token_rewards = token_rewards - kl_coef * torch.where(loss_mask.bool(), kl.to(token_rewards.dtype), 0.0)
+        adv, returns = gae(token_rewards, values, loss_mask, gamma=gamma, lambd=lambd)
+        if normalize_advantages:
+            adv = masked_whiten(adv, loss_mask.to(adv.dtype))
+        return adv, returns

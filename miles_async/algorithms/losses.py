@@ -336,8 +336,8 @@ def policy_loss(
     when ``eps_clip_c`` is set; ``train_rollout_kl`` (``mean(rollout - old)``,
     the k1 estimate of KL(rollout || old), sampled from the rollout policy)
     and ``train_rollout_logprob_abs_diff`` whenever ``rollout_logprobs`` is
-    given; ``tis_mean``/``tis_max`` (raw ratio), ``tis_weight_mean`` (applied
-    weight) and ``tis_clipfrac`` when ``use_tis``.
+    given; ``tis_mean``/``tis_max`` (raw ratio), ``tis_weight_mean``/``tis_weight_max``
+    (applied weight) and ``tis_clipfrac`` when ``use_tis``.
     """
     _check_choice("loss_type", loss_type, _LOSS_TYPES)
     _check_choice("agg_mode", agg_mode, _AGG_MODES)
@@ -402,6 +402,7 @@ def policy_loss(
         metrics["tis_mean"] = masked_mean(raw, mask)
         metrics["tis_max"] = _masked_max(raw, mask)
         metrics["tis_weight_mean"] = masked_mean(weights, mask)
+        metrics["tis_weight_max"] = _masked_max(weights, mask)
         metrics["tis_clipfrac"] = masked_mean(tis_clipped, mask)
 
     loss = aggregate_loss(pg, mask, agg_mode)

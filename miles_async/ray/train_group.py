@@ -1,4 +1,4 @@
-"""A group of training workers (Ray actors) driven as one model."""
+"""A group of training workers (Ray actors) driven as one model: the policy or the critic."""
 
 from __future__ import annotations
 
@@ -6,22 +6,30 @@ import asyncio
 
 import ray
 
-from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.config import ClusterConfig, TrainConfig
 from miles_async.ray.cluster import actor_options
 
 
+def _worker_class(cfg: TrainConfig) -> type:
+    if cfg.backend != "fsdp":
+        raise ValueError(f"--train-backend {cfg.backend} is not available")
+    if cfg.role == "critic":
+        from miles_async.backends.fsdp.critic import FSDPCritic
+
+        return FSDPCritic
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    return FSDPTrainActor
+
+
 class TrainGroup:
-    def __init__(self, cfg: TrainConfig, cluster: ClusterConfig, total_optimizer_steps: int,
+    def __init__(self, cfg: TrainConfig, cluster: ClusterConfig, num_workers: int, total_optimizer_steps: int,
                  load_dir: str | None, load_rollout_id: int | None):
-        if cfg.backend != "fsdp":
-            raise ValueError(f"--train-backend {cfg.backend} is not available")
-        remote_cls = ray.remote(FSDPTrainActor)
-        world = cluster.num_train_workers
+        remote_cls = ray.remote(_worker_class(cfg))
         opts = actor_options(cluster, num_threads=cfg.num_threads, gpu=True)
-        self.actors = [remote_cls.options(**opts).remote(cfg, rank, world, total_optimizer_steps, load_dir,
+        self.actors = [remote_cls.options(**opts).remote(cfg, rank, num_workers, total_optimizer_steps, load_dir,
                                                          load_rollout_id)
-                       for rank in range(world)]
+                       for rank in range(num_workers)]
 
     async def init(self) -> None:
         addr, port = await self.actors[0].address.remote()
@@ -30,12 +38,15 @@ class TrainGroup:
     async def _all(self, method: str, *args) -> list:
         return await asyncio.gather(*[getattr(a, method).remote(*args) for a in self.actors])
 
-    async def train(self, rollout_id: int, data_ref: ray.ObjectRef, temperature: float) -> dict:
-        # Each worker resolves the same object-store batch; only rank 0's metrics are kept.
-        return (await self._all("train", rollout_id, data_ref, temperature))[0]
+    async def call(self, method: str, *args):
+        """Run ``method`` on every worker (each resolves the same object-store batch); rank 0's result."""
+        return (await self._all(method, *args))[0]
+
+    async def train(self, rollout_id: int, data_ref: ray.ObjectRef, *args) -> dict:
+        return await self.call("train", rollout_id, data_ref, *args)
 
     async def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float) -> dict:
-        return (await self._all("push_weights", urls, weight_version, engine_dtype, timeout))[0]
+        return await self.call("push_weights", urls, weight_version, engine_dtype, timeout)
 
     async def save(self, save_dir: str, rollout_id: int, save_optimizer: bool) -> None:
         await self._all("save", save_dir, rollout_id, save_optimizer)

@@ -24,6 +24,7 @@ class Components:
     controller: ray.actor.ActorHandle | None = None
     executor: ray.actor.ActorHandle | None = None
     actor: TrainGroup | None = None
+    critic: TrainGroup | None = None
     engine_urls: list[str] = field(default_factory=list)
 
 
@@ -42,8 +43,29 @@ async def create_rollout_components(cfg: Config, comps: Components) -> None:
 async def create_training_models(cfg: Config, comps: Components) -> None:
     total_steps = cfg.loop.num_rollout * cfg.train.num_steps_per_rollout
     load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
-    comps.actor = TrainGroup(cfg.train, cfg.cluster, total_steps, cfg.checkpoint.load, load_id)
-    await comps.actor.init()
+    comps.actor = TrainGroup(cfg.train, cfg.cluster, cfg.cluster.num_train_workers, total_steps, cfg.checkpoint.load,
+                             load_id)
+    if cfg.critic is not None:
+        comps.critic = TrainGroup(cfg.critic, cfg.cluster, cfg.cluster.num_critic_workers, total_steps,
+                                  cfg.checkpoint.load, load_id)
+    await asyncio.gather(*[g.init() for g in (comps.actor, comps.critic) if g is not None])
+
+
+async def train_step(cfg: Config, comps: Components, rollout_id: int, data_ref: ray.ObjectRef) -> dict:
+    """One rollout's training. With a critic (ppo): its values feed the actor's GAE, then the
+    critic fits the returns while the actor takes its steps (after --num-critic-only-steps)."""
+    temperature = cfg.rollout.sampling.temperature
+    if comps.critic is None:
+        return await comps.actor.train(rollout_id, data_ref, temperature)
+    values = ray.put(await comps.critic.call("compute_values", rollout_id, data_ref))
+    returns = ray.put(await comps.actor.call("prepare", rollout_id, data_ref, temperature, values))
+    jobs = [comps.critic.train(rollout_id, data_ref, values, returns)]
+    if rollout_id >= cfg.loop.num_critic_only_steps:
+        jobs.append(comps.actor.train(rollout_id, data_ref, temperature, values))
+    metrics: dict = {}
+    for m in await asyncio.gather(*jobs):
+        metrics.update(m)
+    return metrics
 
 
 async def record_processes(comps: Components, path: str) -> dict:
@@ -52,7 +74,7 @@ async def record_processes(comps: Components, path: str) -> dict:
 
     procs = {"driver": os.getpid(), "controller": await comps.controller.pid.remote(),
              "engines": await comps.controller.engine_pids.remote(), "executor": await comps.executor.pid.remote(),
-             "train_workers": await comps.actor.pids(),
+             "train_workers": await comps.actor.pids() + (await comps.critic.pids() if comps.critic else []),
              "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path()}
     atomic_write_json(path, procs)
     return procs
@@ -78,7 +100,8 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
 
 async def save_checkpoint(cfg: Config, comps: Components, rollout_id: int) -> None:
     save_dir = cfg.checkpoint.save
-    await comps.actor.save(save_dir, rollout_id, not cfg.checkpoint.no_save_optim)
+    await asyncio.gather(*[g.save(save_dir, rollout_id, not cfg.checkpoint.no_save_optim)
+                           for g in (comps.actor, comps.critic) if g is not None])
     await comps.executor.save.remote(rollout_id, save_dir)
     mark_complete(save_dir, rollout_id)  # last, and atomic: only now is this iteration "latest"
 
@@ -95,5 +118,6 @@ async def dispose(comps: Components) -> None:
         except Exception as e:
             logger.warning("disposing of the %s failed: %r", name, e)
         ray.kill(handle)
-    if comps.actor is not None:
-        comps.actor.dispose()
+    for group in (comps.actor, comps.critic):
+        if group is not None:
+            group.dispose()

@@ -47,6 +47,12 @@ def tiny_args(model: Path, task: tuple[Path, Path], out_dir: Path, *extra: str) 
             "--lr", "3e-3", "--rollout-shuffle", "--output-dir", str(out_dir), "--no-plot", *extra]
 
 
+def without_rm_type(args: list[str]) -> list[str]:
+    """tiny_args scores with --rm-type; runs that bring a --custom-rm-path drop it."""
+    i = args.index("--rm-type")
+    return args[:i] + args[i + 2:]
+
+
 def env() -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                 RAY_DEDUP_LOGS="0")

@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead
+from tests.e2e.runner import (
+    all_pids,
+    run_train,
+    tiny_args,
+    wait_all_dead,
+    without_rm_type,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -15,14 +21,10 @@ ASYNC = ["--fully-async", "--use-tis", "--custom-rm-path", "tests.e2e.rewards:st
          "--rollout-max-response-len", "2", "--lr", "1e-2"]
 
 
-def _flags(args):
-    i = args.index("--rm-type")
-    return args[:i] + args[i + 2:]
-
 
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_staleness_is_bounded_by_recorded_versions(staleness, tiny_model, tiny_task, tmp_path):
-    run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8",
+    run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8",
                                      "--max-staleness-steps", str(staleness), *ASYNC)), tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
@@ -36,7 +38,7 @@ def test_staleness_is_bounded_by_recorded_versions(staleness, tiny_model, tiny_t
 
 def test_zero_variance_filter_keeps_pulling_and_never_hangs(tiny_model, tiny_task, tmp_path):
     # A reward that is 0 for every sample would drop every group; this one drops many groups.
-    run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "6",
+    run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "6",
                                      "--zero-variance-filter", "--n-samples-per-prompt", "2", *ASYNC)), tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
@@ -50,7 +52,7 @@ def test_producer_failure_surfaces_fast(tiny_model, tiny_task, tmp_path):
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(marker)
     try:
         args = tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "50", *ASYNC)
-        args = _flags(args)
+        args = without_rm_type(args)
         args[args.index("tests.e2e.rewards:starts_with_digit")] = "tests.e2e.rewards:fails_on_third_rollout"
         run = run_train(args, tmp_path)
         exited = time.time()
@@ -74,7 +76,7 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
 
     ckpt = tmp_path / "ckpt"
     # 64 prompts, 8 per step: 16 rollouts are exactly two epochs.
-    args = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "16", "--save", str(ckpt),
+    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "16", "--save", str(ckpt),
                             "--save-interval", "1", "--max-staleness-steps", "2", *ASYNC))
     proc = start_train(args)
     pointer = ckpt / "latest_checkpointed_iteration.txt"
@@ -90,7 +92,7 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
     assert saved < 15
     lines = (tmp_path / "a" / "rollouts.jsonl").read_text().splitlines()
     first = {r["rollout_id"]: r for r in map(json.loads, lines)}
-    resumed_args = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "16",
+    resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "16",
                                     "--load", str(ckpt), "--max-staleness-steps", "2", *ASYNC))
     second = run_train(resumed_args, tmp_path / "b")
     assert second.returncode == 0, second.output[-3000:]
@@ -107,7 +109,7 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
 def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_model, tiny_task, tmp_path):
     """Heavy-tailed lengths, weight updates that abort in-flight requests: partial samples resume and are
     trained, and no trained token is older than the staleness bound (from the recorded versions)."""
-    args = _flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8", "--max-staleness-steps", "1",
+    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8", "--max-staleness-steps", "1",
                             "--pause-generation-mode", "abort", "--partial-rollout",
                             "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
                             *ASYNC, "--rollout-max-response-len", "128"))  # the last value wins
@@ -122,7 +124,7 @@ def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_mod
 def test_watchdog_warns_when_no_group_finishes(tiny_model, tiny_task, tmp_path):
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(tmp_path / "stalled")
     try:
-        run = run_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
+        run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
                                          "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
                                          "--max-staleness-steps", "0", "--rollout-watchdog-seconds", "1",
                                          "--custom-generate-function-path", "tests.e2e.rewards:stall_once",

@@ -9,8 +9,17 @@ import time
 
 import pytest
 
-from tests.e2e.runner import (ROOT, all_pids, env, run_train, start_train, tiny_args, wait_all_dead,
-                              wait_session_gone)
+from tests.e2e.runner import (
+    ROOT,
+    all_pids,
+    env,
+    run_train,
+    start_train,
+    tiny_args,
+    wait_all_dead,
+    wait_session_gone,
+    without_rm_type,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -18,18 +27,13 @@ LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-m
          "--lr", "1e-2"]
 
 
-def _flags(args: list[str]) -> list[str]:
-    """tiny_args uses --rm-type; the learning runs replace it with a custom reward."""
-    i = args.index("--rm-type")
-    return args[:i] + args[i + 2:]
-
 
 @pytest.fixture(scope="module")
 def main_run(tiny_model, tiny_task, tmp_path_factory):
     out = tmp_path_factory.mktemp("main_run")
     sentinel = out / "save-now"
     sentinel.touch()
-    args = _flags(tiny_args(tiny_model, tiny_task, out, "--num-rollout", "12", "--eval-interval", "4",
+    args = without_rm_type(tiny_args(tiny_model, tiny_task, out, "--num-rollout", "12", "--eval-interval", "4",
                             "--n-samples-per-eval-prompt", "16", "--eval-temperature", "1.0",
                             "--save", str(out / "ckpt"), "--save-interval", "6",
                             "--save-trigger-sentinel", str(sentinel), "--save-hf", str(out / "hf"), *LEARN))
@@ -100,12 +104,12 @@ def test_no_process_left_after_the_run(main_run):
 
 def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny_model, tiny_task, tmp_path):
     ckpt = tmp_path / "ckpt"
-    base = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *LEARN))
+    base = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *LEARN))
     first = run_train(base + ["--save", str(ckpt), "--save-interval", "2", "--debug-exit-after-rollout", "5"],
                       tmp_path / "a")
     assert first.returncode == 0, first.output[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    resumed_args = _flags(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "12", *LEARN))
+    resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "12", *LEARN))
     second = run_train(resumed_args + ["--load", str(ckpt), "--save", str(ckpt)], tmp_path / "b")
     assert second.returncode == 0, second.output[-3000:]
     assert [m["step"] for m in second.metrics] == list(range(5, 13))
@@ -120,7 +124,7 @@ def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny
 
 def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
     marker = tmp_path / "count"
-    args = _flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "20",
+    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "20",
                             "--custom-rm-path", "tests.e2e.rewards:fails_on_third_rollout"))
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(marker)
     try:
@@ -135,7 +139,7 @@ def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_stops_everything(sig, tiny_model, tiny_task, tmp_path):
-    proc = start_train(_flags(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "100000", *LEARN)))
+    proc = start_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "100000", *LEARN)))
     deadline = time.monotonic() + 240
     while not (tmp_path / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.stdout.read()[-3000:]

@@ -74,5 +74,5 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
     for p, o in zip(prompts, after):
         trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
                                                        "response_lengths": [len(o["output_ids"])],
-                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0])[0]
+                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=1e-3)

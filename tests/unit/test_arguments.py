@@ -153,3 +153,35 @@ def test_fully_async_contradictions(tmp_path, data, extra, fragment):
 def test_zero_variance_filter_needs_fully_async(tmp_path, data):
     with pytest.raises(ConfigError, match="--zero-variance-filter needs --fully-async"):
         parse_args(base(tmp_path, data, "--zero-variance-filter"))
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--use-rollout-logprobs"], "--use-tis has no effect with --use-rollout-logprobs"),
+    (["--keep-old-actor", "--partial-rollout", "--fully-async"], "add --mask-offpolicy-in-partial-rollout"),
+    (["--kl-coef", "0.1"], "only ppo and reinforce_plus_plus"),
+    (["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus"], "--kl-coef > 0 needs --ref-load"),
+    (["--advantage-estimator", "gspo", "--policy-loss-type", "cispo"], "--policy-loss-type cispo contradicts it"),
+    (["--critic-lr", "1e-5"], "--critic-lr needs --advantage-estimator ppo"),
+    (["--num-critic-only-steps", "1"], "--num-critic-only-steps needs --advantage-estimator ppo"),
+    (["--advantage-estimator", "ppo", "--num-critic-only-steps", "3"], "leaves no rollout"),
+    (["--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "3"], "over 3 critic workers"),
+    (["--gamma", "1.5"], "--gamma must lie in [0, 1]"),
+    (["--normalize-advantages"], "--normalize-advantages applies to ppo"),
+])
+def test_algorithm_contradictions_name_the_flag(tmp_path, data, extra, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("-", "\\-").replace("[", "\\[").replace("]", "\\]")):
+        parse_args(base(tmp_path, data, *extra))
+
+
+def test_estimators_map_to_loss_and_critic(tmp_path, data):
+    gspo = parse_args(base(tmp_path, data, "--advantage-estimator", "gspo", "--eps-clip", "3e-4"))
+    assert gspo.train.algorithm.loss_type == "gspo" and gspo.critic is None
+    ppo = parse_args(base(tmp_path, data, "--advantage-estimator", "ppo", "--critic-lr", "1e-4", "--lr", "1e-6",
+                          "--value-clip", "0", "--num-critic-only-steps", "1", "--critic-lr-warmup-iters", "2"))
+    assert ppo.critic.role == "critic" and ppo.critic.model_path == ppo.train.model_path
+    assert ppo.critic.optimizer.lr == 1e-4 and ppo.train.optimizer.lr == 1e-6
+    assert ppo.critic.optimizer.lr_warmup_iters == 2 and ppo.train.optimizer.lr_warmup_iters == 0
+    assert ppo.train.algorithm.value_clip is None  # 0 turns the clip off
+    assert ppo.loop.num_critic_only_steps == 1 and ppo.cluster.num_critic_workers == 1
+    keep = parse_args(base(tmp_path, data, "--keep-old-actor", "--fully-async", "--max-staleness-steps", "3"))
+    assert keep.train.algorithm.keep_old_actor and keep.train.max_kept_weight_versions == 5

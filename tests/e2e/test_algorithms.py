@@ -1,0 +1,71 @@
+"""Each advantage estimator learns the tiny task end to end; stale data keeps its importance weights clipped.
+
+GRPO's learning run is test_train_async.py::test_reward_increases.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.runner import run_train, tiny_args, without_rm_type
+
+pytestmark = pytest.mark.timeout(600)
+
+LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2", "--lr", "1e-2"]
+
+
+def _args(tiny_model, tiny_task, out, *extra):
+    return without_rm_type(tiny_args(tiny_model, tiny_task, out, *LEARN, *extra))
+
+
+def _rises(rewards: list[float]) -> bool:
+    return sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3
+
+
+def test_reinforce_plus_plus_raises_the_reward(tiny_model, tiny_task, tmp_path):
+    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "12",
+                          "--advantage-estimator", "reinforce_plus_plus"), tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    rewards = [m["rollout/reward_mean"] for m in run.metrics]
+    assert len(rewards) == 12 and _rises(rewards), rewards
+    assert all("critic/vf_loss" not in m for m in run.metrics)
+
+
+def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ppo = ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--num-critic-only-steps", "2",
+           "--save", str(ckpt), "--save-interval", "6"]
+    run = run_train(_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *ppo), tmp_path / "a")
+    assert run.returncode == 0, run.output[-3000:]
+    m = run.metrics
+    rewards = [r["rollout/reward_mean"] for r in m]
+    assert len(rewards) == 12 and _rises(rewards), rewards
+    # The critic trains on every rollout, the actor only after the critic-only warm-up.
+    assert all("critic/vf_loss" in r for r in m)
+    assert [("train/pg_loss" in r) for r in m] == [False, False] + [True] * 10
+    assert m[-1]["critic/vf_loss"] < m[0]["critic/vf_loss"]
+    assert (ckpt / "iter_0000005" / "critic" / "model.safetensors").exists()
+    assert (ckpt / "iter_0000005" / "critic" / "optimizer.pt").exists()
+    resumed = run_train(_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "14", *ppo, "--load", str(ckpt)),
+                        tmp_path / "b")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert [r["step"] for r in resumed.metrics] == [13, 14]
+    # The critic came back trained: its loss continues near where it was, not at the untrained start.
+    assert resumed.metrics[0]["critic/vf_loss"] < m[0]["critic/vf_loss"]
+
+
+@pytest.mark.parametrize("old_policy", [[], ["--keep-old-actor"]], ids=["recomputed", "kept"])
+def test_stale_data_keeps_importance_weights_within_the_clip(old_policy, tiny_model, tiny_task, tmp_path):
+    """Staleness up to 3; with --keep-old-actor every stale version must still be kept when its data trains."""
+    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "10", "--fully-async",
+                          "--max-staleness-steps", "3", "--tis-clip", "1.5", "--tis-clip-low", "0.5", *old_policy),
+                    tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    m = run.metrics
+    assert max(r["async/staleness_max"] for r in m) >= 2
+    for r in m:
+        assert 0.5 - 1e-6 <= r["train/tis_weight_mean"] and r["train/tis_weight_max"] <= 1.5 + 1e-6, r
+        assert "train/train_rollout_kl" in r and "train/tis_clipfrac" in r
+    # The weights really were stale: some raw ratio left the band and was truncated.
+    assert max(r["train/tis_max"] for r in m) > 1.5 or min(r["train/tis_mean"] for r in m) < 0.5 or \
+        max(r["train/tis_clipfrac"] for r in m) > 0
