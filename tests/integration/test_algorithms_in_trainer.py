@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -117,10 +118,11 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
         actor.prepare(3, stale, 1.0)
 
 
-def test_stale_batch_importance_weights_are_bounded_by_the_clip(tiny_model, tiny_task, tmp_path):
-    """Rollout log-probs far from the trainer's: the applied weights stay within the TIS clip, raw ones do not."""
+@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate")])
+def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tiny_model, tiny_task, tmp_path):
+    """Rollout log-probs 2 nats off the trainer's, alternating in sign: applied weights stay within the clip."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5",
-               "--global-batch-size", "8")
+               "--tis-level", level, "--tis-mode", mode, "--global-batch-size", "8")
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
     batch = _batch()
     trainer_lp = actor._logprobs_of(actor.module, batch, list(range(16)), 1.0)
@@ -128,7 +130,17 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(tiny_model, tiny
                                  for i in range(16)]
     m = actor.train(0, batch)
     assert m["train/optimizer_steps"] == 2
-    assert m["train/tis_max"] > 1.5 and m["train/tis_weight_max"] <= 1.5 + 1e-6
-    assert 0 < m["train/tis_clipfrac"] <= 1
+    assert m["train/tis_weight_max"] <= 1.5 + 1e-6
     # Old log-probs are recomputed once before both steps, so the logged gap is exactly the one planted.
     assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(2.0, abs=1e-3)
+    if level == "token":
+        # Every token's ratio (e^2 or e^-2) leaves [0.5, 1.5]: truncated to the bounds, or masked to 0.
+        assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
+        assert m["train/tis_clipfrac"] == 1.0
+        assert m["train/tis_weight_mean"] == (0.0 if mode == "mask" else pytest.approx(1.0, abs=0.2))
+    else:
+        # Per sequence the signs cancel on even lengths (ratio 1, kept) and leave e^2 on odd ones.
+        odd = sum(n % 2 for n in batch["response_lengths"]) / 16
+        assert 0 < m["train/tis_clipfrac"] < 1 and odd > 0
+        assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
+        assert m["train/tis_mean"] < math.exp(2) - 1e-3
