@@ -58,7 +58,8 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             weight_update_due = (rollout_id + 1) % loop.update_weights_interval == 0
             # The fully-async producer generates without a pending drain; when the weights are
             # about to change, the next drain waits for them so it is measured against them.
-            defer_next_drain = loop.fully_async and has_next and weight_update_due
+            # --synchronous always waits: no generation overlaps training.
+            defer_next_drain = has_next and (loop.synchronous or (loop.fully_async and weight_update_due))
             next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) \
                 if has_next and not defer_next_drain else None
 
@@ -81,8 +82,8 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
                     current, next_rollout = await next_rollout, None
                     metrics["time/wait_rollout_seconds"] += time.time() - t_drain
                 metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
-                if defer_next_drain:
-                    next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
+            if defer_next_drain:
+                next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
 
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
                 await evals.dispatch(rollout_id + 1)

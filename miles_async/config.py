@@ -33,6 +33,7 @@ class EngineConfig:
     startup_timeout: float
     request_timeout: float
     seed: int
+    debug_step_seconds: float = 0.0  # benchmarks: a fixed cost added to every decode step
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ class TrainConfig:
     gradient_checkpointing: bool
     seed: int
     num_threads: int
+    debug_train_seconds: float | None = None  # benchmarks: replace training by a sleep of this length
     role: str = "actor"  # "actor" or "critic": also the checkpoint sub-folder
     max_kept_weight_versions: int = 2  # --keep-old-actor: weight versions still in flight
 
@@ -211,6 +213,7 @@ class LoopConfig:
     fully_async: bool = False
     pause_generation_mode: str = "in_place"
     num_critic_only_steps: int = 0
+    synchronous: bool = False  # generate each rollout only after the previous step's weights are in
 
 
 @dataclass(frozen=True)

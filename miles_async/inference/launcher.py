@@ -62,7 +62,7 @@ class EngineProcess:
             "--max-running-requests", str(self.cfg.max_running_requests),
             "--num-threads", str(self.cfg.num_threads),
             "--seed", str(self.cfg.seed + self.index),
-        ]
+        ] + (["--step-delay", str(self.cfg.debug_step_seconds)] if self.cfg.debug_step_seconds else [])
 
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",

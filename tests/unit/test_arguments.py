@@ -185,3 +185,12 @@ def test_estimators_map_to_loss_and_critic(tmp_path, data):
     assert ppo.loop.num_critic_only_steps == 1 and ppo.cluster.num_critic_workers == 1
     keep = parse_args(base(tmp_path, data, "--keep-old-actor", "--fully-async", "--max-staleness-steps", "3"))
     assert keep.train.algorithm.keep_old_actor and keep.train.max_kept_weight_versions == 5
+
+
+def test_synchronous_mode_needs_no_correction_only_when_on_policy(tmp_path, data):
+    args = [a for a in base(tmp_path, data, "--synchronous") if a != "--use-tis"]
+    assert parse_args(args).loop.synchronous
+    with pytest.raises(ConfigError, match="--synchronous with --update-weights-interval > 1 trains on samples"):
+        parse_args(args + ["--update-weights-interval", "2"])
+    with pytest.raises(ConfigError, match="exclude each other"):
+        parse_args(base(tmp_path, data, "--synchronous", "--fully-async"))
