@@ -1,12 +1,9 @@
 """The policy worker of the torch backend (HF causal LMs).
 
-A rollout is trained in two phases. ``prepare`` computes what the loss needs before
-any weight moves: PPO's old log-probs (see ``validate_async_off_policy_correction``
-for which policy that is), the reference model's log-probs, and the advantages of
-the whole batch (plus value targets for the critic). ``train`` then takes the
-optimizer steps. With a critic the loop calls them separately, so the critic can
-train on the returns while the actor trains; otherwise ``train`` runs both.
-Loss math comes from ``miles_async.algorithms``; nothing here re-derives it.
+The RL orchestration (old/ref log-probs, advantages, the per-micro-batch loss) is
+``miles_async.backends.policy.PolicyMixin``, shared with the Megatron backend; this
+class only builds the HF model, runs its forward pass to per-token log-probs and
+entropy, and takes the optimizer step through ``TrainWorker``.
 """
 
 from __future__ import annotations
@@ -16,54 +13,30 @@ import copy
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from miles_async.algorithms.advantages import compute_advantages
-from miles_async.algorithms.losses import (
-    aggregate_loss,
-    compute_approx_kl,
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    policy_loss,
-)
-from miles_async.backends.fsdp.worker import TrainWorker, reduce_metrics
-from miles_async.backends.packing import MicroBatch, pad_rows
+from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
+from miles_async.backends.fsdp.worker import TrainWorker
+from miles_async.backends.packing import MicroBatch
+from miles_async.backends.policy import LossOfOutputs, Prepared, PolicyMixin  # noqa: F401 - Prepared re-exported
 from miles_async.backends.weight_export import iter_buckets, push_buckets
 from miles_async.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@dataclass
-class Prepared:
-    rollout_id: int
-    steps: list[list[int]]
-    advantages: torch.Tensor  # [n, T] over the whole batch
-    mask: torch.Tensor  # [n, T] loss mask
-    old: dict[int, list[float]] | None  # None: the training pass's own detached log-probs
-    ref: dict[int, list[float]] | None
-
-
-def _padded(rows: list[list[float]] | list[list[int]], width: int) -> torch.Tensor:
-    return pad_rows([[float(x) for x in r] for r in rows], width)
-
-
-class FSDPTrainActor(TrainWorker):
+class FSDPTrainActor(PolicyMixin, TrainWorker):
     def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int,
                  load_dir: str | None = None, load_rollout_id: int | None = None):
         super().__init__(cfg, rank, world_size, total_optimizer_steps)
         self.ref_model = None
         if cfg.algorithm.needs_ref_model and cfg.ref_model_path is not None:
             self.ref_model = self._causal_lm(cfg.ref_model_path).to(self.device).eval().requires_grad_(False)
-        # --keep-old-actor: CPU copies of the weights of every version still in flight, and a
-        # scratch module to evaluate them in.
-        self._kept_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._init_policy_state()
+        # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None
-        self._prepared: Prepared | None = None
         if load_dir is not None and load_rollout_id is not None:
             self._load(load_dir, load_rollout_id)
 
@@ -89,128 +62,28 @@ class FSDPTrainActor(TrainWorker):
         entropy = entropy_from_logits(logits) if with_entropy else None
         return logprobs, entropy
 
-    def _logprobs_of(self, model, batch: dict, idx: list[int], temperature: float) -> dict[int, list[float]]:
-        return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
+    # -- backend hooks of PolicyMixin ---------------------------------------------------------
+    def _train_step(self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs,
+                    metrics_acc: dict) -> None:
+        self._optimizer_step(batch, idx, lambda mb, rows: loss_of(
+            mb, rows, *self._forward(self.model, mb, temperature, with_entropy=True)), metrics_acc)
 
-    def _logprobs_under_generating_weights(self, batch: dict, idx: list[int],
-                                           temperature: float) -> dict[int, list[float]]:
-        by_version: dict[int, list[int]] = {}
-        for i in idx:
-            versions, mask = batch["weight_versions"][i], batch["loss_masks"][i]
-            # A partial rollout's prefix from older weights is masked out of the loss
-            # (--mask-offpolicy-in-partial-rollout), so only the newest version matters.
-            newest = max(versions, default=-1)
-            if any(v != newest and m for v, m in zip(versions, mask)):
-                raise RuntimeError(f"--keep-old-actor: sample {batch['uids'][i]} trains tokens of several weight "
-                                   f"versions {sorted(set(versions))}")
-            by_version.setdefault(newest, []).append(i)
-        out: dict[int, list[float]] = {i: [] for i in by_version.pop(-1, [])}
-        for version, rows in sorted(by_version.items()):
-            if version not in self._kept_weights:
-                raise RuntimeError(f"--keep-old-actor: weight version {version} (sample {batch['uids'][rows[0]]}) is "
-                                   f"no longer kept; kept versions: {sorted(self._kept_weights)}")
-            if self._old_module is None:
-                self._old_module = copy.deepcopy(self.module).eval().requires_grad_(False)
-            self._old_module.load_state_dict(self._kept_weights[version], strict=False)
-            out.update(self._logprobs_of(self._old_module, batch, rows, temperature))
-        return out
+    def _current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
 
-    # -- one rollout -----------------------------------------------------------------------
-    @torch.no_grad()
-    def prepare(self, rollout_id: int, batch: dict, temperature: float = 1.0,
-                values: list[list[float]] | None = None) -> list[list[float]] | None:
-        """Old/ref log-probs and the whole batch's advantages; returns the critic's targets (ppo)."""
-        alg = self.cfg.algorithm
-        n = len(batch["rewards"])
-        steps, mine = self._shard(n)
-        self.model.eval()
-        if alg.use_rollout_logprobs:
-            old = {i: batch["rollout_logprobs"][i] for i in mine}
-        elif alg.keep_old_actor:
-            old = self._logprobs_under_generating_weights(batch, mine, temperature)
-        elif len(steps) == 1 and alg.kl_coef == 0:
-            # One optimizer step per rollout: the policy before the step *is* the one being
-            # trained, so its log-probs come from the training pass itself (detached) instead
-            # of a second full forward pass.
-            old = None
-        else:
-            old = self._logprobs_of(self.module, batch, mine, temperature)
-        ref = self._logprobs_of(self.ref_model, batch, mine, temperature) if self.ref_model is not None else None
+    def _snapshot_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
-        width = max(1, max(batch["response_lengths"]))
-        mask = _padded(batch["loss_masks"], width)
-        kl = None
-        if alg.kl_coef > 0:
-            # Per-token reward penalty over the whole batch: every worker needs every sample's KL.
-            old_all, ref_all = self._all_gather_dict(old), self._all_gather_dict(ref)
-            kl = compute_approx_kl(_padded([old_all[i] for i in range(n)], width),
-                                   _padded([ref_all[i] for i in range(n)], width), "k1")
-        advantages, returns = compute_advantages(
-            alg.advantage_estimator, torch.tensor(batch["rewards"], dtype=torch.float32),
-            torch.tensor(batch["group_index"]), mask, normalize_std=alg.normalize_std,
-            values=_padded(values, width) if values is not None else None, kl=kl, kl_coef=alg.kl_coef,
-            gamma=alg.gamma, lambd=alg.lambd, normalize_advantages=alg.normalize_advantages)
-        self._prepared = Prepared(rollout_id, steps, advantages, mask, old, ref)
-        if returns is None:
-            return None
-        return [returns[i, :batch["response_lengths"][i]].tolist() for i in range(n)]
-
-    def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
-              values: list[list[float]] | None = None) -> dict:
-        t0 = time.time()
-        if self.cfg.debug_train_seconds is not None:
-            time.sleep(self.cfg.debug_train_seconds)
-            return {"train/seconds": time.time() - t0, "train/started_at": t0, "train/finished_at": time.time()}
-        if self._prepared is None or self._prepared.rollout_id != rollout_id:
-            self.prepare(rollout_id, batch, temperature, values)
-        prep, self._prepared = self._prepared, None
-        self.model.train()
-        metrics_acc: dict[str, list[float]] = {}
-        metrics_acc["advantage_abs_mean"] = [float(masked_mean(prep.advantages.abs(), prep.mask))]
-        for step_idx in prep.steps:
-            self._optimizer_step(batch, step_idx, lambda mb, rows: self._policy_loss(batch, prep, temperature, mb, rows),
-                                 metrics_acc)
-        metrics = reduce_metrics(metrics_acc, "train")
-        metrics.update({"train/lr": self.scheduler.get_last_lr()[0], "train/seconds": time.time() - t0,
-                        "train/started_at": t0, "train/finished_at": time.time(),
-                        "train/optimizer_steps": self.optimizer_steps})
-        return metrics
-
-    def _policy_loss(self, batch: dict, prep: Prepared, temperature: float, mb: MicroBatch, rows: list[int]):
-        alg = self.cfg.algorithm
-        width = mb.max_response_len
-        mask = mb.response_mask.to(self.device)
-        adv = prep.advantages[rows, :width]
-        if adv.shape[1] < width:
-            adv = torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
-        adv = adv.to(self.device)
-        has_rollout_lp = all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows)
-        rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(self.device)
-        logprobs, entropy = self._forward(self.model, mb, temperature, with_entropy=True)
-        old_lp = logprobs.detach() if prep.old is None else pad_rows([prep.old[i] for i in rows], width).to(self.device)
-        loss, m = policy_loss(
-            logprobs, old_lp, adv, mask, eps_clip=alg.eps_clip, eps_clip_high=alg.eps_clip_high,
-            eps_clip_c=alg.eps_clip_c, rollout_logprobs=rollout_lp if has_rollout_lp else None,
-            use_tis=alg.use_tis and has_rollout_lp, tis_clip=alg.tis_clip, tis_clip_low=alg.tis_clip_low,
-            tis_level=alg.tis_level, tis_mode=alg.tis_mode, agg_mode=alg.loss_agg_mode, loss_type=alg.loss_type)
-        ent = aggregate_loss(entropy, mask, alg.loss_agg_mode)
-        m["entropy"] = ent.detach()
-        loss = loss - alg.entropy_coef * ent
-        if prep.ref is not None and alg.use_kl_loss:
-            ref_lp = pad_rows([prep.ref[i] for i in rows], width).to(self.device)
-            kl = aggregate_loss(compute_approx_kl(logprobs, ref_lp, alg.kl_loss_type), mask, alg.loss_agg_mode)
-            loss = loss + alg.kl_loss_coef * kl
-            m["kl_loss"] = kl.detach()
-        return loss, m
+    def _model_with_weights(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        if self._old_module is None:
+            self._old_module = copy.deepcopy(self.module).eval().requires_grad_(False)
+        self._old_module.load_state_dict(state, strict=False)
+        return self._old_module
 
     # -- weights -----------------------------------------------------------------------
     def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float) -> dict:
         """Stream the policy to every engine in buckets; only rank 0 sends (DDP replicas agree)."""
-        if self.cfg.algorithm.keep_old_actor:
-            self._kept_weights[weight_version] = {k: v.detach().to("cpu", copy=True)
-                                                  for k, v in self.module.state_dict().items()}
-            for old in sorted(self._kept_weights)[:-self.cfg.max_kept_weight_versions]:
-                del self._kept_weights[old]
+        self._keep_weights(weight_version)
         if self.rank != 0:
             return {}
         t0 = time.time()

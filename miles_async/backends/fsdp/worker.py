@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
+from miles_async.backends.policy import reduce_metrics  # noqa: F401 - re-exported for the critic
 from miles_async.config import OptimizerConfig, TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
 
@@ -38,11 +39,6 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
             return floor + (1 - floor) * (1 - frac)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
     return f
-
-
-def reduce_metrics(acc: dict[str, list[float]], prefix: str) -> dict[str, float]:
-    """Means over micro-batches and steps, except maxima, which stay maxima."""
-    return {f"{prefix}/{k}": float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in acc.items()}
 
 
 class TrainWorker:

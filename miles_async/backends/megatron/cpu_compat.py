@@ -11,12 +11,12 @@ all of those land on the CPU:
   ``TorchFunctionMode`` on factory calls, ``Tensor.to``/``.cuda()`` and friends;
 * the CUDA RNG-state functions (torch's and Megatron's tracker helpers) read and write
   the CPU generator;
-* CUDA streams, events and synchronisation become no-ops.
+* CUDA streams, events and synchronisation become no-ops;
+* ``Tensor.type()`` reports CPU tensors under their CUDA names ("torch.cuda.FloatTensor"),
+  which Megatron's optimizers and gradient clipping dispatch on and assert.
 
 It is applied only when ``torch.cuda.is_available()`` is false; on a GPU ``apply()``
-returns at once, so the GPU path pays nothing. Gradient clipping is the one feature
-this shim does not cover (Megatron's fused L2-norm fallback wants CUDA kernels): the
-backend turns it off on the CPU through ``clip_grad_supported()``.
+returns at once, so the GPU path pays nothing.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def clip_grad_supported() -> bool:
-    return not needed()
-
-
 def _is_cuda(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -57,6 +53,10 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self._TO_SELF:
             return args[0] if func is not torch.Tensor.record_stream else None
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizers dispatch on (and assert) 'torch.cuda.FloatTensor'-style names.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

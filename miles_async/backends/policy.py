@@ -1,0 +1,188 @@
+"""The policy side of RL training, shared by every training backend.
+
+A rollout is trained in two phases. ``prepare`` computes what the loss needs before
+any weight moves: PPO's old log-probs (see ``validate_async_off_policy_correction``
+for which policy that is), the reference model's log-probs, and the advantages of
+the whole batch (plus value targets for the critic). ``train`` then takes the
+optimizer steps. With a critic the loop calls them separately, so the critic can
+train on the returns while the actor trains; otherwise ``train`` runs both.
+
+``PolicyMixin`` holds all of that orchestration and the per-micro-batch loss assembly
+(policy loss + entropy bonus + KL loss, from ``miles_async.algorithms``); a backend
+supplies only:
+
+* ``_forward(model, mb, temperature, with_entropy) -> (logprobs [B, R], entropy | None)``,
+* ``_train_step(batch, idx, temperature, loss_of, metrics_acc)``: one optimizer step over
+  this worker's samples ``idx``, calling ``loss_of(mb, rows, logprobs, entropy)`` on each
+  micro-batch's forward outputs,
+* ``_shard``, ``_per_sample``, ``_all_gather_dict`` (over the data-parallel group),
+  ``_current_lr()``, ``optimizer_steps``, ``module``/``model``/``ref_model``/``device``,
+* for ``--keep-old-actor``: ``_snapshot_weights()`` and ``_model_with_weights(state)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from miles_async.algorithms.advantages import compute_advantages
+from miles_async.algorithms.losses import aggregate_loss, compute_approx_kl, masked_mean, policy_loss
+from miles_async.backends.packing import MicroBatch, pad_rows
+
+# loss_of(micro_batch, sample_indices, logprobs [B, R], entropy [B, R]) -> (loss, metrics)
+LossOfOutputs = Callable[[MicroBatch, list[int], torch.Tensor, torch.Tensor],
+                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class Prepared:
+    rollout_id: int
+    steps: list[list[int]]
+    advantages: torch.Tensor  # [n, T] over the whole batch
+    mask: torch.Tensor  # [n, T] loss mask
+    old: dict[int, list[float]] | None  # None: the training pass's own detached log-probs
+    ref: dict[int, list[float]] | None
+
+
+def _padded(rows: list[list[float]] | list[list[int]], width: int) -> torch.Tensor:
+    return pad_rows([[float(x) for x in r] for r in rows], width)
+
+
+def reduce_metrics(acc: dict[str, list[float]], prefix: str) -> dict[str, float]:
+    """Means over micro-batches and steps, except maxima, which stay maxima."""
+    import numpy as np
+
+    return {f"{prefix}/{k}": float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in acc.items()}
+
+
+class PolicyMixin:
+    _prepared: Prepared | None = None
+
+    def _init_policy_state(self) -> None:
+        # --keep-old-actor: CPU copies of the weights of every version still in flight.
+        self._kept_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self._prepared = None
+
+    # -- log-probs ------------------------------------------------------------------------
+    def _logprobs_of(self, model, batch: dict, idx: list[int], temperature: float) -> dict[int, list[float]]:
+        return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
+
+    def _logprobs_under_generating_weights(self, batch: dict, idx: list[int],
+                                           temperature: float) -> dict[int, list[float]]:
+        by_version: dict[int, list[int]] = {}
+        for i in idx:
+            versions, mask = batch["weight_versions"][i], batch["loss_masks"][i]
+            # A partial rollout's prefix from older weights is masked out of the loss
+            # (--mask-offpolicy-in-partial-rollout), so only the newest version matters.
+            newest = max(versions, default=-1)
+            if any(v != newest and m for v, m in zip(versions, mask)):
+                raise RuntimeError(f"--keep-old-actor: sample {batch['uids'][i]} trains tokens of several weight "
+                                   f"versions {sorted(set(versions))}")
+            by_version.setdefault(newest, []).append(i)
+        out: dict[int, list[float]] = {i: [] for i in by_version.pop(-1, [])}
+        for version, rows in sorted(by_version.items()):
+            if version not in self._kept_weights:
+                raise RuntimeError(f"--keep-old-actor: weight version {version} (sample {batch['uids'][rows[0]]}) is "
+                                   f"no longer kept; kept versions: {sorted(self._kept_weights)}")
+            out.update(self._logprobs_of(self._model_with_weights(self._kept_weights[version]), batch, rows,
+                                         temperature))
+        return out
+
+    def _keep_weights(self, weight_version: int) -> None:
+        if self.cfg.algorithm.keep_old_actor:
+            self._kept_weights[weight_version] = self._snapshot_weights()
+            for old in sorted(self._kept_weights)[:-self.cfg.max_kept_weight_versions]:
+                del self._kept_weights[old]
+
+    # -- one rollout -----------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, rollout_id: int, batch: dict, temperature: float = 1.0,
+                values: list[list[float]] | None = None) -> list[list[float]] | None:
+        """Old/ref log-probs and the whole batch's advantages; returns the critic's targets (ppo)."""
+        alg = self.cfg.algorithm
+        n = len(batch["rewards"])
+        steps, mine = self._shard(n)
+        self.model.eval()
+        if alg.use_rollout_logprobs:
+            old = {i: batch["rollout_logprobs"][i] for i in mine}
+        elif alg.keep_old_actor:
+            old = self._logprobs_under_generating_weights(batch, mine, temperature)
+        elif len(steps) == 1 and alg.kl_coef == 0:
+            # One optimizer step per rollout: the policy before the step *is* the one being
+            # trained, so its log-probs come from the training pass itself (detached) instead
+            # of a second full forward pass.
+            old = None
+        else:
+            old = self._logprobs_of(self.module, batch, mine, temperature)
+        ref = self._logprobs_of(self.ref_model, batch, mine, temperature) if self.ref_model is not None else None
+
+        width = max(1, max(batch["response_lengths"]))
+        mask = _padded(batch["loss_masks"], width)
+        kl = None
+        if alg.kl_coef > 0:
+            # Per-token reward penalty over the whole batch: every worker needs every sample's KL.
+            old_all, ref_all = self._all_gather_dict(old), self._all_gather_dict(ref)
+            kl = compute_approx_kl(_padded([old_all[i] for i in range(n)], width),
+                                   _padded([ref_all[i] for i in range(n)], width), "k1")
+        advantages, returns = compute_advantages(
+            alg.advantage_estimator, torch.tensor(batch["rewards"], dtype=torch.float32),
+            torch.tensor(batch["group_index"]), mask, normalize_std=alg.normalize_std,
+            values=_padded(values, width) if values is not None else None, kl=kl, kl_coef=alg.kl_coef,
+            gamma=alg.gamma, lambd=alg.lambd, normalize_advantages=alg.normalize_advantages)
+        self._prepared = Prepared(rollout_id, steps, advantages, mask, old, ref)
+        if returns is None:
+            return None
+        return [returns[i, :batch["response_lengths"][i]].tolist() for i in range(n)]
+
+    def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
+              values: list[list[float]] | None = None) -> dict:
+        t0 = time.time()
+        if self._prepared is None or self._prepared.rollout_id != rollout_id:
+            self.prepare(rollout_id, batch, temperature, values)
+        prep, self._prepared = self._prepared, None
+        self.model.train()
+        metrics_acc: dict[str, list[float]] = {}
+        metrics_acc["advantage_abs_mean"] = [float(masked_mean(prep.advantages.abs(), prep.mask))]
+
+        def loss_of(mb: MicroBatch, rows: list[int], logprobs: torch.Tensor, entropy: torch.Tensor):
+            return self._policy_loss(batch, prep, mb, rows, logprobs, entropy)
+
+        for step_idx in prep.steps:
+            self._train_step(batch, step_idx, temperature, loss_of, metrics_acc)
+        metrics = reduce_metrics(metrics_acc, "train")
+        metrics.update({"train/lr": self._current_lr(), "train/seconds": time.time() - t0,
+                        "train/started_at": t0, "train/finished_at": time.time(),
+                        "train/optimizer_steps": self.optimizer_steps})
+        return metrics
+
+    def _policy_loss(self, batch: dict, prep: Prepared, mb: MicroBatch, rows: list[int], logprobs: torch.Tensor,
+                     entropy: torch.Tensor):
+        """One micro-batch's loss from its per-token log-probs and entropy (``[B, R]``, on any device)."""
+        alg = self.cfg.algorithm
+        device = logprobs.device
+        width = mb.max_response_len
+        mask = mb.response_mask.to(device)
+        adv = prep.advantages[rows, :width]
+        if adv.shape[1] < width:
+            adv = torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
+        adv = adv.to(device)
+        has_rollout_lp = all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows)
+        rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(device)
+        old_lp = logprobs.detach() if prep.old is None else pad_rows([prep.old[i] for i in rows], width).to(device)
+        loss, m = policy_loss(
+            logprobs, old_lp, adv, mask, eps_clip=alg.eps_clip, eps_clip_high=alg.eps_clip_high,
+            eps_clip_c=alg.eps_clip_c, rollout_logprobs=rollout_lp if has_rollout_lp else None,
+            use_tis=alg.use_tis and has_rollout_lp, tis_clip=alg.tis_clip, tis_clip_low=alg.tis_clip_low,
+            tis_level=alg.tis_level, tis_mode=alg.tis_mode, agg_mode=alg.loss_agg_mode, loss_type=alg.loss_type)
+        ent = aggregate_loss(entropy, mask, alg.loss_agg_mode)
+        m["entropy"] = ent.detach()
+        loss = loss - alg.entropy_coef * ent
+        if prep.ref is not None and alg.use_kl_loss:
+            ref_lp = pad_rows([prep.ref[i] for i in rows], width).to(device)
+            kl = aggregate_loss(compute_approx_kl(logprobs, ref_lp, alg.kl_loss_type), mask, alg.loss_agg_mode)
+            loss = loss + alg.kl_loss_coef * kl
+            m["kl_loss"] = kl.detach()
+        return loss, m
