@@ -140,6 +140,9 @@ class PolicyMixin:
     def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
               values: list[list[float]] | None = None) -> dict:
         t0 = time.time()
+        if self.cfg.debug_train_seconds is not None:  # benchmarks: a set training cost, weights untouched
+            time.sleep(self.cfg.debug_train_seconds)
+            return {"train/seconds": time.time() - t0, "train/started_at": t0, "train/finished_at": time.time()}
         if self._prepared is None or self._prepared.rollout_id != rollout_id:
             self.prepare(rollout_id, batch, temperature, values)
         prep, self._prepared = self._prepared, None
