@@ -61,7 +61,10 @@ def smollm2_path() -> Path:
 
 def multiplication_prompts(work_dir: Path) -> tuple[Path, list[str]]:
     """The multiplication train split (JSONL path, prompt texts), in file order so every run sees the same prompts."""
-    from miles_async.assets.arith_dataset import make_multiplication_dataset, read_records
+    from miles_async.assets.arith_dataset import (
+        make_multiplication_dataset,
+        read_records,
+    )
 
     train, _ = make_multiplication_dataset(Path(work_dir) / "mul", seed=0)
     return train, [r["prompt"] for r in read_records(train)]
@@ -102,6 +105,31 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train_async(args: list[str], out: Path, timeout: float = 1800) -> list[dict]:
+    """One real ``train_async.py`` run in a subprocess; returns its metrics.jsonl rows."""
+    import json
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args, "--output-dir", str(out), "--no-plot"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"train_async.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_setup(work: Path, n_train: int = 256) -> tuple[Path, Path, Path]:
+    """A tiny random model and its task data (train, eval) under ``work``: cheap controlled-cost runs."""
+    from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
+
+    model = make_tiny_model(work / "model", seed=0)
+    train, held_out = make_tiny_task_dataset(work / "data", n_train=n_train, n_eval=16, seed=0)
+    return model, train, held_out
 
 
 def median(xs: Sequence[float]) -> float:

@@ -23,8 +23,16 @@ from pathlib import Path
 import requests
 import torch
 
-from benchmarks.common import (DTYPES, engine_config, median, multiplication_prompts, running_engine, smollm2_path,
-                               table, torch_threads)
+from benchmarks.common import (
+    DTYPES,
+    engine_config,
+    median,
+    multiplication_prompts,
+    running_engine,
+    smollm2_path,
+    table,
+    torch_threads,
+)
 
 LEVELS = (1, 8, 32, 64)
 GROUP = 8

@@ -7,32 +7,22 @@ trained per second over the training loop, and the fraction of time the engine s
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import table
+from benchmarks.common import run_train_async, table, tiny_setup
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout: int) -> dict:
-    args = [sys.executable, str(ROOT / "train_async.py"), "--hf-checkpoint", str(model), "--prompt-data", str(data),
-            "--apply-chat-template", "--custom-rm-path", "benchmarks.workloads:constant_reward",
-            "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
-            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "256",
-            "--rollout-dtype", "float32", "--lr", "1e-3", "--num-rollout", str(num_rollout), "--use-tis",
-            "--output-dir", str(out), "--no-plot", *mode_flags]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"train_async.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = run_train_async(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template",
+                            "--custom-rm-path", "benchmarks.workloads:constant_reward",
+                            "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
+                            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
+                            "--rollout-max-response-len", "256", "--rollout-dtype", "float32", "--lr", "1e-3",
+                            "--num-rollout", str(num_rollout), "--use-tis", *mode_flags], out)
     # Skip the first step: it includes the pipeline fill, identical in both modes.
     steady = rows[1:]
     start = rows[0]["train/finished_at"]
@@ -49,11 +39,8 @@ def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout:
 
 
 def run(quick: bool, out_dir: Path) -> dict:
-    from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
-
     work = Path(tempfile.mkdtemp(prefix="miles_async_long_tail_"))  # models and run folders, not results
-    model = make_tiny_model(work / "model", seed=0)
-    train, _ = make_tiny_task_dataset(work / "data", n_train=256, n_eval=8, seed=0)
+    model, train, _ = tiny_setup(work)
     num_rollout = 8 if quick else 24
     modes = {
         "one-step-off (default)": [],

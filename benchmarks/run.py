@@ -28,6 +28,8 @@ REGISTRY: dict[str, str] = {
     "engine_throughput": "benchmarks.engine_throughput",
     "weight_sync": "benchmarks.weight_sync",
     "long_tail": "benchmarks.long_tail",
+    "pipeline_overlap": "benchmarks.pipeline_overlap",
+    "orchestration": "benchmarks.orchestration",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -25,8 +25,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (DTYPES, engine_config, median, multiplication_prompts, running_engine, smollm2_path,
-                               table, torch_threads)
+from benchmarks.common import (
+    DTYPES,
+    engine_config,
+    median,
+    multiplication_prompts,
+    running_engine,
+    smollm2_path,
+    table,
+    torch_threads,
+)
 
 MIB = 1024**2
 BUCKETS = (64 * MIB, 512 * MIB)

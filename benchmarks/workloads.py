@@ -26,3 +26,9 @@ async def long_tail_generate(ctx, sample, sampling_params):
 
 def constant_reward(sample) -> float:
     return float(sample.index % 2)  # a fixed advantage pattern: every group trains
+
+
+async def fixed_length_generate(ctx, sample, sampling_params):
+    """Generate exactly max_new_tokens tokens, so a rollout's cost is set by the engine's step cost."""
+    n = sampling_params["max_new_tokens"] - len(sample.response_tokens)
+    return await generate_sample(ctx, sample, {**sampling_params, "min_new_tokens": max(0, n)})
