@@ -234,3 +234,15 @@ def _plot(summary: list[dict], dtypes: list[str], out_dir: Path) -> str:
     fig.savefig(out_dir / name, dpi=110)
     plt.close(fig)
     return name
+
+
+def headline(entry: dict) -> list[list[str]]:
+    rows = []
+    for mix, label in (("distinct", "distinct prompts"), ("grpo", "GRPO groups of 8")):
+        pick = [s for s in entry["summary"] if s["mix"] == mix and s["dtype"] == "bfloat16"]
+        if pick:
+            ratios = " / ".join(f"{s['ratio']:.2f}x" for s in pick)
+            levels = "/".join(str(s["concurrency"]) for s in pick)
+            rows.append([f"embedded engine vs HF `generate`, SmolLM2 bf16, {label}, concurrency {levels}",
+                         f"{ratios} output tokens/s"])
+    return rows

@@ -68,3 +68,12 @@ def run(quick: bool, out_dir: Path) -> dict:
                   "Fully-async drains groups in completion order, so it trains shorter responses first; compare "
                   "the token rate as well as the sample rate."],
     }
+
+
+def headline(entry: dict) -> list[list[str]]:
+    r = entry["results"]
+    base, fa = r["one-step-off (default)"], r["fully-async, staleness 2"]
+    return [["fully-async vs one-step-off, long-tailed response lengths",
+             f"{fa['samples_per_second'] / base['samples_per_second']:.2f}x samples/s, "
+             f"{fa['response_tokens_per_second'] / base['response_tokens_per_second']:.2f}x trained tokens/s, "
+             f"engine idle {fa['engine_idle_frac']:.0%} vs {base['engine_idle_frac']:.0%}"]]

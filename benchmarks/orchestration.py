@@ -76,3 +76,11 @@ def run(quick: bool, out_dir: Path) -> dict:
                   "path includes one HTTP round trip and one reward call; the Ray transfer to the trainer is "
                   "per batch."],
     }
+
+
+def headline(entry: dict) -> list[list[str]]:
+    r = entry["results"]
+    ray_us = r["bare_ray_round_trip_us"]
+    return [[f"orchestration overhead per sample ({name}, zero-cost generation and training)",
+             f"{p['us_per_sample_without_engine']:.0f} us = {p['us_per_sample_without_engine'] / ray_us:.2f}x a bare "
+             f"Ray round trip ({ray_us:.0f} us)"] for name, p in r["paths"].items()]

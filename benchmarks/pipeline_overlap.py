@@ -102,3 +102,19 @@ def _plot(results: dict, ratios, out_dir: Path) -> list[str]:
     fig.savefig(out_dir / "pipeline_overlap.png", dpi=100)
     plt.close(fig)
     return ["pipeline_overlap.png"]
+
+
+def headline(entry: dict) -> list[list[str]]:
+    r = entry["results"]
+    rows = []
+    for mode in ("one-step-off", "fully-async"):
+        effs = [v["efficiency"] for v in r.values() if v["mode"] == mode]
+        rows.append([f"pipeline efficiency, {mode}, over G/T 0.25..4 (target >= 0.95)",
+                     f"{min(effs):.3f} .. {max(effs):.3f}"])
+    even = [k for k, v in r.items() if v["ratio"] == 1.0]
+    if even:
+        sync = r["1.0/synchronous"]["wall_seconds"]
+        rows.append(["speed-up over synchronous at G = T (limit 2x)",
+                     " / ".join(f"{m} {sync / r['1.0/' + m]['wall_seconds']:.2f}x"
+                                for m in ("one-step-off", "fully-async"))])
+    return rows

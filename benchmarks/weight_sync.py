@@ -225,3 +225,12 @@ def _plot(summary: list[dict], dtypes: list[str], routes: list[str], out_dir: Pa
     fig.savefig(out_dir / name, dpi=110)
     plt.close(fig)
     return name
+
+
+def headline(entry: dict) -> list[list[str]]:
+    rows = []
+    for s in entry["summary"]:
+        if s["dtype"] == "bfloat16" and s["route"] != "memcopy":
+            rows.append([f"push SmolLM2 bf16 weights to an engine, {s['route']}",
+                         f"{s['seconds']:.2f} s = {s['x_memcopy']:.0f}x an in-memory copy of the same bytes"])
+    return rows
