@@ -26,6 +26,7 @@ from miles_async.config import (
     EvalConfig,
     FullyAsyncConfig,
     LoopConfig,
+    MegatronConfig,
     OptimizerConfig,
     RewardConfig,
     RolloutConfig,
@@ -149,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-in-flight-evals", type=int, default=1)
 
     g = p.add_argument_group("training")
-    g.add_argument("--train-backend", default="fsdp", choices=("fsdp",))
+    g.add_argument("--train-backend", default="fsdp", choices=("fsdp", "megatron"),
+                   help="fsdp: HF transformers models under torch DDP; megatron: Megatron-core GPTModel "
+                        "(pip install -r requirements-megatron.txt)")
     g.add_argument("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer")
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step")
     g.add_argument("--num-steps-per-rollout", type=int, default=None)
@@ -157,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gradient-checkpointing", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--update-weights-interval", type=int, default=1)
+
+    g = p.add_argument_group("megatron (--train-backend megatron)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 for now")
+    g.add_argument("--context-parallel-size", type=int, default=1, help="only 1 for now")
+    g.add_argument("--sequence-parallel", action="store_true", help="needs --tensor-model-parallel-size > 1")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel ranks")
 
     g = p.add_argument_group("critic (--advantage-estimator ppo)")
     g.add_argument("--critic-load", default=None, help="HF folder the critic starts from (default: --hf-checkpoint; "
@@ -316,6 +327,43 @@ def _validate_algorithm(ns: argparse.Namespace) -> None:
     _require(ns.critic_lr is None or ns.critic_lr > 0, "--critic-lr must be positive")
 
 
+def _validate_megatron(ns: argparse.Namespace, num_workers: int) -> MegatronConfig:
+    """The Megatron flags: refused with the torch backend, checked against the model and the workers."""
+    mcfg = MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size,
+                          ns.sequence_parallel, ns.use_distributed_optimizer)
+    if ns.train_backend != "megatron":
+        _require(mcfg == MegatronConfig(), "--tensor-model-parallel-size, --pipeline-model-parallel-size, "
+                                           "--context-parallel-size, --sequence-parallel and "
+                                           "--use-distributed-optimizer need --train-backend megatron")
+        return mcfg
+    import importlib.util
+    import json
+
+    _require(importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
+             "--train-backend megatron needs megatron-core: pip install -r requirements-megatron.txt")
+    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
+    _require(min(tp, pp, cp) >= 1, "Megatron parallel sizes must be >= 1")
+    _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by the megatron backend yet (weight "
+                      "export and the micro-batch path assume one pipeline stage)")
+    _require(cp == 1, "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
+                      "gathered from whole sequences)")
+    _require(num_workers % mcfg.model_parallel_size == 0,
+             f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups")
+    _require(not ns.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    config = json.loads((Path(ns.hf_checkpoint) / "config.json").read_text())
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    _require(heads % tp == 0 and kv_heads % tp == 0,
+             f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
+             f"{kv_heads} key/value heads")
+    _require(ns.advantage_estimator != "ppo", "--advantage-estimator ppo needs a critic, which the megatron backend "
+                                              "does not have yet: use --train-backend fsdp")
+    _require(not ns.keep_old_actor, "--keep-old-actor is not supported by the megatron backend yet: use --use-tis "
+                                    "or --use-rollout-logprobs")
+    _require(not ns.gradient_checkpointing, "--gradient-checkpointing is not mapped to Megatron's recompute yet")
+    return mcfg
+
+
 def _parse_eval_datasets(values: list[str] | None) -> tuple[tuple[str, str], ...]:
     if not values:
         return ()
@@ -463,8 +511,11 @@ def build_config(ns: argparse.Namespace) -> Config:
 
     num_workers = ns.actor_num_nodes * ns.actor_num_gpus_per_node
     _require(num_workers >= 1, "--actor-num-nodes * --actor-num-gpus-per-node must be >= 1")
-    _require(global_batch % num_workers == 0,
-             f"the global batch ({global_batch} samples) must split evenly over {num_workers} training workers")
+    megatron = _validate_megatron(ns, num_workers)
+    data_parallel = num_workers // megatron.model_parallel_size
+    _require(global_batch % data_parallel == 0,
+             f"the global batch ({global_batch} samples) must split evenly over {data_parallel} data-parallel "
+             f"training workers")
     num_critic_workers = 0
     if ns.advantage_estimator == "ppo":
         num_critic_workers = (ns.critic_num_nodes or ns.actor_num_nodes) * \
@@ -565,6 +616,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         num_threads=ns.train_num_threads or threads,
         debug_train_seconds=ns.debug_train_seconds,
         max_kept_weight_versions=(ns.max_staleness_steps if ns.fully_async else 1) + 2,
+        megatron=megatron,
     )
     critic = None
     if algorithm.uses_critic:

@@ -159,6 +159,20 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-core's parallel layout (--train-backend megatron); data parallel = workers / (TP * PP * CP)."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     backend: str
     model_path: str  # HF folder the policy starts from
@@ -176,6 +190,7 @@ class TrainConfig:
     debug_train_seconds: float | None = None  # benchmarks: replace training by a sleep of this length
     role: str = "actor"  # "actor" or "critic": also the checkpoint sub-folder
     max_kept_weight_versions: int = 2  # --keep-old-actor: weight versions still in flight
+    megatron: MegatronConfig = MegatronConfig()
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,12 @@ from miles_async.ray.cluster import actor_options
 
 
 def _worker_class(cfg: TrainConfig) -> type:
+    if cfg.backend == "megatron" and cfg.role == "actor":
+        from miles_async.backends.megatron.actor import MegatronTrainActor
+
+        return MegatronTrainActor
     if cfg.backend != "fsdp":
-        raise ValueError(f"--train-backend {cfg.backend} is not available")
+        raise ValueError(f"--train-backend {cfg.backend} has no {cfg.role} worker")
     if cfg.role == "critic":
         from miles_async.backends.fsdp.critic import FSDPCritic
 

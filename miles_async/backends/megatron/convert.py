@@ -146,11 +146,17 @@ def _gather(t: torch.Tensor, dim: int, group, tp: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def export_hf(model, arch: ArchSpec, tp: int = 1, group=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group."""
+def export_hf(model, arch: ArchSpec, tp: int = 1, group=None,
+              tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group.
+
+    ``tensor_of`` picks what is exported per parameter (default the weight; e.g. its
+    gradient ``p.main_grad`` to compare gradients across parallel layouts).
+    """
     numbers = _layer_numbers(model)
     for name, p in model.named_parameters():
-        t = p.detach()
+        t = tensor_of(p).detach()
         if name == "embedding.word_embeddings.weight":
             yield "model.embed_tokens.weight", _gather(t, 0, group, tp)[:arch.vocab_size]
             continue

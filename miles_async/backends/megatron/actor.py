@@ -1,0 +1,307 @@
+"""The policy worker of the Megatron-core backend.
+
+Everything RL-specific (old/ref log-probs, advantages, the per-micro-batch loss) is
+``PolicyMixin``, shared with the torch backend. This class builds a Megatron
+``GPTModel`` from the HF checkpoint (``model.py``, ``convert.py``), wraps it in
+Megatron's DDP and optimizer, runs each optimizer step through Megatron's
+forward/backward schedule over token-budgeted micro-batches (``packing.py``), streams
+the weights back to HF names in buckets for the engines and ``--save-hf``, and saves
+resumable checkpoints with Megatron's distributed checkpointing.
+
+The model is built in ``init_process_group`` (Megatron's tensor parallelism needs the
+process group first); ``TrainGroup.init`` always calls it, also with one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
+from miles_async.backends.fsdp.worker import TrainWorker, lr_lambda
+from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf, save_hf_folder
+from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, init_parallel
+from miles_async.backends.packing import MicroBatch
+from miles_async.backends.policy import LossOfOutputs, PolicyMixin
+from miles_async.backends.weight_export import iter_buckets, push_buckets
+from miles_async.config import TrainConfig
+from miles_async.utils.checkpoint import iteration_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mb``'s rows right-aligned from position 0 (no attention mask needed beyond causal).
+
+    Returns input ids ``[B, S]``, position ids ``[B, S]`` and, for each response token, the
+    position whose logits predict it (``[B, R]``). ``S`` is rounded up to ``multiple``
+    (the TP size under sequence parallelism).
+    """
+    b, total = mb.input_ids.shape
+    r = mb.max_response_len
+    p = total - r
+    prompt_lens = mb.attention_mask[:, :p].sum(dim=1)
+    lens = mb.attention_mask.sum(dim=1)
+    s = int(lens.max())
+    s = -(-s // multiple) * multiple
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    for i in range(b):
+        start = p - int(prompt_lens[i])
+        ids[i, :int(lens[i])] = mb.input_ids[i, start:start + int(lens[i])]
+    pos = torch.arange(s).expand(b, s).contiguous()
+    targets = (prompt_lens[:, None] - 1 + torch.arange(r)[None, :]).clamp(0, s - 1)
+    return ids, pos, targets
+
+
+class MegatronTrainActor(PolicyMixin, TrainWorker):
+    # TrainWorker's __init__ builds an HF module at once; here building waits for the
+    # process group, so only its batch helpers (_collate, _micro_batches, _per_sample) are reused.
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int,
+                 load_dir: str | None = None, load_rollout_id: int | None = None):
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.total_optimizer_steps = total_optimizer_steps
+        self._load_from = (load_dir, load_rollout_id)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self._seed_everything(cfg.seed + rank)
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(cfg.model_path)
+        self.arch = ArchSpec.from_hf(hf_config)
+        self.pad_id = hf_config.pad_token_id or 0
+        m = cfg.megatron
+        self.par = ParallelSizes(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                 m.context_parallel_size, m.sequence_parallel, m.use_distributed_optimizer)
+        self.optimizer_steps = 0
+        self._init_policy_state()
+        self.module = self.model = self.ref_model = None
+
+    # -- set-up -------------------------------------------------------------------------
+    def init_process_group(self, master_addr: str, master_port: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        init_parallel(self.rank, self.world_size, self.par, master_addr, master_port, self.cfg.seed)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        self._seed_everything(self.cfg.seed + self.dp_rank)  # TP ranks of a replica share their RNG
+        module = self._build_gpt(self.cfg.model_path).to(self.device)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=self.par.distributed_optimizer)
+        self.model = DistributedDataParallel(module.config, ddp_cfg, module)
+        self.module = module
+        cfg = module.config
+        cfg.no_sync_func = self.model.no_sync
+        cfg.finalize_model_grads_func = finalize_model_grads
+        opt = self.cfg.optimizer
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
+            bf16=False, fp16=False, params_dtype=torch.float32,
+            use_distributed_optimizer=self.par.distributed_optimizer), [self.model])
+        self._lr_at = lr_lambda(opt, self.total_optimizer_steps)
+        self._set_lr()
+        if self.cfg.algorithm.needs_ref_model and self.cfg.ref_model_path is not None:
+            self.ref_model = self._build_gpt(self.cfg.ref_model_path).to(self.device).eval().requires_grad_(False)
+        load_dir, load_rollout_id = self._load_from
+        if load_dir is not None and load_rollout_id is not None:
+            self._load(load_dir, load_rollout_id)
+
+    def _build_gpt(self, path: str):
+        model = build_gpt_model(self.arch, self.par)
+        load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank)
+        return model
+
+    def _set_lr(self) -> None:
+        lr = self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _current_lr(self) -> float:
+        # The LR of the step just taken, as the torch scheduler reports it.
+        return self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps)
+
+    # -- data parallelism over the DP group (TP ranks of one replica see the same samples) --
+    def _shard(self, n: int) -> tuple[list[list[int]], list[int]]:
+        gbs = self.cfg.global_batch_size
+        steps = [list(range(s, min(s + gbs, n)))[self.dp_rank::self.dp_size] for s in range(0, n, gbs)]
+        return steps, [i for step in steps for i in step]
+
+    def _all_reduce_sum(self, value: float) -> float:
+        if self.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t.item())
+
+    def _all_gather_dict(self, part: dict) -> dict:
+        if self.dp_size == 1:
+            return part
+        parts: list[dict] = [{} for _ in range(self.dp_size)]
+        dist.all_gather_object(parts, part, group=self.dp_group)
+        return {k: v for p in parts for k, v in p.items()}
+
+    # -- forward ----------------------------------------------------------------------------
+    def _logits(self, model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
+            logits = model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
+        return logits
+
+    def _outputs(self, logits: torch.Tensor, mb: MicroBatch, targets: torch.Tensor, temperature: float,
+                 with_entropy: bool):
+        rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
+        logits = logits[rows, targets.to(logits.device), :self.arch.vocab_size].float()  # [B, R, V]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = logprobs_from_logits(logits, mb.response_ids.to(logits.device))
+        return logprobs, entropy_from_logits(logits) if with_entropy else None
+
+    def _layout(self, mb: MicroBatch):
+        return megatron_layout(mb, self.pad_id, self.tp if self.par.sequence_parallel else 1)
+
+    def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
+        ids, pos, targets = self._layout(mb)
+        return self._outputs(self._logits(model, ids, pos), mb, targets, temperature, with_entropy)
+
+    # -- one optimizer step through Megatron's schedule ------------------------------------------
+    def _train_step(self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs,
+                    metrics_acc: dict) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        agg = self.cfg.algorithm.loss_agg_mode
+        micro = self._micro_batches(batch, idx)
+        total_tokens = sum(sum(batch["loss_masks"][i]) for i in idx)
+        total = self._all_reduce_sum(float(total_tokens if agg == "token_mean" else len(idx)))
+        n_micro = len(micro)
+
+        def forward_step(data_iterator, model):
+            rows = next(data_iterator)
+            mb = self._collate(batch, rows)
+            ids, pos, targets = self._layout(mb)
+            logits = self._logits(model, ids, pos)
+
+            def loss_func(output):
+                logprobs, entropy = self._outputs(output, mb, targets, temperature, with_entropy=True)
+                loss, m = loss_of(mb, rows, logprobs, entropy)
+                share = (mb.response_mask.sum().item() if agg == "token_mean" else len(rows)) / max(total, 1.0)
+                m["loss"] = loss.detach()
+                for key, value in m.items():
+                    metrics_acc.setdefault(key, []).append(float(value))
+                # The schedule divides by the number of micro-batches and DDP averages over
+                # DP ranks; undo both so the step's loss is the global sum of shares.
+                return loss * share * self.dp_size * n_micro, {}
+            return logits, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        seq = max(len(batch["tokens"][i]) for i in idx)
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                                    num_microbatches=n_micro, seq_length=seq, micro_batch_size=1,
+                                    forward_only=False)
+        self._set_lr()
+        _, grad_norm, _ = self.optimizer.step()
+        metrics_acc.setdefault("grad_norm", []).append(float(grad_norm) if grad_norm is not None else 0.0)
+        self.optimizer_steps += 1
+
+    # -- weights ------------------------------------------------------------------------------
+    def _export(self):
+        """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it."""
+        return export_hf(self.module, self.arch, self.tp, self.tp_group)
+
+    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float) -> dict:
+        """Stream the policy to every engine in buckets gathered over TP; global rank 0 sends."""
+        self._keep_weights(weight_version)
+        if self.dp_rank != 0:
+            return {}
+        if self.rank != 0:
+            for _ in self._export():  # take part in the TP gathers
+                pass
+            return {}
+        t0 = time.time()
+        buckets = iter_buckets(self._export(), DTYPES[engine_dtype], self.cfg.update_weight_buffer_size)
+        nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
+        return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
+
+    def save_hf(self, path: str) -> None:
+        if self.dp_rank != 0:
+            return
+        if self.rank != 0:
+            for _ in self._export():
+                pass
+            return
+        tmp = Path(str(path) + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_hf_folder(self._export(), self.cfg.model_path, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+
+    # -- checkpoints: Megatron distributed checkpointing -----------------------------------------
+    def _sharded_state(self, with_optimizer: bool) -> dict:
+        state = {"model": self.module.sharded_state_dict()}
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"])
+        return state
+
+    def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True) -> None:
+        from megatron.core import dist_checkpointing
+
+        out = iteration_dir(save_dir, rollout_id) / self.cfg.role
+        dist_dir = out / "megatron"
+        if self.rank == 0:
+            shutil.rmtree(dist_dir, ignore_errors=True)
+            dist_dir.mkdir(parents=True, exist_ok=True)
+        if self.world_size > 1:
+            dist.barrier()
+        dist_checkpointing.save(self._sharded_state(save_optimizer), str(dist_dir))
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        torch.save(rng, out / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            (out / "megatron_meta.json").write_text(json.dumps({
+                "optimizer_steps": self.optimizer_steps, "has_optimizer": save_optimizer,
+                "tp": self.tp, "dp": self.dp_size, "format": "megatron.core.dist_checkpointing (torch_dist)"}))
+
+    def _load(self, load_dir: str, rollout_id: int) -> None:
+        from megatron.core import dist_checkpointing
+
+        src = iteration_dir(load_dir, rollout_id) / self.cfg.role
+        if not (src / "megatron").is_dir():
+            raise RuntimeError(f"--load: {src} holds no Megatron checkpoint (folder 'megatron'); a checkpoint of "
+                               f"--train-backend fsdp cannot be resumed with --train-backend megatron")
+        meta = json.loads((src / "megatron_meta.json").read_text())
+        state = dist_checkpointing.load(self._sharded_state(meta["has_optimizer"]), str(src / "megatron"))
+        self.module.load_state_dict(state["model"])
+        if meta["has_optimizer"]:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = meta["optimizer_steps"]
+        self._set_lr()
+        rng_path = src / f"rng_rank{self.rank}.pt"
+        if rng_path.exists():
+            rng = torch.load(rng_path, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+
+    def state_checksum(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.module.parameters()))
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The whole policy under HF names (tests and tools; every TP rank must call it)."""
+        return {k: v.clone() for k, v in self._export()}
