@@ -31,6 +31,7 @@ class EngineError(RuntimeError):
         self.url = url
         self.endpoint = endpoint
         self.status = status
+        self.message = message
         where = f"{url}{endpoint}"
         prefix = f"HTTP {status} from {where}" if status is not None else f"request to {where} failed"
         super().__init__(f"{prefix}: {message}")
@@ -102,6 +103,7 @@ class EngineClient:
         data: bytes | None = None,
         params: dict[str, str] | None = None,
         timeout: float | None = None,
+        raw: bool = False,
     ) -> Any:
         url = self.base_url + endpoint
         limit = self.timeout if timeout is None else timeout
@@ -114,6 +116,8 @@ class EngineClient:
                 params=params,
                 timeout=aiohttp.ClientTimeout(total=limit),
             ) as resp:
+                if raw and resp.status < 400:
+                    return await resp.read()
                 text = await resp.text()
                 if resp.status >= 400:
                     raise EngineError(self.base_url, endpoint, _error_message(text), status=resp.status)
@@ -158,6 +162,20 @@ class EngineClient:
 
     async def model_info(self) -> dict[str, Any]:
         return await self._request("GET", "/get_model_info")
+
+    async def weights_checksum(self) -> dict[str, Any]:
+        """GET /weights_checksum: ``{"weight_version": V, "checksums": {name: {...}}}`` (embedded engine only;
+        see ``miles_async.utils.weight_checksum``)."""
+        return await self._request("GET", "/weights_checksum")
+
+    async def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """GET /get_weights: every parameter and the weight version they belong to, read between two decode
+        steps (embedded engine only; used to seed a restarted engine from a healthy peer)."""
+        from safetensors.torch import load
+
+        raw = await self._request("GET", "/get_weights", raw=True)
+        tensors = await asyncio.to_thread(load, raw)
+        return tensors, int(safetensors_metadata(raw)["weight_version"])
 
     async def load(self) -> dict[str, Any]:
         """Running/waiting requests and the engine's counters (``/get_load``)."""
@@ -204,6 +222,12 @@ class EngineClient:
         if weight_version is not None:
             params["weight_version"] = str(int(weight_version))
         return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
+
+
+def safetensors_metadata(raw: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (its header: 8-byte little-endian length, then JSON)."""
+    size = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + size]).get("__metadata__") or {}
 
 
 def _error_message(text: str) -> str:

@@ -1,31 +1,217 @@
-"""Spread requests over engines: least outstanding requests first."""
+"""Spread /generate requests over engines: least outstanding requests first.
+
+Without fault tolerance (``retry=False``) the engine set is fixed and a failed request fails
+the rollout at once, with a message naming the engine.
+
+With ``--use-fault-tolerance`` (``retry=True``):
+
+- the set of engines changes at run time: the inference controller calls ``set_engines``
+  whenever it quarantines an engine or brings a restarted one back (only once that engine
+  holds the current weights), and engine URLs may change on restart;
+- a request that fails because its engine died (connection error or a 5xx "engine is dead")
+  is sent again, whole, to another engine. The caller's sample only changes when a response
+  arrives, so nothing the dead engine produced leaks into it: the retry starts from the
+  sample's current state. Requests still running on an engine that is taken out of the set
+  (e.g. it hangs) are cancelled and retried the same way;
+- an engine that just failed a request is skipped by new requests for ``cooldown`` seconds,
+  long enough for the controller's health check to confirm or clear it;
+- with no engine to send to, requests wait for one (until the controller reports that the
+  run cannot go on, ``set_engines([], fatal=...)``, which fails them with its message).
+
+``make_router`` picks SGLang's own router (``sglang_router``) when asked for and installed;
+that path is untested here (the package is not installed in this environment).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+from typing import Any, Callable
 
-from miles_async.inference.client import EngineClient
+from miles_async.inference.client import EngineClient, EngineError
+
+logger = logging.getLogger(__name__)
+
+
+class NoEngineError(RuntimeError):
+    """No engine can take requests any more (the controller gave up)."""
+
+
+def is_engine_failure(e: EngineError) -> bool:
+    """A connection error or a 5xx: the engine (not the request) is at fault, so another may succeed."""
+    if e.status is None:
+        return "timed out" not in str(e)  # a slow answer is not a dead engine (the health check judges that)
+    return e.status >= 500
 
 
 class Router:
-    def __init__(self, urls: list[str], timeout: float):
+    def __init__(self, urls: list[str], timeout: float, retry: bool = False, cooldown: float = 5.0,
+                 max_attempts: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 client_factory: Callable[[str, float], Any] = lambda url, timeout: EngineClient(url, timeout=timeout)):
         if not urls:
             raise ValueError("Router needs at least one engine URL")
-        self.clients = [EngineClient(u, timeout=timeout) for u in urls]
-        self.outstanding = [0] * len(self.clients)
+        self.timeout = timeout
+        self.retry = retry
+        self.cooldown = cooldown
+        self.max_attempts = max_attempts or max(3, 2 * len(urls))
+        self.clock = clock
+        self._client_factory = client_factory
+        self.clients: dict[str, Any] = {u: client_factory(u, timeout) for u in urls}
+        self.outstanding: dict[str, int] = {u: 0 for u in urls}
+        self._cooling_until: dict[str, float] = {}
+        self._inflight: dict[str, set[asyncio.Task]] = {u: set() for u in urls}
+        self._evicted: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+        self.fatal: str | None = None
+        self.retries = 0  # requests sent again after their engine failed
 
-    def _pick(self) -> int:
-        return min(range(len(self.clients)), key=lambda i: self.outstanding[i])
+    @property
+    def urls(self) -> list[str]:
+        return list(self.clients)
+
+    async def set_engines(self, urls: list[str], fatal: str | None = None) -> None:
+        """The engines that may take traffic now; ``fatal``: none ever will again, fail every request."""
+        old = set(self.clients)
+        for u in urls:
+            if u not in self.clients:
+                self.clients[u] = self._client_factory(u, self.timeout)
+                self.outstanding[u] = 0
+                self._inflight[u] = set()
+            self._cooling_until.pop(u, None)  # (re)admitted by the controller: it answers its health checks
+        for u in old - set(urls):
+            client = self.clients.pop(u)
+            for task in self._inflight.pop(u, set()):
+                self._evicted.add(task)
+                task.cancel()
+            self.outstanding.pop(u, None)
+            await client.close()
+        if fatal is not None:
+            self.fatal = fatal
+        if set(urls) != old or fatal is not None:
+            logger.warning("router: engines now %s%s", urls, f" (fatal: {fatal.splitlines()[0]})" if fatal else "")
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _pick(self) -> str | None:
+        now = self.clock()
+        candidates = [u for u in self.clients if self._cooling_until.get(u, 0) <= now]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda u: self.outstanding[u])
+
+    async def _acquire(self) -> str:
+        while True:
+            if self.fatal is not None:
+                raise NoEngineError(self.fatal)
+            url = self._pick()
+            if url is not None:
+                return url
+            # Wait for the controller to change the set, or for a cooldown to end.
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(self.cooldown, 1.0))
+            except asyncio.TimeoutError:
+                pass
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
                        rid: str | None = None) -> dict[str, Any]:
-        i = self._pick()
-        self.outstanding[i] += 1
-        try:
-            return await self.clients[i].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
-        finally:
-            self.outstanding[i] -= 1
+        errors: list[str] = []
+        for attempt in range(1, self.max_attempts + 1):
+            url = await self._acquire() if self.retry else min(self.clients, key=lambda u: self.outstanding[u])
+            self.outstanding[url] += 1
+            task = asyncio.ensure_future(self.clients[url].generate(input_ids, sampling_params,
+                                                                    return_logprob=return_logprob, rid=rid))
+            self._inflight[url].add(task)
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task not in self._evicted or (current is not None and current.cancelling()):
+                    raise
+                errors.append(f"{url}: taken out of rotation by the health check")
+            except EngineError as e:
+                if not self.retry:
+                    raise EngineError(e.url, e.endpoint, f"{e.message} (the engine may have died; see its "
+                                      f"engine_<i>.log in the output folder; --use-fault-tolerance would retry "
+                                      f"the request on another engine)", e.status) from e
+                if not is_engine_failure(e):
+                    raise
+                errors.append(str(e))
+                self._cooling_until[url] = self.clock() + self.cooldown
+            finally:
+                self._evicted.discard(task)
+                if url in self.outstanding:
+                    self.outstanding[url] -= 1
+                    self._inflight[url].discard(task)
+            self.retries += 1
+            logger.warning("router: request failed on %s (attempt %d of %d), retrying on another engine: %s",
+                           url, attempt, self.max_attempts, errors[-1])
+        raise NoEngineError(f"a request failed on {self.max_attempts} engines in a row (is the request itself "
+                            f"killing them?): " + "; ".join(errors))
 
     async def close(self) -> None:
-        for c in self.clients:
+        for c in self.clients.values():
             await c.close()
+
+
+class SGLangRouter:
+    """SGLang's router (the ``sglang_router`` package, a Rust load balancer) behind the same interface.
+
+    UNTESTED: ``sglang_router`` is not installed in this project's test environment. It is
+    launched as a child process with the engine URLs; engines are added and removed through
+    its ``/add_worker`` and ``/remove_worker`` endpoints; requests go to its ``/generate``.
+    Retries of failed requests are then the SGLang router's business, not ours.
+    """
+
+    def __init__(self, urls: list[str], timeout: float, host: str = "127.0.0.1", policy: str = "cache_aware"):
+        from miles_async.inference.launcher import free_port
+
+        port = free_port(host)
+        self.url = f"http://{host}:{port}"
+        self.timeout = timeout
+        self.engines = list(urls)
+        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+                                      "--port", str(port), "--policy", policy, "--worker-urls", *urls])
+        self.client = EngineClient(self.url, timeout=timeout)
+        self.fatal: str | None = None
+        self.retries = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.engines)
+
+    async def set_engines(self, urls: list[str], fatal: str | None = None) -> None:
+        for u in set(self.engines) - set(urls):
+            await self.client._request("POST", "/remove_worker", params={"url": u})
+        for u in set(urls) - set(self.engines):
+            await self.client._request("POST", "/add_worker", params={"url": u})
+        self.engines = list(urls)
+        self.fatal = fatal or self.fatal
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
+                       rid: str | None = None) -> dict[str, Any]:
+        if self.fatal is not None:
+            raise NoEngineError(self.fatal)
+        return await self.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+
+    async def close(self) -> None:
+        await self.client.close()
+        self.proc.terminate()
+
+
+def sglang_router_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def make_router(urls: list[str], timeout: float, kind: str = "builtin", retry: bool = False,
+                cooldown: float = 5.0) -> Router | SGLangRouter:
+    """``kind``: "builtin" (this module's Router), "sglang" (SGLang's router; must be installed)."""
+    if kind == "sglang":
+        if not sglang_router_available():
+            raise RuntimeError("--rollout-router sglang needs the sglang_router package (pip install sglang-router)")
+        return SGLangRouter(urls, timeout)
+    return Router(urls, timeout, retry=retry, cooldown=cooldown)

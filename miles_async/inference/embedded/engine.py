@@ -403,6 +403,18 @@ class Engine:
 
         return self.run_between_steps(apply)
 
+    def weights_snapshot(self) -> concurrent.futures.Future:
+        """(copies of the parameters, weight version), read between two decode steps so no update is half
+        applied; one name per storage (tied weights appear once)."""
+        return self.run_between_steps(lambda: ({n: p.detach().clone() for n, p in self.model.named_parameters()},
+                                               self.weight_version))
+
+    def weights_checksum(self) -> concurrent.futures.Future:
+        """(per-parameter checksums, weight version), computed between two decode steps."""
+        from miles_async.utils.weight_checksum import tensor_checksums
+
+        return self.run_between_steps(lambda: (tensor_checksums(self.model.named_parameters()), self.weight_version))
+
     def load_snapshot(self) -> dict[str, Any]:
         """Cheap, slightly racy view of the engine's load (for /get_load)."""
         return {

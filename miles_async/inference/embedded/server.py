@@ -18,8 +18,10 @@ Endpoints (JSON unless noted):
 - ``POST /flush_cache``                 (GET accepted too, as older SGLang did)
 - ``POST /update_weights_from_disk``    ``{"model_path": str, "weight_version": int | null}``
 - ``POST /update_weights_from_tensor?weight_version=V&flush=1``  body: raw safetensors bytes
+- ``GET  /weights_checksum``            ``{"weight_version": V, "checksums": {name: {sha256, sum, shape, dtype}}}``
+- ``GET  /get_weights``                 every parameter as a safetensors blob, ``weight_version`` in its metadata
 
-The last one deliberately differs from SGLang (which takes pickled tensors in
+``/update_weights_from_tensor`` deliberately differs from SGLang (which takes pickled tensors in
 JSON): a safetensors blob is safe to parse and cheap to produce.
 
 ``text`` in /generate responses is decoded only when the model folder has a
@@ -367,6 +369,21 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     )
 
 
+async def weights_checksum(request: web.Request) -> web.Response:
+    """Checksums of every parameter in the engine's dtype (``--check-weight-update-equal``)."""
+    checksums, version = await _await(_engine(request).weights_checksum())
+    return web.json_response({"weight_version": version, "checksums": checksums})
+
+
+async def get_weights(request: web.Request) -> web.Response:
+    """The live weights, to seed a restarted engine from this one (``--use-fault-tolerance``)."""
+    from safetensors.torch import save
+
+    tensors, version = await _await(_engine(request).weights_snapshot())
+    raw = await asyncio.to_thread(save, tensors, {"weight_version": str(version)})
+    return web.Response(body=raw, content_type="application/octet-stream")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
@@ -398,6 +415,8 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_get("/weights_checksum", weights_checksum)
+    app.router.add_get("/get_weights", get_weights)
     return app
 
 
