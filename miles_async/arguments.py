@@ -24,6 +24,7 @@ from miles_async.config import (
     DataConfig,
     EngineConfig,
     EvalConfig,
+    FaultToleranceConfig,
     FullyAsyncConfig,
     LoopConfig,
     MegatronConfig,
@@ -137,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engine-startup-timeout", type=float, default=600.0)
     g.add_argument("--engine-request-timeout", type=float, default=600.0)
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2, help="bytes per weight bucket")
+    g.add_argument("--use-fault-tolerance", action="store_true",
+                   help="health-check the engines; one that dies or stops answering is taken out of the router, "
+                        "its requests are retried on the others, and it is restarted with the current weights "
+                        "(copied from a serving engine). Without it a dead engine fails the run")
+    g.add_argument("--rollout-health-check-interval", type=float, default=10.0,
+                   help="seconds between health checks (--use-fault-tolerance)")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=5.0,
+                   help="seconds a health check may take before it counts as failed")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="restarts per engine over the run before it is given up (the run fails once no engine "
+                        "is left)")
+    g.add_argument("--check-weight-update-equal", action="store_true",
+                   help="after every weight update, compare a checksum of each engine's weights with the "
+                        "trainer's (in the engine dtype) and fail naming the first tensor that differs")
+    g.add_argument("--rollout-router", default="builtin", choices=("builtin", "sglang"),
+                   help="builtin: least outstanding requests (with --use-fault-tolerance: retries on engine "
+                        "failure); sglang: SGLang's own router, needs sglang-router (untested)")
 
     g = p.add_argument_group("eval")
     g.add_argument("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH",
@@ -350,6 +368,9 @@ def _validate_megatron(ns: argparse.Namespace, num_workers: int) -> MegatronConf
     _require(num_workers % mcfg.model_parallel_size == 0,
              f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups")
     _require(not ns.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+    _require(not ns.sequence_parallel or importlib.util.find_spec("transformer_engine") is not None,
+             "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, which "
+             "refuse sequence parallelism)")
     config = json.loads((Path(ns.hf_checkpoint) / "config.json").read_text())
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
@@ -542,6 +563,9 @@ def build_config(ns: argparse.Namespace) -> Config:
         request_timeout=ns.engine_request_timeout,
         seed=ns.seed,
         debug_step_seconds=ns.debug_engine_step_seconds,
+        fault_tolerance=_fault_tolerance_config(ns),
+        check_weight_update_equal=ns.check_weight_update_equal,
+        router=ns.rollout_router,
     )
     rollout_sampling = SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
                                       ns.rollout_max_response_len)
@@ -654,6 +678,24 @@ def build_config(ns: argparse.Namespace) -> Config:
         ),
         critic=critic,
     )
+
+
+def _fault_tolerance_config(ns: argparse.Namespace) -> FaultToleranceConfig | None:
+    import importlib.util
+
+    _require(ns.rollout_health_check_interval > 0, "--rollout-health-check-interval must be positive")
+    _require(ns.rollout_health_check_timeout > 0, "--rollout-health-check-timeout must be positive")
+    _require(ns.max_engine_restarts >= 0, "--max-engine-restarts must be >= 0")
+    _require(not ns.check_weight_update_equal or ns.train_backend == "fsdp",
+             "--check-weight-update-equal is implemented for --train-backend fsdp only")
+    _require(ns.rollout_router != "sglang" or importlib.util.find_spec("sglang_router") is not None,
+             "--rollout-router sglang needs the sglang_router package: pip install sglang-router")
+    _require(not (ns.use_fault_tolerance and ns.rollout_router == "sglang"),
+             "--use-fault-tolerance works with --rollout-router builtin only for now")
+    if not ns.use_fault_tolerance:
+        return None
+    return FaultToleranceConfig(ns.rollout_health_check_interval, ns.rollout_health_check_timeout,
+                                ns.max_engine_restarts)
 
 
 def _cuda_available() -> bool:

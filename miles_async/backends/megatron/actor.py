@@ -254,10 +254,11 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         os.replace(tmp, path)
 
     # -- checkpoints: Megatron distributed checkpointing -----------------------------------------
-    def _sharded_state(self, with_optimizer: bool) -> dict:
+    def _sharded_state(self, with_optimizer: bool, is_loading: bool = False) -> dict:
         state = {"model": self.module.sharded_state_dict()}
         if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"])
+            # is_loading: a fresh optimizer has no Adam state yet; Megatron creates it as the load target.
+            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
         return state
 
     def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True) -> None:
@@ -286,7 +287,8 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             raise RuntimeError(f"--load: {src} holds no Megatron checkpoint (folder 'megatron'); a checkpoint of "
                                f"--train-backend fsdp cannot be resumed with --train-backend megatron")
         meta = json.loads((src / "megatron_meta.json").read_text())
-        state = dist_checkpointing.load(self._sharded_state(meta["has_optimizer"]), str(src / "megatron"))
+        state = dist_checkpointing.load(self._sharded_state(meta["has_optimizer"], is_loading=True),
+                                        str(src / "megatron"))
         self.module.load_state_dict(state["model"])
         if meta["has_optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -123,7 +123,9 @@ def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_i
         context_parallel_size=par.cp, sequence_parallel=par.sequence_parallel,
         # Weights stay fp32 (as in the torch backend); --bf16 runs the matmuls in bf16 through autocast.
         params_dtype=torch.float32, bf16=False, use_cpu_initialization=use_cpu_init,
-        perform_initialization=False,  # every weight is overwritten from the HF checkpoint
+        # Every weight is overwritten from the HF checkpoint, but initialisation must stay on: only that
+        # path marks the TP-sharded weights (tensor_model_parallel), which the grad norm relies on.
+        perform_initialization=True,
     )
 
 
