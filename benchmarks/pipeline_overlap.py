@@ -2,10 +2,11 @@
 
 Real train_async.py runs (Ray actors, HTTP engine, trainer, weight pushes) on a tiny model, with the two
 costs set rather than guessed: each engine decode step after the prefill costs G / (tokens - 1) seconds
-(each rollout generates exactly ``tokens`` tokens per sample, all samples in one engine batch), and each
-training step is a sleep of T seconds (--debug-train-seconds; the batch still reaches the trainer). For N steps the ideal wall time
-is N * (G + T) for the synchronous loop and N * max(G, T) + min(G, T) for the overlapped ones; efficiency
-is ideal / measured, from the first rollout's start to the last step's end.
+(each rollout generates exactly ``tokens`` tokens per sample, all samples in one engine batch), and
+each training step is a sleep of T seconds (--debug-train-seconds; the batch still reaches the trainer).
+For N steps the ideal wall time is N * (G + T) for the synchronous loop and N * max(G, T) + min(G, T)
+for the overlapped ones, with G and T as measured in the synchronous run of the same cell; efficiency is
+ideal / measured, from the first rollout's start to the last step's end.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _run(mode: str, out: Path, model: Path, data: Path, n: int, g: float, t: flo
                             "--num-rollout", str(n), "--debug-train-seconds", str(t),
                             "--debug-engine-step-seconds", str(g / (TOKENS - 1)), *MODES[mode]], out)
     wall = rows[-1]["train/finished_at"] - rows[0]["rollout/started_at"]
-    return {"wall_seconds": wall, "steps_per_second": n / wall, "efficiency": ideal_seconds(mode, n, g, t) / wall,
-            "generate_seconds_first": rows[0]["rollout/finished_at"] - rows[0]["rollout/started_at"]}
+    return {"wall_seconds": wall, "steps_per_second": n / wall, "steps": n,
+            "generate_seconds_mean": sum(r["rollout/finished_at"] - r["rollout/started_at"] for r in rows) / n,
+            "train_seconds_mean": sum(r["train/seconds"] for r in rows) / n}
 
 
 def run(quick: bool, out_dir: Path) -> dict:
@@ -57,13 +59,22 @@ def run(quick: bool, out_dir: Path) -> dict:
                                               **_run(mode, work / f"{ratio}-{mode}", model, train, n, g, t)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for ratio in ratios:
+        # The ideal uses the costs as measured in the synchronous run of the same cell (the set G
+        # plus the engine's own compute; T plus the hand-off), so only overlap is judged.
+        sync = results[f"{ratio}/synchronous"]
+        g, t = sync["generate_seconds_mean"], sync["train_seconds_mean"]
+        for mode in MODES:
+            r = results[f"{ratio}/{mode}"]
+            r.update(G_measured=g, T_measured=t, efficiency=ideal_seconds(mode, n, g, t) / r["wall_seconds"])
     rows = []
     for ratio in ratios:
         sync = results[f"{ratio}/synchronous"]
         for mode in MODES:
             r = results[f"{ratio}/{mode}"]
             limit = (r["G"] + r["T"]) / max(r["G"], r["T"]) if mode != "synchronous" else 1.0
-            rows.append([ratio, mode, f"{r['G']:.2f}", f"{r['T']:.2f}", f"{r['steps_per_second']:.3f}",
+            rows.append([ratio, mode, f"{r['G']:.2f} ({r['G_measured']:.2f})", f"{r['T']:.2f} ({r['T_measured']:.2f})",
+                         f"{r['steps_per_second']:.3f}",
                          f"{r['efficiency']:.3f}", f"{sync['wall_seconds'] / r['wall_seconds']:.2f}x",
                          f"{limit:.2f}x"])
     overlapped = [r for r in results.values() if r["mode"] != "synchronous"]
@@ -72,14 +83,18 @@ def run(quick: bool, out_dir: Path) -> dict:
     return {
         "results": results,
         "tables": [table(f"Pipeline overlap, {n} steps per run, set costs G (generation) and T (training)",
-                         ["G/T", "mode", "G s", "T s", "steps/s", "efficiency", "speed-up vs sync",
+                         ["G/T", "mode", "G s set (measured)", "T s set (measured)", "steps/s", "efficiency", "speed-up vs sync",
                           "limit (G+T)/max"], rows,
-                         "efficiency = ideal wall time / measured (ideal: N(G+T) synchronous, N max(G,T) + "
-                         "min(G,T) overlapped); the limit is the best speed-up overlap can give")],
+                         "efficiency = ideal wall time / measured wall time, the ideal from the costs measured in "
+                         "the synchronous run: N(G+T) synchronous, N max(G,T) + min(G,T) overlapped; the limit is "
+                         "the best speed-up overlap can give")],
         "plots": plots,
         "notes": [f"Lowest overlapped efficiency: {worst['efficiency']:.3f} ({worst['mode']}, G/T {worst['ratio']}); "
                   "what is lost is the per-step fixed cost (weight push with engine pause/resume, Ray hand-off, "
-                  "rewards) that no overlap hides."],
+                  "rewards) that no overlap hides.",
+                  "Fully-async can beat the batch-level ideal: with one batch of groups in flight, a group of the "
+                  "next step is admitted as soon as one of this step finishes and shares the engine's decode steps "
+                  "(continuous batching), so generation itself is pipelined, not only overlapped with training."],
     }
 
 
