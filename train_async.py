@@ -16,7 +16,7 @@ from miles_async.config import Config
 from miles_async.ray.cluster import init_ray
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
-                                    record_processes, save_checkpoint, train_step, update_weights)
+                                    engine_health, record_processes, save_checkpoint, train_step, update_weights)
 from miles_async.utils.async_utils import wait_for
 from miles_async.utils.misc import should_run_periodic_action
 from miles_async.utils.tracking import Tracker
@@ -28,7 +28,8 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
     loop, ckpt = cfg.loop, cfg.checkpoint
     # Engines and trainers load their models in parallel; each start-up surfaces its own errors.
     await asyncio.gather(create_rollout_components(cfg, comps), create_training_models(cfg, comps))
-    await record_processes(comps, os.path.join(cfg.tracking.output_dir, "processes.json"))
+    processes_path = os.path.join(cfg.tracking.output_dir, "processes.json")
+    engine_pids = (await record_processes(comps, processes_path))["engines_started"]
     # Always push weights first, so the engines serve exactly what the trainer holds.
     await update_weights(cfg, comps, weight_version=loop.start_rollout_id)
 
@@ -92,6 +93,7 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             metrics["engine/idle_frac"] = max(0.0, 1 - (busy - engine_busy) /
                                               (cfg.engine.num_engines * metrics["time/step_seconds"]))
             engine_busy = busy
+            metrics.update(await engine_health(cfg, comps, processes_path, engine_pids))
             tracker.log(rollout_id + 1, metrics)
             if loop.debug_exit_after_rollout is not None and \
                     rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:

@@ -22,6 +22,17 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class FaultToleranceConfig:
+    """--use-fault-tolerance: engines are health-checked, quarantined, restarted and re-seeded with the weights."""
+    health_check_interval: float  # seconds between two rounds of health checks
+    health_check_timeout: float  # seconds one health check may take
+    max_engine_restarts: int  # restarts per engine over the run before it is given up
+    failure_threshold: int = 2  # failed checks in a row that quarantine an engine whose process still runs
+    restart_backoff_base: float = 1.0
+    restart_backoff_cap: float = 60.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     backend: str  # "embedded" for now; sglang / vllm join through the same protocol
     model_path: str
@@ -34,6 +45,9 @@ class EngineConfig:
     request_timeout: float
     seed: int
     debug_step_seconds: float = 0.0  # benchmarks: a fixed cost added to every decode step
+    fault_tolerance: FaultToleranceConfig | None = None  # None: a dead engine fails the run
+    check_weight_update_equal: bool = False  # compare engine and trainer weight checksums after each update
+    router: str = "builtin"  # "builtin" or "sglang" (SGLang's own router, untested here)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,45 @@
-"""The inference controller: a Ray actor that owns the engine processes and their lifecycle."""
+"""The inference controller: a Ray actor that owns the engine processes and their lifecycle.
+
+Without ``--use-fault-tolerance`` a dead engine fails the next call (pause, resume, ...) with
+its exit code and log tail, and the rollout that used it fails with the router's error.
+
+With it, the controller runs ``EngineSupervisor.tick`` every ``--rollout-health-check-interval``
+(probes: process alive, then ``/health`` within ``--rollout-health-check-timeout``). A failed
+engine is taken out of the router at once (``attach``ed listeners get ``set_engines``), then
+restarted on a new port and seeded with the current weights before it serves again.
+
+Where the restarted engine's weights come from: a serving peer engine (``/get_weights``), like
+slime's restart with remote-instance weight loading. The weights live in the trainer, but the
+trainer's live weights may already be a step ahead of what the engines serve (it trains while
+they generate), so pushing them under the engines' version would mislabel them; the peers hold
+exactly the current version. A peer is read only while no weight update runs (``_weights_lock``,
+held from ``begin_weight_update`` to ``end_weight_update``), so every serving engine holds the
+same version then. The price: with every engine down at once there is no peer, and the run
+fails (``AllEnginesFailed``) instead of waiting for the trainer.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import time
 
 from miles_async.config import EngineConfig
-from miles_async.inference.client import EngineClient
+from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.fault_tolerance import (
+    AllEnginesFailed,
+    EngineSupervisor,
+    FaultTolerancePolicy,
+    Probe,
+)
 from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.router import is_engine_failure
+from miles_async.utils.weight_checksum import first_mismatch
 
 logger = logging.getLogger(__name__)
+
+SEED_BUCKET_BYTES = 512 * 1024**2
 
 
 class InferenceController:
@@ -18,42 +47,193 @@ class InferenceController:
         if cfg.backend != "embedded":
             raise ValueError(f"--rollout-backend {cfg.backend} is not available")
         self.cfg = cfg
+        self.log_dir = log_dir
         self.engines = [EngineProcess(cfg, i, log_dir) for i in range(cfg.num_engines)]
+        self.started_pids: list[int] = []
         self.clients: list[EngineClient] = []
+        self.supervisor: EngineSupervisor | None = None
+        self._listeners: list = []
+        self._weights_lock = asyncio.Lock()
+        self._health_task: asyncio.Task | None = None
+        self._fatal: str | None = None
+        self._busy_last = [0.0] * cfg.num_engines
+        self._busy_offset = [0.0] * cfg.num_engines
 
     async def start(self) -> list[str]:
         for e in self.engines:
             e.start()
+            self.started_pids.append(e.proc.pid)
         # Health polling blocks, so run it off the event loop, all engines at once.
         await asyncio.gather(*[asyncio.to_thread(e.wait_healthy, self.cfg.startup_timeout) for e in self.engines])
         self.clients = [EngineClient(e.url, timeout=self.cfg.request_timeout) for e in self.engines]
+        ft = self.cfg.fault_tolerance
+        if ft is not None:
+            policy = FaultTolerancePolicy(ft.failure_threshold, ft.max_engine_restarts, ft.restart_backoff_base,
+                                          ft.restart_backoff_cap)
+            self.supervisor = EngineSupervisor(len(self.engines), policy, time.monotonic, self._probe, self._restart,
+                                               self._on_serving_changed, self._describe)
+            self._health_task = asyncio.ensure_future(self._health_loop())
         return self.urls()
+
+    def attach(self, listener) -> None:
+        """A Ray actor with ``set_engines(urls, fatal)`` (the rollout executor) to tell about engine changes."""
+        self._listeners.append(listener)
 
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
+    def _serving(self) -> list[int]:
+        return self.supervisor.serving() if self.supervisor else list(range(len(self.engines)))
+
+    def serving_urls(self) -> list[str]:
+        return [self.engines[i].url for i in self._serving()]
+
     def engine_pids(self) -> list[int]:
         return [e.proc.pid for e in self.engines if e.proc is not None]
+
+    def all_engine_pids(self) -> list[int]:
+        """Every engine process ever started, restarted ones included."""
+        return list(self.started_pids)
 
     def pid(self) -> int:
         return os.getpid()
 
+    def health_metrics(self) -> dict[str, float]:
+        return self.supervisor.metrics() if self.supervisor else {}
+
+    # -- fault tolerance I/O -----------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.supervisor.tick()
+            except AllEnginesFailed as e:
+                self._fatal = str(e)
+                logger.error("%s", e)
+                await self._notify([], self._fatal)
+                return
+            except Exception:  # noqa: BLE001 - a broken round must not end health checking
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.cfg.fault_tolerance.health_check_interval)
+
+    async def _probe(self, i: int) -> tuple[Probe, str]:
+        e = self.engines[i]
+        if not e.alive():
+            return Probe.DEAD, f"process {e.proc.pid} exited with code {e.proc.returncode}"
+        timeout = self.cfg.fault_tolerance.health_check_timeout
+        if await self.clients[i].health(timeout=timeout):
+            return Probe.OK, ""
+        return Probe.FAILED, f"/health did not answer 200 within {timeout:.1f}s (--rollout-health-check-timeout)"
+
+    def _describe(self, i: int) -> str:
+        e = self.engines[i]
+        return f"{e.url}, log {e.log_path}:\n{e.tail_log(15)}" if e.log_path else e.url
+
+    async def _restart(self, i: int) -> None:
+        """Replace engine i by a fresh process (new port) holding the current weights; raises on failure."""
+        old = self.engines[i]
+        await asyncio.to_thread(old.stop, 1.0)  # kills a hung one; nothing to do for a dead one
+        await self.clients[i].close()
+        self._busy_offset[i] += self._busy_last[i]
+        self._busy_last[i] = 0.0
+        new = EngineProcess(self.cfg, i, self.log_dir)
+        self.engines[i] = new
+        new.start()
+        self.started_pids.append(new.proc.pid)
+        await asyncio.to_thread(new.wait_healthy, self.cfg.startup_timeout)
+        self.clients[i] = EngineClient(new.url, timeout=self.cfg.request_timeout)
+        await self._seed(i)
+
+    async def _seed(self, i: int) -> None:
+        from miles_async.backends.weight_export import iter_buckets, push_buckets
+
+        async with self._weights_lock:  # no update in flight: every serving engine holds the current version
+            peers = [j for j in self._serving() if j != i]
+            if not peers:
+                raise RuntimeError("no serving engine to copy the current weights from")
+            peer = peers[0]
+            tensors, version = await self.clients[peer].get_weights()
+            buckets = iter_buckets(tensors.items(), next(iter(tensors.values())).dtype, SEED_BUCKET_BYTES)
+            await push_buckets(buckets, [self.engines[i].url], version, self.cfg.request_timeout)
+            got = int((await self.clients[i].model_info())["weight_version"])
+            if got != version:
+                raise RuntimeError(f"engine {i} reports weight version {got} after being given version {version}")
+            if self.cfg.check_weight_update_equal:
+                mismatch = first_mismatch((await self.clients[peer].weights_checksum())["checksums"],
+                                          (await self.clients[i].weights_checksum())["checksums"])
+                if mismatch:
+                    raise RuntimeError(f"--check-weight-update-equal: restarted engine {i} does not hold engine "
+                                       f"{peer}'s weights: {mismatch}")
+        logger.warning("engine %d restarted: pid %d at %s, weight version %d copied from engine %d",
+                       i, self.engines[i].proc.pid, self.engines[i].url, version, peer)
+
+    async def _on_serving_changed(self, serving: list[int]) -> None:
+        await self._notify([self.engines[i].url for i in serving], None)
+
+    async def _notify(self, urls: list[str], fatal: str | None) -> None:
+        for listener in self._listeners:
+            try:
+                await listener.set_engines.remote(urls, fatal)
+            except Exception as e:  # noqa: BLE001 - a gone listener must not stop health checking
+                logger.warning("could not tell %s about the engines: %r", listener, e)
+
+    # -- calls on every serving engine ---------------------------------------------------------
     def _check_alive(self) -> None:
+        if self._fatal is not None:
+            raise RuntimeError(self._fatal)
+        if self.supervisor is not None:
+            return
         dead = [e for e in self.engines if not e.alive()]
         if dead:
             e = dead[0]
             raise RuntimeError(f"engine {e.index} ({e.url}) died with code {e.proc.returncode}; "
                                f"last log lines:\n{e.tail_log()}")
 
-    async def _all(self, method: str, *args) -> list:
+    async def _each(self, method: str, *args) -> dict[int, object]:
+        """Call ``method`` on every serving engine. With fault tolerance an engine that fails the call is
+        reported to the supervisor and left out of the answer instead of failing it."""
         self._check_alive()
-        return await asyncio.gather(*[getattr(c, method)(*args) for c in self.clients])
+        idx = self._serving()
+        results = await asyncio.gather(*[getattr(self.clients[i], method)(*args) for i in idx],
+                                       return_exceptions=self.supervisor is not None)
+        out = {}
+        for i, r in zip(idx, results):
+            if isinstance(r, BaseException):
+                if not (isinstance(r, EngineError) and is_engine_failure(r)):
+                    raise r
+                self.supervisor.report_failure(i, str(r), certain=not self.engines[i].alive())
+                continue
+            out[i] = r
+        if self.supervisor is not None:
+            await self.supervisor.publish()
+        return out
+
+    async def _all(self, method: str, *args) -> list:
+        return list((await self._each(method, *args)).values())
 
     async def pause(self, mode: str = "in_place") -> None:
         await self._all("pause", mode)
 
     async def resume(self) -> None:
         await self._all("resume")
+
+    async def begin_weight_update(self, mode: str = "in_place") -> list[str]:
+        """Pause the serving engines for a weight update and return their URLs (the ones to push to).
+
+        Until ``end_weight_update``, no restarted engine is seeded (so none misses the update)."""
+        await self._weights_lock.acquire()
+        try:
+            await self._all("pause", mode)
+        except BaseException:
+            self._weights_lock.release()
+            raise
+        return self.serving_urls()
+
+    async def end_weight_update(self) -> None:
+        try:
+            await self._all("resume")
+        finally:
+            if self._weights_lock.locked():
+                self._weights_lock.release()
 
     async def flush_cache(self) -> None:
         await self._all("flush_cache")
@@ -65,12 +245,22 @@ class InferenceController:
         infos = await self._all("model_info")
         return [int(i["weight_version"]) for i in infos]
 
+    async def weights_checksums(self) -> dict[str, dict]:
+        """{engine URL: per-tensor checksums} of the serving engines (``--check-weight-update-equal``)."""
+        answers = await self._each("weights_checksum")
+        return {self.engines[i].url: a["checksums"] for i, a in answers.items()}
+
     async def busy_seconds(self) -> float:
-        """Seconds all engines together spent in forward passes since they started."""
-        loads = await self._all("load")
-        return float(sum(x.get("busy_seconds", 0.0) for x in loads))
+        """Seconds all engines together spent in forward passes since the run started (restarts included)."""
+        for i, load in (await self._each("load")).items():
+            self._busy_last[i] = float(load.get("busy_seconds", 0.0))
+        return sum(self._busy_offset) + sum(self._busy_last)
 
     async def dispose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.supervisor is not None:
+            await self.supervisor.close()
         for c in self.clients:
             await c.close()
         for e in self.engines:

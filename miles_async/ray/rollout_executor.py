@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from miles_async.config import EvalConfig, RolloutConfig
+from miles_async.config import EngineConfig, EvalConfig, RolloutConfig
 from miles_async.rollout.batch import rollout_metrics, to_train_batch
 from miles_async.rollout.data_source import DataSource, PromptItem, load_prompts
 from miles_async.rollout.eval import evaluate
@@ -22,7 +22,7 @@ from miles_async.rollout.generate import GenerateContext, encode_prompt, generat
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_rollout
 from miles_async.rollout.staleness import StalenessManager
-from miles_async.inference.router import Router
+from miles_async.inference.router import make_router
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
 from miles_async.utils.plugins import load_function
 
@@ -45,7 +45,8 @@ def _filter_long_prompts(items: list[PromptItem], tokenizer, cfg: RolloutConfig)
 
 class RolloutExecutor:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, engine_urls: list[str], request_timeout: float,
-                 load_dir: str | None = None, load_rollout_id: int | None = None, output_dir: str | None = None):
+                 load_dir: str | None = None, load_rollout_id: int | None = None, output_dir: str | None = None,
+                 engine: EngineConfig | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -53,7 +54,9 @@ class RolloutExecutor:
         # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
         self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        self.router = Router(engine_urls, timeout=request_timeout)
+        ft = engine.fault_tolerance if engine is not None else None
+        self.router = make_router(engine_urls, request_timeout, kind=engine.router if engine else "builtin",
+                                  retry=ft is not None, cooldown=ft.health_check_interval if ft else 5.0)
         if cfg.data_source_path:
             self.data_source = load_function(cfg.data_source_path, "--data-source-path")(cfg.data,
                                                                                         cfg.rollout_batch_size)
@@ -136,6 +139,13 @@ class RolloutExecutor:
         """The trainer finished ``step`` steps and the engines serve those weights."""
         if self.producer is not None:
             self.producer.on_step(step)
+
+    async def set_engines(self, urls: list[str], fatal: str | None = None) -> None:
+        """The inference controller changed the engines that may take requests (--use-fault-tolerance)."""
+        await self.router.set_engines(urls, fatal)
+
+    def router_retries(self) -> int:
+        return self.router.retries
 
     async def dispose(self) -> None:
         if self.producer is not None:

@@ -36,8 +36,10 @@ async def create_rollout_components(cfg: Config, comps: Components) -> None:
     load_id = cfg.loop.start_rollout_id - 1 if cfg.checkpoint.load else None
     comps.executor = ray.remote(RolloutExecutor).options(**opts, max_concurrency=1000).remote(
         cfg.rollout, cfg.eval, comps.engine_urls, cfg.engine.request_timeout, cfg.checkpoint.load, load_id,
-        cfg.tracking.output_dir)
+        cfg.tracking.output_dir, cfg.engine)
     await comps.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout
+    if cfg.engine.fault_tolerance is not None:
+        await comps.controller.attach.remote(comps.executor)
 
 
 async def create_training_models(cfg: Config, comps: Components) -> None:
@@ -73,7 +75,9 @@ async def record_processes(comps: Components, path: str) -> dict:
     import os
 
     procs = {"driver": os.getpid(), "controller": await comps.controller.pid.remote(),
-             "engines": await comps.controller.engine_pids.remote(), "executor": await comps.executor.pid.remote(),
+             "engines": await comps.controller.engine_pids.remote(),
+             "engines_started": await comps.controller.all_engine_pids.remote(),
+             "executor": await comps.executor.pid.remote(),
              "train_workers": await comps.actor.pids() + (await comps.critic.pids() if comps.critic else []),
              "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path()}
     atomic_write_json(path, procs)
@@ -81,20 +85,74 @@ async def record_processes(comps: Components, path: str) -> dict:
 
 
 async def update_weights(cfg: Config, comps: Components, weight_version: int) -> dict:
-    """Pause the engines (requests freeze in place), stream the weights in, flush and continue."""
+    """Pause the engines (requests freeze in place), stream the weights in, flush and continue.
+
+    With --use-fault-tolerance an engine that dies during the push is left out: the push goes
+    again to the engines still serving (the version flips only with the last bucket, so a
+    repeated push is harmless); a restarted engine is seeded from a peer after the update.
+    """
     t0 = time.time()
-    await comps.controller.pause.remote(cfg.loop.pause_generation_mode)
+    urls = await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
-        metrics = await comps.actor.push_weights(comps.engine_urls, weight_version, cfg.engine.dtype,
-                                                 cfg.engine.request_timeout)
+        for attempt in range(cfg.engine.num_engines + 1):
+            try:
+                metrics = await comps.actor.push_weights(urls, weight_version, cfg.engine.dtype,
+                                                         cfg.engine.request_timeout)
+                break
+            except Exception as e:
+                if cfg.engine.fault_tolerance is None:
+                    raise
+                await comps.controller.weight_versions.remote()  # reports the engines that fail to answer
+                still = await comps.controller.serving_urls.remote()
+                if set(still) == set(urls) or not still or attempt == cfg.engine.num_engines:
+                    raise
+                logger.warning("weight push to %s failed (%s); pushing again to the engines still serving: %s",
+                               urls, e, still)
+                urls = still
     finally:
-        await comps.controller.resume.remote()
+        await comps.controller.end_weight_update.remote()
     versions = await comps.controller.weight_versions.remote()
     if any(v != weight_version for v in versions):
         raise RuntimeError(f"weight update to version {weight_version} did not reach every engine: {versions}")
+    if cfg.engine.check_weight_update_equal:
+        await check_weight_update_equal(cfg, comps, weight_version)
     await comps.executor.on_step.remote(weight_version)
     metrics["weights/update_seconds"] = time.time() - t0
     metrics["weights/version"] = weight_version
+    return metrics
+
+
+class WeightMismatchError(RuntimeError):
+    pass
+
+
+async def check_weight_update_equal(cfg: Config, comps: Components, weight_version: int) -> None:
+    """--check-weight-update-equal: every serving engine holds, byte for byte, the trainer's weights cast to
+    the engine dtype; else fail naming the engine and the first tensor that differs."""
+    from miles_async.utils.weight_checksum import first_mismatch
+
+    trainer = await comps.actor.call("weights_checksum", cfg.engine.dtype)
+    for url, engine in (await comps.controller.weights_checksums.remote()).items():
+        mismatch = first_mismatch(trainer, engine)
+        if mismatch:
+            raise WeightMismatchError(f"--check-weight-update-equal: after the update to weight version "
+                                      f"{weight_version}, the engine at {url} does not hold the trainer's weights: "
+                                      f"{mismatch}")
+    logger.info("--check-weight-update-equal: version %d identical on %s", weight_version,
+                await comps.controller.serving_urls.remote())
+
+
+async def engine_health(cfg: Config, comps: Components, processes_path: str, known_pids: list[int]) -> dict:
+    """--use-fault-tolerance: the engines' health metrics; processes.json is rewritten when an engine was
+    restarted, so whoever checks that no process outlives the run sees the new one too."""
+    if cfg.engine.fault_tolerance is None:
+        return {}
+    metrics = await comps.controller.health_metrics.remote()
+    metrics["engine/request_retries"] = float(await comps.executor.router_retries.remote())
+    pids = await comps.controller.all_engine_pids.remote()
+    if pids != known_pids:
+        await record_processes(comps, processes_path)
+        known_pids[:] = pids
     return metrics
 
 

@@ -89,7 +89,8 @@ def wait_all_dead(pids: list[int], timeout: float = 30) -> list[int]:
 
 
 def all_pids(procs: dict) -> list[int]:
-    return [procs["controller"], procs["executor"], *procs["engines"], *procs["train_workers"]]
+    engines = procs.get("engines_started", procs["engines"])  # restarted engines too (--use-fault-tolerance)
+    return [procs["controller"], procs["executor"], *engines, *procs["train_workers"]]
 
 
 def ray_session_processes(session_dir: str) -> list[str]:

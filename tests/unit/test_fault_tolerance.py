@@ -175,3 +175,26 @@ def test_restarts_run_in_the_background_while_other_engines_are_probed():
         assert sup.serving() == [0, 1, 2] and changes[-1] == [0, 1, 2]
 
     asyncio.run(go())
+
+
+def test_flags_build_the_fault_tolerance_config(tmp_path):
+    import json
+
+    from miles_async.arguments import ConfigError, parse_args
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(8)))
+    base = ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
+            "--num-rollout", "2", "--rm-type", "integer", "--output-dir", str(tmp_path / "out")]
+    assert parse_args(base).engine.fault_tolerance is None  # off by default: a dead engine fails the run
+    cfg = parse_args(base + ["--use-fault-tolerance", "--rollout-health-check-interval", "2",
+                             "--rollout-health-check-timeout", "1", "--max-engine-restarts", "5",
+                             "--check-weight-update-equal"])
+    ft = cfg.engine.fault_tolerance
+    assert (ft.health_check_interval, ft.health_check_timeout, ft.max_engine_restarts) == (2, 1, 5)
+    assert cfg.engine.check_weight_update_equal and cfg.engine.router == "builtin"
+    for extra, fragment in [(["--rollout-health-check-interval", "0"], "--rollout-health-check-interval"),
+                            (["--max-engine-restarts", "-1"], "--max-engine-restarts"),
+                            (["--rollout-router", "sglang"], "sglang_router")]:
+        with pytest.raises(ConfigError, match=fragment):
+            parse_args(base + ["--use-fault-tolerance", *extra])
