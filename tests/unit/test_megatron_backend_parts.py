@@ -1,0 +1,120 @@
+"""Pure pieces of the Megatron backend (no process group): layouts, conversion algebra, flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from miles_async.arguments import ConfigError, parse_args
+from miles_async.backends.megatron.convert import fuse_qkv, hf_shard, split_qkv
+from miles_async.backends.megatron.model import ArchSpec
+from miles_async.backends.packing import collate
+
+
+def _arch(**kw) -> ArchSpec:
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, ffn_hidden_size=12, num_layers=1, num_heads=4,
+                num_kv_heads=2, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling_factor=None,
+                max_position_embeddings=32, tie_word_embeddings=True, qkv_bias=False, qk_norm=False)
+    return ArchSpec(**{**base, **kw})
+
+
+def test_fused_qkv_is_interleaved_by_key_value_group_and_splits_back():
+    arch = _arch()
+    q = torch.arange(8.0)[:, None].expand(8, 3)  # 4 heads x head_dim 2 -> rows 0..7
+    k, v = 100 + torch.arange(4.0)[:, None].expand(4, 3), 200 + torch.arange(4.0)[:, None].expand(4, 3)
+    fused = fuse_qkv(arch, q, k, v)
+    # group 0: q heads 0-1, k head 0, v head 0; group 1: q heads 2-3, k head 1, v head 1
+    assert fused[:, 0].tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
+    for a, b in zip(split_qkv(arch, fused), (q, k, v)):
+        assert torch.equal(a, b)
+    bias = fuse_qkv(arch, q[:, 0], k[:, 0], v[:, 0])
+    assert torch.equal(bias, fused[:, 0])
+
+
+def test_tensor_parallel_shards_reassemble_the_fused_weights():
+    arch = _arch(vocab_size=9)  # padded to 10 for TP 2
+    g = torch.Generator().manual_seed(0)
+    hf = {"model.embed_tokens.weight": torch.randn(9, 8, generator=g),
+          "model.layers.0.mlp.gate_proj.weight": torch.randn(12, 8, generator=g),
+          "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g),
+          "model.layers.0.self_attn.o_proj.weight": torch.randn(8, 8, generator=g)}
+    emb = [hf_shard("embedding.word_embeddings.weight", hf.__getitem__, arch, 2, r) for r in range(2)]
+    assert [e.shape[0] for e in emb] == [5, 5] and torch.equal(torch.cat(emb)[:9], hf["model.embed_tokens.weight"])
+    assert not torch.cat(emb)[9:].any()
+    fc1 = [hf_shard("decoder.layers.0.mlp.linear_fc1.weight", hf.__getitem__, arch, 2, r) for r in range(2)]
+    # each rank holds [its gate rows; its up rows]
+    assert torch.equal(fc1[1][:6], hf["model.layers.0.mlp.gate_proj.weight"][6:])
+    assert torch.equal(fc1[1][6:], hf["model.layers.0.mlp.up_proj.weight"][6:])
+    proj = [hf_shard("decoder.layers.0.self_attention.linear_proj.weight", hf.__getitem__, arch, 2, r)
+            for r in range(2)]
+    assert torch.equal(torch.cat(proj, dim=1), hf["model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_megatron_layout_right_aligns_rows_and_points_at_the_predicting_positions():
+    from miles_async.backends.megatron.actor import megatron_layout
+
+    mb = collate([[5, 6, 7], [8]], [[9, 10], [11, 12]], [[1, 1], [1, 1]], pad_id=0)
+    ids, pos, targets = megatron_layout(mb, pad_id=0, multiple=4)
+    assert ids.tolist() == [[5, 6, 7, 9, 10, 0, 0, 0], [8, 11, 12, 0, 0, 0, 0, 0]]
+    assert pos[1].tolist() == list(range(8))
+    # logits at position t predict token t + 1
+    assert targets.tolist() == [[2, 3], [0, 1]]
+    assert all(ids[i, targets[i] + 1].tolist() == mb.response_ids[i].tolist() for i in range(2))
+
+
+def test_arch_spec_reads_hf_configs_and_refuses_what_it_cannot_map():
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    q3 = ArchSpec.from_hf(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32))
+    assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32
+    q2 = ArchSpec.from_hf(Qwen2Config(rope_theta=1e6))
+    assert q2.qkv_bias and q2.rope_theta == 1e6
+    llama31 = ArchSpec.from_hf(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192}))
+    assert llama31.rope_scaling_factor == 8.0
+    with pytest.raises(ValueError, match="hidden_act"):
+        ArchSpec.from_hf(LlamaConfig(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="RoPE type 'yarn'"):
+        ArchSpec.from_hf(LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+@pytest.fixture
+def setup(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(16)))
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
+    return ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "integer",
+            "--output-dir", str(tmp_path / "out")]
+
+
+def test_megatron_flags_build_the_parallel_layout(setup):
+    cfg = parse_args(setup + ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4",
+                              "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])
+    m = cfg.train.megatron
+    assert (m.tensor_model_parallel_size, m.model_parallel_size, m.use_distributed_optimizer) == (2, 2, True)
+    assert cfg.cluster.num_train_workers == 4
+    assert parse_args(setup).train.megatron.model_parallel_size == 1
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--tensor-model-parallel-size", "2"], "need --train-backend megatron"),
+    (["--train-backend", "megatron", "--tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+     "must divide the model's 4 attention heads and 2 key/value heads"),
+    (["--train-backend", "megatron", "--tensor-model-parallel-size", "2"], "do not split into TP 2"),
+    (["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "--pipeline-model-parallel-size > 1 is not supported"),
+    (["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+     "--context-parallel-size > 1 is not supported"),
+    (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel"),
+    (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
+    (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
+    (["--train-backend", "megatron", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "2"],
+     "must split evenly over 3 data-parallel"),
+])
+def test_megatron_flags_are_validated(setup, extra, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
+        parse_args(setup + extra)
