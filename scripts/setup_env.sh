@@ -9,7 +9,7 @@ VENV="${MILES_ASYNC_VENV:-$CACHE/venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${MILES_ASYNC_TORCH_SPEC:-torch==2.13.0}"
 
-stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" | sha256sum | cut -c1-16)-${TORCH_SPEC}"
+stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "$ROOT/requirements-megatron.txt" | sha256sum | cut -c1-16)-${TORCH_SPEC}"
 if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
   echo "$VENV"
   exit 0
@@ -22,5 +22,7 @@ mkdir -p "$(dirname "$VENV")"
 # torch first and pinned, so nothing below can pull a multi-GB CUDA build on a CPU machine.
 "$VENV/bin/pip" install -q "$TORCH_SPEC" >&2
 "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt" >&2
+# megatron-core's only runtime dependencies (torch, numpy, packaging) are pinned above, so torch stays put.
+"$VENV/bin/pip" install -q -r "$ROOT/requirements-megatron.txt" >&2
 echo "$stamp" > "$VENV/.miles-async-stamp"
 echo "$VENV"
