@@ -181,6 +181,8 @@ class InferenceController:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
         if self.supervisor is not None:
+            if self.supervisor.failed is not None:
+                raise RuntimeError(str(self.supervisor.failed))
             return
         dead = [e for e in self.engines if not e.alive()]
         if dead:

@@ -175,3 +175,34 @@ def test_an_engine_that_stops_answering_is_replaced(cfg, tmp_path):
             await controller.dispose()
 
     asyncio.run(go())
+
+
+def test_with_no_engine_left_the_run_fails_naming_the_engine_and_its_log(cfg, tmp_path):
+    ft = FaultToleranceConfig(health_check_interval=0.2, health_check_timeout=1.0, max_engine_restarts=0)
+    engine_cfg = dataclasses.replace(cfg.engine, num_engines=1, fault_tolerance=ft)
+
+    class Listener:
+        fatal = None
+
+        def set_engines(self, urls, fatal):
+            Listener.fatal = fatal
+
+    async def go():
+        controller = InferenceController(engine_cfg, str(tmp_path))
+        await controller.start()
+        controller.attach(Handle(Listener()))
+        try:
+            os.kill(controller.engines[0].proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while Listener.fatal is None:
+                assert time.monotonic() - t0 < 10
+                await asyncio.sleep(0.05)
+            assert "engine 0: gave_up after 0 restart(s)" in Listener.fatal
+            assert "exited with code -9" in Listener.fatal and "engine_0.log" in Listener.fatal
+            assert "serving" in Listener.fatal.splitlines()[-1]  # the log tail is included
+            with pytest.raises(RuntimeError, match="no inference engine is left serving"):
+                await controller.begin_weight_update()
+        finally:
+            await controller.dispose()
+
+    asyncio.run(go())
