@@ -245,3 +245,21 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
         for k, w in r["weights"].items():
             torch.testing.assert_close(w, one["weights"][k], rtol=1e-3, atol=1e-4)
     assert out["tp2"]["grads"]
+
+
+def test_gpu_check_script_runs_its_checks_on_the_cpu():
+    """scripts/gpu/check_megatron_gpu.sh is for a GPU machine; its checks are the same code, run here via --allow-cpu."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHON=sys.executable)
+    script = str(root / "scripts" / "gpu" / "check_megatron_gpu.sh")
+    proc = subprocess.run(["bash", script, "--allow-cpu"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    checks = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [c["check"] for c in checks] == ["logits", "logits", "train_step"] and all(c["ok"] for c in checks)
+    assert proc.stdout.strip().endswith("OK")
+    if not torch.cuda.is_available():
+        refused = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "no CUDA device" in refused.stderr
