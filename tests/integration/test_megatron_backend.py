@@ -191,11 +191,14 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
     (one shared loss implementation); a checkpoint saved with Megatron's dist_checkpointing resumes to the
     same next step; --save-hf writes a folder transformers loads with the trained weights."""
     train, _ = tiny_task
-    fsdp_argv = _args(tiny_model, train, tmp_path)[:-2]
-    _spawn(_backend_worker, 1, fsdp_argv, _args(tiny_model, train, tmp_path), str(tmp_path / "ckpt"),
+    # KL loss to a reference model and an entropy bonus, so every term of the shared loss is compared.
+    extra = ["--use-kl-loss", "--kl-loss-coef", "0.5", "--ref-load", str(tiny_model), "--entropy-coef", "0.01"]
+    fsdp_argv = _args(tiny_model, train, tmp_path)[:-2] + extra
+    _spawn(_backend_worker, 1, fsdp_argv, _args(tiny_model, train, tmp_path) + extra, str(tmp_path / "ckpt"),
            str(tmp_path / "out.pt"))
     r = torch.load(tmp_path / "out.pt", weights_only=False)
-    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/approx_kl", "train/clipfrac",
+    assert r["megatron"]["train/kl_loss"] > 0
+    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/kl_loss", "train/approx_kl", "train/clipfrac",
                 "train/grad_norm", "train/advantage_abs_mean", "train/optimizer_steps", "train/lr"):
         assert r["megatron"][key] == pytest.approx(r["fsdp"][key], rel=1e-4, abs=1e-6), key
     fsdp_weights = r["fsdp_weights"]

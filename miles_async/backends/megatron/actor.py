@@ -84,6 +84,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         m = cfg.megatron
         self.par = ParallelSizes(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                  m.context_parallel_size, m.sequence_parallel, m.use_distributed_optimizer)
+        self.bf16 = cfg.dtype == "bfloat16"
         self.optimizer_steps = 0
         self._init_policy_state()
         self.module = self.model = self.ref_model = None
@@ -106,7 +107,12 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         module = self._build_gpt(self.cfg.model_path).to(self.device)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=self.par.distributed_optimizer)
-        self.model = DistributedDataParallel(module.config, ddp_cfg, module)
+        trained = module
+        if self.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            trained = Float16Module(module.config, module)  # fp32 logits out of the bf16 model
+        self.model = DistributedDataParallel(module.config, ddp_cfg, trained)
         self.module = module
         cfg = module.config
         cfg.no_sync_func = self.model.no_sync
@@ -115,7 +121,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
             adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
-            bf16=False, fp16=False, params_dtype=torch.float32,
+            bf16=self.bf16, fp16=False, params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=self.par.distributed_optimizer), [self.model])
         self._lr_at = lr_lambda(opt, self.total_optimizer_steps)
         self._set_lr()
@@ -126,7 +132,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             self._load(load_dir, load_rollout_id)
 
     def _build_gpt(self, path: str):
-        model = build_gpt_model(self.arch, self.par)
+        model = build_gpt_model(self.arch, self.par, bf16=self.bf16)
         load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank)
         return model
 
@@ -161,9 +167,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
 
     # -- forward ----------------------------------------------------------------------------
     def _logits(self, model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
-            logits = model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
-        return logits
+        return model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
 
     def _outputs(self, logits: torch.Tensor, mb: MicroBatch, targets: torch.Tensor, temperature: float,
                  with_entropy: bool):

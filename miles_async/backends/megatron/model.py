@@ -121,8 +121,8 @@ def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_i
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp, sequence_parallel=par.sequence_parallel,
-        # Weights stay fp32 (as in the torch backend); --bf16 runs the matmuls in bf16 through autocast.
-        params_dtype=torch.float32, bf16=False, use_cpu_initialization=use_cpu_init,
+        # --bf16 is Megatron's mixed precision: bf16 weights and compute, fp32 master weights in the optimizer.
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16, use_cpu_initialization=use_cpu_init,
         # Every weight is overwritten from the HF checkpoint, but initialisation must stay on: only that
         # path marks the TP-sharded weights (tensor_model_parallel), which the grad norm relies on.
         perform_initialization=True,
@@ -136,6 +136,7 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False):
 
     use_te = have_transformer_engine()
     cfg = transformer_config(arch, par, bf16, use_cpu_init=not torch.cuda.is_available())
+    # Megatron's autograd functions are custom_fwd(device_type="cuda"); torch autocast is not used here.
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(arch, use_te), vocab_size=arch.padded_vocab(par.tp),
         max_sequence_length=arch.max_position_embeddings,

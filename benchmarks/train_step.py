@@ -1,0 +1,141 @@
+"""Seconds per training step of the two training backends on the same SmolLM2-135M batch.
+
+One GRPO rollout of 64 samples shaped like a real one (8 prompts x 8 samples, prompts of
+~40 tokens, responses of 8) is trained as one optimizer step (global batch 64, fp32 weights
+and AdamW, --max-tokens-per-gpu 8192, so one micro-batch), by ``FSDPTrainActor``
+(transformers + torch) and by ``MegatronTrainActor`` (Megatron-core GPTModel, Megatron DDP,
+optimizer and schedule; on a CPU machine through ``cpu_compat``). Each backend runs in its
+own fresh process with the same torch thread count, one warm-up step, then timed steps;
+``train/seconds`` (forward, backward, optimizer) is what is reported.
+
+Standalone: ``python -m benchmarks.train_step [--quick]``; registered in ``benchmarks.run``
+as ``"train_step": "benchmarks.train_step"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BACKENDS = ("fsdp", "megatron")
+THREADS = 2
+N_PROMPTS, N_SAMPLES, PROMPT_LEN, RESPONSE_LEN = 8, 8, 40, 8
+
+
+def _batch(vocab: int, seed: int = 0) -> dict:
+    from miles_async.rollout.batch import to_train_batch
+    from miles_async.rollout.sample import Sample
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(N_PROMPTS):
+        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN + rng.randrange(-4, 5))]
+        groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
+                              response_tokens=[rng.randrange(3, vocab) for _ in range(RESPONSE_LEN)],
+                              reward=float(rng.random() < 0.5)) for i in range(N_SAMPLES)])
+    return to_train_batch(groups)
+
+
+def _worker(backend: str, model: str, data: str, reps: int, out: str) -> None:
+    import torch
+
+    from miles_async.arguments import parse_args
+
+    cfg = parse_args(["--use-tis", "--hf-checkpoint", model, "--prompt-data", data,
+                      "--rollout-batch-size", str(N_PROMPTS), "--n-samples-per-prompt", str(N_SAMPLES),
+                      "--num-rollout", str(reps + 1), "--rm-type", "integer", "--lr", "1e-6",
+                      "--train-num-threads", str(THREADS), "--output-dir", str(Path(out).parent),
+                      "--train-backend", backend]).train
+    t0 = time.time()
+    if backend == "megatron":
+        from miles_async.backends.megatron.actor import MegatronTrainActor
+
+        actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=reps + 1)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        actor.init_process_group("127.0.0.1", port)
+    else:
+        from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+        actor = FSDPTrainActor(cfg, 0, 1, total_optimizer_steps=reps + 1)
+    build = time.time() - t0
+    from transformers import AutoConfig
+
+    batch = _batch(AutoConfig.from_pretrained(model).vocab_size)
+    actor.train(0, batch)  # warm-up
+    seconds, losses = [], []
+    for rep in range(reps):
+        m = actor.train(rep + 1, batch)
+        seconds.append(m["train/seconds"])
+        losses.append(m["train/loss"])
+    Path(out).write_text(json.dumps({"backend": backend, "seconds": seconds, "build_seconds": build,
+                                     "losses": losses, "torch_threads": torch.get_num_threads(),
+                                     "tokens": sum(len(t) for t in batch["tokens"])}))
+
+
+def measure(model: Path, reps: int, work: Path) -> dict[str, dict]:
+    import torch.multiprocessing as mp
+
+    from miles_async.assets.tiny_model import make_tiny_task_dataset
+
+    train, _ = make_tiny_task_dataset(work / "task", n_train=64, n_eval=4)
+    ctx = mp.get_context("spawn")
+    results = {}
+    for backend in BACKENDS:
+        out = work / f"{backend}.json"
+        p = ctx.Process(target=_worker, args=(backend, str(model), str(train), reps, str(out)))
+        p.start()
+        p.join(1800)
+        if p.exitcode != 0:
+            raise RuntimeError(f"train_step: the {backend} worker exited with {p.exitcode}")
+        results[backend] = json.loads(out.read_text())
+    return results
+
+
+def run(quick: bool, out_dir: Path) -> dict:
+    from benchmarks.common import fmt, median, smollm2_path, table
+
+    reps = 3 if quick else 6
+    with tempfile.TemporaryDirectory() as tmp:
+        res = measure(smollm2_path(), reps, Path(tmp))
+    rows = [[b, fmt(median(r["seconds"])), fmt(min(r["seconds"])), fmt(max(r["seconds"])), len(r["seconds"]),
+             fmt(r["build_seconds"], 1)] for b, r in res.items()]
+    ratio = median(res["megatron"]["seconds"]) / median(res["fsdp"]["seconds"])
+    tokens = res["fsdp"]["tokens"]
+    return {
+        "results": res, "ratio_megatron_over_fsdp": ratio,
+        "tables": [table(f"Seconds per training step, SmolLM2-135M, {N_PROMPTS * N_SAMPLES} samples "
+                         f"({tokens} tokens), fp32, {THREADS} torch threads",
+                         ["backend", "median s/step", "min", "max", "steps", "build s"], rows)],
+        "notes": [f"megatron / fsdp = {ratio:.2f}x per step on the same batch. On the CPU the Megatron path runs "
+                  "through cpu_compat (a TorchFunctionMode on every torch call) and computes logits for every "
+                  "position, where the torch backend keeps only the response's (logits_to_keep)."],
+    }
+
+
+def headline(entry: dict) -> list[tuple[str, str]]:
+    res = entry["results"]
+    from benchmarks.common import median
+
+    f, m = median(res["fsdp"]["seconds"]), median(res["megatron"]["seconds"])
+    return [("train step, SmolLM2-135M, 64 samples: fsdp vs megatron backend", f"{f:.2f} s vs {m:.2f} s")]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    result = run(a.quick, Path(tempfile.mkdtemp()))
+    for t in result["tables"]:
+        from benchmarks.common import render_table
+
+        print(render_table(t))
+    print(*result["notes"], sep="\n")
