@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead, without_rm_type
 
@@ -28,7 +29,7 @@ FT = ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--roll
 
 
 def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400) -> tuple[Run, int, float]:
-    """Start the run, SIGKILL engine 1 once the first step is logged (the next rollout is generating),
+    """Start the run, SIGKILL engine 1 once the first step is logged and it is generating (mid-rollout),
     and wait for the end. Returns the run, the killed pid and the seconds from the kill to the exit."""
     proc: subprocess.Popen = start_train(args)
     try:
@@ -39,6 +40,10 @@ def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400
             assert time.monotonic() < deadline, "the first step never finished"
             time.sleep(0.1)
         pid = json.loads((out_dir / "processes.json").read_text())["engines"][1]
+        url = re.search(r"serving \S+ on (http://\S+)", (out_dir / "engine_1.log").read_text()).group(1)
+        while requests.get(url + "/get_load", timeout=5).json()["num_running_reqs"] == 0:  # mid-rollout
+            assert proc.poll() is None and time.monotonic() < deadline, "engine 1 never got a request"
+            time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
