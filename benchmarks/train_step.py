@@ -5,7 +5,9 @@ One GRPO rollout of 64 samples shaped like a real one (8 prompts x 8 samples, pr
 and AdamW, --max-tokens-per-gpu 8192, so one micro-batch), by ``FSDPTrainActor``
 (transformers + torch) and by ``MegatronTrainActor`` (Megatron-core GPTModel, Megatron DDP,
 optimizer and schedule; on a CPU machine through ``cpu_compat``). Each backend runs in its
-own fresh process with the same torch thread count, one warm-up step, then timed steps;
+own process with the same torch thread count: one warm-up step each, then timed steps,
+alternating between the backends (so both see the same load on a shared machine) when
+memory allows both processes at once, else one backend after the other.
 ``train/seconds`` (forward, backward, optimizer) is what is reported.
 
 Standalone: ``python -m benchmarks.train_step [--quick]``; registered in ``benchmarks.run``
@@ -42,21 +44,22 @@ def _batch(vocab: int, seed: int = 0) -> dict:
     return to_train_batch(groups)
 
 
-def _worker(backend: str, model: str, data: str, reps: int, out: str) -> None:
+def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
+    """Build one backend's actor, then train one step per request from the parent."""
     import torch
 
     from miles_async.arguments import parse_args
 
     cfg = parse_args(["--use-tis", "--hf-checkpoint", model, "--prompt-data", data,
                       "--rollout-batch-size", str(N_PROMPTS), "--n-samples-per-prompt", str(N_SAMPLES),
-                      "--num-rollout", str(reps + 1), "--rm-type", "integer", "--lr", "1e-6",
-                      "--train-num-threads", str(THREADS), "--output-dir", str(Path(out).parent),
+                      "--num-rollout", str(steps), "--rm-type", "integer", "--lr", "1e-6",
+                      "--train-num-threads", str(THREADS), "--output-dir", tempfile.mkdtemp(),
                       "--train-backend", backend]).train
     t0 = time.time()
     if backend == "megatron":
         from miles_async.backends.megatron.actor import MegatronTrainActor
 
-        actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=reps + 1)
+        actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=steps)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -64,39 +67,83 @@ def _worker(backend: str, model: str, data: str, reps: int, out: str) -> None:
     else:
         from miles_async.backends.fsdp.actor import FSDPTrainActor
 
-        actor = FSDPTrainActor(cfg, 0, 1, total_optimizer_steps=reps + 1)
-    build = time.time() - t0
+        actor = FSDPTrainActor(cfg, 0, 1, total_optimizer_steps=steps)
     from transformers import AutoConfig
 
     batch = _batch(AutoConfig.from_pretrained(model).vocab_size)
-    actor.train(0, batch)  # warm-up
-    seconds, losses = [], []
-    for rep in range(reps):
-        m = actor.train(rep + 1, batch)
-        seconds.append(m["train/seconds"])
-        losses.append(m["train/loss"])
-    Path(out).write_text(json.dumps({"backend": backend, "seconds": seconds, "build_seconds": build,
-                                     "losses": losses, "torch_threads": torch.get_num_threads(),
-                                     "tokens": sum(len(t) for t in batch["tokens"])}))
+    conn.send({"build_seconds": time.time() - t0, "torch_threads": torch.get_num_threads(),
+               "tokens": sum(len(t) for t in batch["tokens"])})
+    while (rollout := conn.recv()) is not None:
+        m = actor.train(rollout, batch)
+        conn.send({"seconds": m["train/seconds"], "loss": m["train/loss"], "rss_gib": _rss_gib()})
 
 
-def measure(model: Path, reps: int, work: Path) -> dict[str, dict]:
+def _rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb / 2**20
+
+
+def _available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return kb / 2**20
+
+
+def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> dict:
+    """One warm-up step each, then ``reps`` timed steps each.
+
+    With enough free memory both workers stay alive and their steps alternate (order flipped
+    every round), so both see the same machine load; otherwise one backend after the other.
+    """
     import torch.multiprocessing as mp
 
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 
     train, _ = make_tiny_task_dataset(work / "task", n_train=64, n_eval=4)
     ctx = mp.get_context("spawn")
-    results = {}
-    for backend in BACKENDS:
-        out = work / f"{backend}.json"
-        p = ctx.Process(target=_worker, args=(backend, str(model), str(train), reps, str(out)))
-        p.start()
-        p.join(1800)
-        if p.exitcode != 0:
-            raise RuntimeError(f"train_step: the {backend} worker exited with {p.exitcode}")
-        results[backend] = json.loads(out.read_text())
-    return results
+    interleaved = _available_gib() >= min_free_gib
+    results: dict[str, dict] = {b: {"seconds": [], "losses": []} for b in BACKENDS}
+    workers: dict[str, tuple] = {}
+
+    def start(backend: str) -> None:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(backend, str(model), str(train), reps + 1, child))
+        proc.start()
+        workers[backend] = (proc, parent)
+        results[backend].update(parent.recv())
+
+    def step(backend: str, rollout: int, timed: bool) -> None:
+        conn = workers[backend][1]
+        conn.send(rollout)
+        r = conn.recv()
+        results[backend]["rss_gib"] = r["rss_gib"]
+        if timed:
+            results[backend]["seconds"].append(r["seconds"])
+            results[backend]["losses"].append(r["loss"])
+
+    def stop(backend: str) -> None:
+        proc, conn = workers.pop(backend)
+        conn.send(None)
+        proc.join(120)
+
+    if interleaved:
+        for b in BACKENDS:
+            start(b)
+        for b in BACKENDS:
+            step(b, 0, timed=False)
+        for rep in range(reps):
+            for b in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
+                step(b, rep + 1, timed=True)
+        for b in BACKENDS:
+            stop(b)
+    else:
+        for b in BACKENDS:
+            start(b)
+            for rep in range(reps + 1):
+                step(b, rep, timed=rep > 0)
+            stop(b)
+    return {"mode": "interleaved" if interleaved else "sequential", "backends": results}
 
 
 def run(quick: bool, out_dir: Path) -> dict:
@@ -104,16 +151,18 @@ def run(quick: bool, out_dir: Path) -> dict:
 
     reps = 3 if quick else 6
     with tempfile.TemporaryDirectory() as tmp:
-        res = measure(smollm2_path(), reps, Path(tmp))
+        measured = measure(smollm2_path(), reps, Path(tmp))
+    res = measured["backends"]
     rows = [[b, fmt(median(r["seconds"])), fmt(min(r["seconds"])), fmt(max(r["seconds"])), len(r["seconds"]),
-             fmt(r["build_seconds"], 1)] for b, r in res.items()]
+             fmt(r["build_seconds"], 2), fmt(r["rss_gib"], 2)] for b, r in res.items()]
     ratio = median(res["megatron"]["seconds"]) / median(res["fsdp"]["seconds"])
     tokens = res["fsdp"]["tokens"]
     return {
-        "results": res, "ratio_megatron_over_fsdp": ratio,
+        "results": res, "mode": measured["mode"], "ratio_megatron_over_fsdp": ratio,
         "tables": [table(f"Seconds per training step, SmolLM2-135M, {N_PROMPTS * N_SAMPLES} samples "
                          f"({tokens} tokens), fp32, {THREADS} torch threads",
-                         ["backend", "median s/step", "min", "max", "steps", "build s"], rows)],
+                         ["backend", "median s/step", "min", "max", "steps", "build s", "peak RSS GiB"], rows,
+                         note=f"steps {measured['mode']}")],
         "notes": [f"megatron / fsdp = {ratio:.2f}x per step on the same batch. On the CPU the Megatron path runs "
                   "through cpu_compat (a TorchFunctionMode on every torch call) and computes logits for every "
                   "position, where the torch backend keeps only the response's (logits_to_keep)."],
