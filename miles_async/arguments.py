@@ -128,7 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source-path", default=None)
 
     g = p.add_argument_group("inference engines")
-    g.add_argument("--rollout-backend", default="embedded", choices=("embedded",))
+    g.add_argument("--rollout-backend", default="embedded", choices=("embedded", "sglang"),
+                   help="embedded: the project's own CPU engine server; sglang: SGLang's server "
+                        "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh). "
+                        "Any --sglang-<flag> [value] not listed here goes to SGLang as --<flag> [value], e.g. "
+                        "--sglang-mem-fraction-static 0.7, --sglang-attention-backend fa3")
+    g.add_argument("--sglang-python", default=None,
+                   help="python of SGLang's environment (default: $MILES_ASYNC_SGLANG_PYTHON, else "
+                        "~/.cache/miles-async/venv-sglang/bin/python if present, else this python)")
+    g.add_argument("--weight-update-dir", default=None,
+                   help="--rollout-backend sglang: where the trainer writes the weights the engines load "
+                        "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir")
     g.add_argument("--rollout-num-gpus", type=int, default=1, help="engine slots in all")
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
     g.add_argument("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -402,8 +412,29 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     _apply_yaml_config(parser, argv)
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    ns.sglang_args = _sglang_passthrough(parser, unknown)
     return build_config(ns)
+
+
+def _sglang_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> tuple[str, ...]:
+    """``--sglang-<flag> [value]`` not declared here becomes SGLang's ``--<flag> [value]``; anything else unknown
+    is an error, as with ``parse_args``."""
+    out: list[str] = []
+    i = 0
+    while i < len(unknown):
+        arg = unknown[i]
+        if not arg.startswith("--sglang-"):
+            parser.error(f"unrecognized arguments: {' '.join(unknown[i:])}")
+        name, eq, value = arg.partition("=")
+        out.append("--" + name[len("--sglang-"):])
+        if eq:
+            out.append(value)
+        elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+            out.append(unknown[i + 1])
+            i += 1
+        i += 1
+    return tuple(out)
 
 
 def build_config(ns: argparse.Namespace) -> Config:
@@ -566,6 +597,11 @@ def build_config(ns: argparse.Namespace) -> Config:
         fault_tolerance=_fault_tolerance_config(ns),
         check_weight_update_equal=ns.check_weight_update_equal,
         router=ns.rollout_router,
+        sglang_python=ns.sglang_python,
+        sglang_args=tuple(getattr(ns, "sglang_args", ())),
+        num_gpus_per_engine=ns.rollout_num_gpus_per_engine,
+        use_gpu=use_gpu,
+        weight_update_dir=ns.weight_update_dir,
     )
     rollout_sampling = SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
                                       ns.rollout_max_response_len)
@@ -692,6 +728,11 @@ def _fault_tolerance_config(ns: argparse.Namespace) -> FaultToleranceConfig | No
              "--rollout-router sglang needs the sglang_router package: pip install sglang-router")
     _require(not (ns.use_fault_tolerance and ns.rollout_router == "sglang"),
              "--use-fault-tolerance works with --rollout-router builtin only for now")
+    if ns.rollout_backend == "sglang":
+        _require(not ns.use_fault_tolerance, "--use-fault-tolerance works with --rollout-backend embedded only for "
+                                             "now (a restarted engine is seeded through /get_weights)")
+        _require(not ns.check_weight_update_equal, "--check-weight-update-equal needs the embedded engine's "
+                                                   "/weights_checksum; not available with --rollout-backend sglang")
     if not ns.use_fault_tolerance:
         return None
     return FaultToleranceConfig(ns.rollout_health_check_interval, ns.rollout_health_check_timeout,

@@ -91,6 +91,15 @@ class PolicyMixin:
                                          temperature))
         return out
 
+    def save_weights_for_engines(self, path: str, weight_version: int) -> dict:
+        """The disk route of a weight update (``--rollout-backend sglang``): write the policy as an HF folder
+        that the engines then load with ``/update_weights_from_disk``. Every rank calls it (Megatron's TP
+        gathers); the backend's ``save_hf`` decides who writes."""
+        self._keep_weights(weight_version)
+        t0 = time.time()
+        self.save_hf(path)
+        return {"weights/save_seconds": time.time() - t0}
+
     def _keep_weights(self, weight_version: int) -> None:
         if self.cfg.algorithm.keep_old_actor:
             self._kept_weights[weight_version] = self._snapshot_weights()

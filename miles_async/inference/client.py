@@ -12,6 +12,14 @@ other engines must accept that format.
 
 Every call has a timeout; failures raise ``EngineError`` naming the URL and
 endpoint, never a bare aiohttp exception.
+
+Where SGLang's answers differ from the embedded server's, this module maps them to
+one shape (``_normalize_meta``, ``model_info``, ``load``), so nothing else needs to know
+which engine answered: SGLang reports weight versions as strings (numeric here: the
+launcher starts it with ``--weight-version 0`` and every update sends the next int), and
+per-token versions as spans (``meta_info.weight_versions``: ``[{version, start, end}]``),
+expanded here into ``output_token_weight_versions``; it has no ``/get_load`` (``load``
+answers ``{}``). Both take ``weight_version`` as a string in ``/update_weights_from_disk``.
 """
 
 from __future__ import annotations
@@ -150,7 +158,10 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
-        return await self._request("POST", "/generate", json_body=body, timeout=timeout)
+        out = await self._request("POST", "/generate", json_body=body, timeout=timeout)
+        if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
+            _normalize_meta(out["meta_info"], len(out.get("output_ids") or []))
+        return out
 
     async def health(self, timeout: float | None = None) -> bool:
         """True iff GET /health answers 200 within ``timeout`` (default: min(timeout, 10 s)); never raises."""
@@ -161,7 +172,10 @@ class EngineClient:
         return True
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info")
+        info = await self._request("GET", "/get_model_info")
+        if isinstance(info, dict) and "weight_version" in info:
+            info["weight_version"] = _version(info["weight_version"])
+        return info
 
     async def weights_checksum(self) -> dict[str, Any]:
         """GET /weights_checksum: ``{"weight_version": V, "checksums": {name: {...}}}`` (embedded engine only;
@@ -178,8 +192,13 @@ class EngineClient:
         return tensors, int(safetensors_metadata(raw)["weight_version"])
 
     async def load(self) -> dict[str, Any]:
-        """Running/waiting requests and the engine's counters (``/get_load``)."""
-        return await self._request("GET", "/get_load")
+        """Running/waiting requests and the engine's counters (``/get_load``); ``{}`` from an engine without it."""
+        try:
+            return await self._request("GET", "/get_load")
+        except EngineError as e:
+            if e.status == 404:  # SGLang
+                return {}
+            raise
 
     async def pause(self, mode: str = "abort") -> dict[str, Any]:
         """POST /pause_generation; mode is "abort", "in_place" or "retract"."""
@@ -203,7 +222,8 @@ class EngineClient:
         return await self._request(
             "POST",
             "/update_weights_from_disk",
-            json_body={"model_path": model_path, "weight_version": weight_version},
+            json_body={"model_path": model_path,
+                       "weight_version": None if weight_version is None else str(int(weight_version))},
         )
 
     async def update_weights_from_tensors(
@@ -222,6 +242,30 @@ class EngineClient:
         if weight_version is not None:
             params["weight_version"] = str(int(weight_version))
         return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
+
+
+def _version(v: Any) -> Any:
+    """A weight version as an int where it is one (SGLang sends strings)."""
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            return v
+    return v
+
+
+def _normalize_meta(meta: dict[str, Any], num_output_tokens: int) -> None:
+    if "weight_version" in meta:
+        meta["weight_version"] = _version(meta["weight_version"])
+    spans = meta.get("weight_versions")
+    if "output_token_weight_versions" not in meta and spans:
+        per_token: list[Any] = []
+        for span in spans:
+            per_token += [_version(span["version"])] * max(0, int(span["end"]) - int(span["start"]))
+        if len(per_token) < num_output_tokens:
+            per_token += [meta.get("weight_version", per_token[-1] if per_token else 0)] * (
+                num_output_tokens - len(per_token))
+        meta["output_token_weight_versions"] = per_token[:num_output_tokens]
 
 
 def safetensors_metadata(raw: bytes) -> dict[str, str]:

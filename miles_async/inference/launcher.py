@@ -40,6 +40,17 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+def make_engine_process(cfg: EngineConfig, index: int, log_dir: str | None) -> "EngineProcess":
+    """The engine process of ``cfg.backend``: the embedded server or SGLang's."""
+    if cfg.backend == "sglang":
+        from miles_async.inference.sglang_launcher import SGLangEngineProcess
+
+        return SGLangEngineProcess(cfg, index, log_dir)
+    if cfg.backend != "embedded":
+        raise ValueError(f"--rollout-backend {cfg.backend} is not available")
+    return EngineProcess(cfg, index, log_dir)
+
+
 class EngineProcess:
     """One embedded engine server: a child process listening on 127.0.0.1."""
 
@@ -64,9 +75,12 @@ class EngineProcess:
             "--seed", str(self.cfg.seed + self.index),
         ] + (["--step-delay", str(self.cfg.debug_step_seconds)] if self.cfg.debug_step_seconds else [])
 
+    def env(self) -> dict:
+        return dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",
+                    TOKENIZERS_PARALLELISM="false")
+
     def start(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
+        env = self.env()
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_path.open("ab")

@@ -33,7 +33,7 @@ from miles_async.inference.fault_tolerance import (
     FaultTolerancePolicy,
     Probe,
 )
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.launcher import make_engine_process
 from miles_async.inference.router import is_engine_failure
 from miles_async.utils.weight_checksum import first_mismatch
 
@@ -44,11 +44,9 @@ SEED_BUCKET_BYTES = 512 * 1024**2
 
 class InferenceController:
     def __init__(self, cfg: EngineConfig, log_dir: str | None = None):
-        if cfg.backend != "embedded":
-            raise ValueError(f"--rollout-backend {cfg.backend} is not available")
         self.cfg = cfg
         self.log_dir = log_dir
-        self.engines = [EngineProcess(cfg, i, log_dir) for i in range(cfg.num_engines)]
+        self.engines = [make_engine_process(cfg, i, log_dir) for i in range(cfg.num_engines)]
         self.started_pids: list[int] = []
         self.clients: list[EngineClient] = []
         self.supervisor: EngineSupervisor | None = None
@@ -135,7 +133,7 @@ class InferenceController:
         await self.clients[i].close()
         self._busy_offset[i] += self._busy_last[i]
         self._busy_last[i] = 0.0
-        new = EngineProcess(self.cfg, i, self.log_dir)
+        new = make_engine_process(self.cfg, i, self.log_dir)
         self.engines[i] = new
         new.start()
         self.started_pids.append(new.proc.pid)

@@ -92,6 +92,8 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
     repeated push is harmless); a restarted engine is seeded from a peer after the update.
     """
     t0 = time.time()
+    if cfg.engine.backend == "sglang":
+        return await _update_weights_from_disk(cfg, comps, weight_version, t0)
     urls = await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
         for attempt in range(cfg.engine.num_engines + 1):
@@ -116,6 +118,52 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
         raise RuntimeError(f"weight update to version {weight_version} did not reach every engine: {versions}")
     if cfg.engine.check_weight_update_equal:
         await check_weight_update_equal(cfg, comps, weight_version)
+    await comps.executor.on_step.remote(weight_version)
+    metrics["weights/update_seconds"] = time.time() - t0
+    metrics["weights/version"] = weight_version
+    return metrics
+
+
+def weight_update_dir(cfg: Config) -> str:
+    """Where the disk route writes: --weight-update-dir, else memory-backed /dev/shm, else the output dir."""
+    import os
+
+    if cfg.engine.weight_update_dir:
+        return cfg.engine.weight_update_dir
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return f"/dev/shm/miles-async-weights-{os.getpid()}"
+    return os.path.join(cfg.tracking.output_dir, "engine_weights")
+
+
+async def _update_weights_from_disk(cfg: Config, comps: Components, weight_version: int, t0: float) -> dict:
+    """SGLang: the trainer writes an HF folder (while the engines still generate), then the engines pause,
+    load it (``/update_weights_from_disk`` with the version), flush their prefix cache and continue; the
+    folder is removed once loaded."""
+    import shutil
+    from pathlib import Path
+
+    path = Path(weight_update_dir(cfg)) / f"v{weight_version}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        metrics = await comps.actor.call("save_weights_for_engines", str(path), weight_version)
+        t_load = time.time()
+        await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
+        try:
+            # SGLang flushes its prefix cache as part of the update (flush_cache defaults to true).
+            await comps.controller.update_weights_from_disk.remote(str(path), weight_version)
+        finally:
+            await comps.controller.end_weight_update.remote()
+        metrics["weights/load_seconds"] = time.time() - t_load
+        metrics["weights/bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            path.parent.rmdir()  # only when empty
+        except OSError:
+            pass
+    versions = await comps.controller.weight_versions.remote()
+    if any(v != weight_version for v in versions):
+        raise RuntimeError(f"weight update to version {weight_version} did not reach every engine: {versions}")
     await comps.executor.on_step.remote(weight_version)
     metrics["weights/update_seconds"] = time.time() - t0
     metrics["weights/version"] = weight_version

@@ -1,0 +1,84 @@
+"""SGLang's real server as an engine: ``python -m sglang.launch_server`` in SGLang's own environment.
+
+The server runs as a subprocess of the inference controller (same lifetime rules as the embedded
+engine: ``EngineProcess``), with the python of SGLang's virtual environment
+(``scripts/setup_sglang_env.sh``); the project's code only talks HTTP to it (``EngineClient``).
+
+Command line: model, host/port, dtype, ``--max-running-requests`` (--sglang-server-concurrency),
+``--tp-size`` (--rollout-num-gpus-per-engine), ``--random-seed``, ``--weight-version`` (the version
+the engine starts at), then every ``--sglang-<flag>`` of our command line as ``--<flag>``.
+On GPUs engine ``i`` takes GPUs ``[i * tp, (i + 1) * tp)`` (``--base-gpu-id``) of those visible to the
+controller. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
+``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
+(each only where the passthrough flags do not set it), plus the CPU stand-ins of
+``tests/engines/sglang_cpu_shims`` on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from miles_async.config import EngineConfig
+from miles_async.inference.launcher import EngineProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async")) / "venv-sglang"
+CPU_SHIMS = ROOT / "tests" / "engines" / "sglang_cpu_shims"
+CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
+                ("--max-total-tokens", "32768"))
+
+
+def sglang_python(cfg: EngineConfig) -> str:
+    """The interpreter that runs SGLang: --sglang-python, $MILES_ASYNC_SGLANG_PYTHON, SGLang's cached
+    environment, or (last) this one."""
+    if cfg.sglang_python:
+        return cfg.sglang_python
+    if os.environ.get("MILES_ASYNC_SGLANG_PYTHON"):
+        return os.environ["MILES_ASYNC_SGLANG_PYTHON"]
+    cached = DEFAULT_VENV / "bin" / "python"
+    return str(cached) if cached.exists() else sys.executable
+
+
+def cpu_shims_dir() -> Path:
+    return Path(os.environ.get("MILES_ASYNC_SGLANG_CPU_SHIMS", CPU_SHIMS))
+
+
+class SGLangEngineProcess(EngineProcess):
+    """One SGLang server; ``weight_version`` is the version it reports until the first update."""
+
+    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
+                 weight_version: int = 0):
+        super().__init__(cfg, index, log_dir, model_path)
+        self.weight_version = weight_version
+
+    def command(self) -> list[str]:
+        cfg = self.cfg
+        cmd = [sglang_python(cfg), "-m", "sglang.launch_server",
+               "--model-path", self.model_path,
+               "--host", cfg.host,
+               "--port", str(self.port),
+               "--dtype", cfg.dtype,
+               "--max-running-requests", str(cfg.max_running_requests),
+               "--tp-size", str(cfg.num_gpus_per_engine),
+               "--random-seed", str(cfg.seed + self.index),
+               "--weight-version", str(self.weight_version)]
+        given = set(a for a in cfg.sglang_args if a.startswith("--"))
+        if cfg.use_gpu:
+            if "--base-gpu-id" not in given:
+                cmd += ["--base-gpu-id", str(self.index * cfg.num_gpus_per_engine)]
+        else:
+            for flag, value in CPU_DEFAULTS:
+                if flag not in given:
+                    cmd += [flag] if value is None else [flag, value]
+        return cmd + list(cfg.sglang_args)
+
+    def env(self) -> dict:
+        env = super().env()
+        if not self.cfg.use_gpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            shims = cpu_shims_dir()
+            if shims.is_dir():
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shims), env.get("PYTHONPATH", "")) if p)
+        return env

@@ -1,0 +1,120 @@
+"""SGLang's NCCL weight route on one GPU; see check_sglang_nccl.sh for how to run it and what it checks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import requests
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--sglang-python", required=True)
+    p.add_argument("--bucket-bytes", type=int, default=64 * 1024**2)
+    args = p.parse_args()
+    assert torch.cuda.is_available(), "needs a GPU"
+
+    from transformers import AutoModelForCausalLM
+
+    from miles_async.arguments import parse_args
+    from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
+    from miles_async.backends.weight_export import iter_buckets
+    from miles_async.inference.client import EngineClient
+    from miles_async.inference.sglang_launcher import SGLangEngineProcess
+
+    work = tempfile.mkdtemp(prefix="sglang_nccl_")
+    model_dir = args.model or str(make_tiny_model(f"{work}/model", seed=0))
+    train, _ = make_tiny_task_dataset(f"{work}/task", n_train=8, n_eval=2, seed=0)
+    cfg = parse_args(["--hf-checkpoint", model_dir, "--prompt-data", str(train), "--rollout-batch-size", "1",
+                      "--rm-type", "first_integer", "--rollout-backend", "sglang", "--sglang-python",
+                      args.sglang_python, "--rollout-dtype", "bfloat16", "--sglang-mem-fraction-static", "0.4",
+                      "--output-dir", work, "--update-weight-buffer-size", str(args.bucket_bytes)])
+    assert cfg.engine.use_gpu
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    prompt = [4, 10, 11, 12, 13]
+    greedy = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+    with SGLangEngineProcess(cfg.engine, 0, work) as engine:
+        url = engine.url
+
+        def gen() -> dict:
+            async def go():
+                async with EngineClient(url, timeout=120) as c:
+                    return await c.generate(prompt, greedy)
+            return asyncio.run(go())
+
+        before = gen()
+        with torch.no_grad():  # the "trained" weights: a visible perturbation
+            for _, prm in model.named_parameters():
+                prm.add_(torch.randn_like(prm) * 0.05)
+
+        # One NCCL group: this process is rank 0, the engine's TP ranks follow (rank_offset 1).
+        port, group = free_port(), "miles_async_weights"
+        world = 1 + cfg.engine.num_gpus_per_engine
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(requests.post, f"{url}/init_weights_update_group", timeout=300,
+                                 json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                                       "world_size": world, "group_name": group, "backend": "nccl"})
+            store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True,
+                                               timeout=timedelta(seconds=300))
+            torch.distributed.init_process_group("nccl", store=torch.distributed.PrefixStore(group, store), rank=0,
+                                                 world_size=world, device_id=torch.device("cuda:0"))
+            r = joined.result()
+            assert r.status_code == 200, r.text
+
+        t0 = time.perf_counter()
+        buckets = list(iter_buckets(((n, t.cuda()) for n, t in model.named_parameters()), torch.bfloat16,
+                                    args.bucket_bytes))
+        sent = 0
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body = {"names": [n for n, _ in bucket], "dtypes": ["bfloat16"] * len(bucket),
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": group, "flush_cache": last}
+            if last:
+                body["weight_version"] = "1"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(requests.post, f"{url}/update_weights_from_distributed", json=body, timeout=300)
+                for _, t in bucket:
+                    torch.distributed.broadcast(t.cuda(), src=0)
+                r = fut.result()
+            assert r.status_code == 200, r.text
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        print(f"update_weights_from_distributed: {sent / 1e6:.1f} MB in {len(buckets)} buckets, {seconds:.3f}s")
+
+        info = requests.get(f"{url}/get_model_info", timeout=30).json()
+        assert str(info["weight_version"]) == "1", info
+        after = gen()
+        assert after["output_ids"] != before["output_ids"], "outputs did not change"
+        with torch.no_grad():
+            ids = torch.tensor([prompt + after["output_ids"]], device="cuda")
+            logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+            ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].tolist()
+        got = [x[0] for x in after["meta_info"]["output_token_logprobs"]]
+        worst = max(abs(a - b) for a, b in zip(ref, got))
+        assert worst < 0.1, (ref, got)  # bf16 on both sides
+        print(f"log-probs vs transformers: max |diff| {worst:.4f}")
+    torch.distributed.destroy_process_group()
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

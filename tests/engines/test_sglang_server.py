@@ -1,0 +1,191 @@
+"""SGLang's real server (``python -m sglang.launch_server``) on this CPU, driven through EngineClient.
+
+One server on the tiny llama, started once for the module by ``SGLangEngineProcess`` with the launcher's
+CPU defaults. Checked: greedy generation with log-probs equal to transformers' (and the weight version
+per token), pause in place / continue, pause in abort mode and /abort_request returning the partial
+output, and a trainer's weights reaching the engine by the disk route (/update_weights_from_disk with a
+version) so that its outputs change and its log-probs match the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from miles_async.arguments import parse_args
+from miles_async.inference.client import EngineClient
+from miles_async.inference.sglang_launcher import SGLangEngineProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+LONG = {"temperature": 0.0, "max_new_tokens": 480, "ignore_eos": True}  # the context is 512
+
+
+def _cfg(sglang_python, tiny_model, tiny_task, out_dir, *extra):
+    train, _ = tiny_task
+    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
+                       "--n-samples-per-prompt", "2", "--num-rollout", "4", "--rm-type", "first_integer", "--rollout-dtype", "float32",
+                       "--use-tis", "--lr", "5e-2", "--rollout-backend", "sglang", "--sglang-python", sglang_python,
+                       "--engine-startup-timeout", "400", "--output-dir", str(out_dir), *extra])
+
+
+@pytest.fixture(scope="module")
+def cfg(sglang_python, tiny_model, tiny_task, tmp_path_factory):
+    return _cfg(sglang_python, tiny_model, tiny_task, tmp_path_factory.mktemp("sglang_out"))
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, tmp_path_factory):
+    t0 = time.monotonic()
+    with SGLangEngineProcess(cfg.engine, 0, str(tmp_path_factory.mktemp("sglang_logs"))) as proc:
+        print(f"SGLang server healthy after {time.monotonic() - t0:.1f}s")
+        yield proc
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _hf_logprobs(model_dir, prompt: list[int], output: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def _prompts(tiny_model) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return [tok.encode(f"repeat {d} twice:") for d in range(4)]
+
+
+def test_launch_command_has_the_cpu_defaults(cfg, engine):
+    cmd = engine.command()
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--max-total-tokens", "--weight-version"):
+        assert flag in cmd
+    assert engine.env()["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_generate_with_logprobs_matches_transformers(engine, tiny_model):
+    prompts = _prompts(tiny_model)
+
+    async def go():
+        async with EngineClient(engine.url, timeout=120) as c:
+            info = await c.model_info()
+            outs = await asyncio.gather(*[c.generate(p, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+                                          for p in prompts])
+            return info, outs
+
+    info, outs = run(go())
+    assert info["weight_version"] == 0
+    for p, out in zip(prompts, outs):
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == 8
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["weight_version"] == 0
+        assert meta["output_token_weight_versions"] == [0] * 8
+        lps = [x[0] for x in meta["output_token_logprobs"]]
+        assert [x[1] for x in meta["output_token_logprobs"]] == out["output_ids"]
+        assert lps == pytest.approx(_hf_logprobs(tiny_model, p, out["output_ids"]), abs=2e-3)
+
+
+def test_pause_in_place_then_continue_completes_the_request(engine, tiny_model):
+    prompt = _prompts(tiny_model)[0]
+
+    async def go():
+        async with EngineClient(engine.url, timeout=120) as c:
+            task = asyncio.create_task(c.generate(prompt, LONG))
+            await asyncio.sleep(0.5)
+            await c.pause("in_place")
+            await asyncio.sleep(1.5)
+            paused_done = task.done()
+            await c.resume()
+            return paused_done, await task
+
+    paused_done, out = run(go())
+    assert not paused_done, "the request finished while the engine was paused"
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == LONG["max_new_tokens"]
+
+
+@pytest.mark.parametrize("how", ["pause_abort", "abort_request"])
+def test_abort_returns_the_partial_output(engine, tiny_model, how):
+    prompt = _prompts(tiny_model)[1]
+
+    async def go():
+        async with EngineClient(engine.url, timeout=120) as c:
+            task = asyncio.create_task(c.generate(prompt, LONG, rid=f"abort-{how}"))
+            await asyncio.sleep(0.5)
+            if how == "pause_abort":
+                await c.pause("abort")
+            else:
+                await c.abort(rid=f"abort-{how}")
+            out = await asyncio.wait_for(task, 60)
+            if how == "pause_abort":
+                await c.resume()
+            after = await c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 4})
+            return out, after
+
+    out, after = run(go())
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    n = len(out["output_ids"])
+    assert 0 < n < LONG["max_new_tokens"], n
+    assert len(meta["output_token_logprobs"]) == n
+    assert meta["output_token_weight_versions"] == [0] * n
+    assert len(after["output_ids"]) == 4  # the engine serves again
+
+
+def test_trained_weights_reach_the_engine_from_disk(cfg, engine, tiny_model, tmp_path):
+    """The trainer's disk route (save_weights_for_engines -> /update_weights_from_disk): version and outputs
+    change, and the engine's log-probs equal the trainer's own."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.rollout.batch import to_train_batch
+    from miles_async.rollout.sample import Sample
+
+    prompts = _prompts(tiny_model)
+    greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+    async def generate_all():
+        async with EngineClient(engine.url, timeout=120) as c:
+            return await asyncio.gather(*[c.generate(p, greedy) for p in prompts])
+
+    before = run(generate_all())
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
+                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
+                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
+                            for g, (p, out) in enumerate(zip(prompts, before))])
+    for step in range(3):
+        actor.train(step, batch)
+    path = tmp_path / "v3"
+    saved = actor.save_weights_for_engines(str(path), 3)
+
+    async def update():
+        async with EngineClient(engine.url, timeout=120) as c:
+            await c.pause("in_place")
+            t0 = time.perf_counter()
+            res = await c.update_weights_from_disk(str(path), 3)
+            seconds = time.perf_counter() - t0
+            await c.resume()
+            return res, seconds, (await c.model_info())["weight_version"]
+
+    res, load_seconds, version = run(update())
+    print(f"tiny model: save {saved['weights/save_seconds']:.2f}s, /update_weights_from_disk {load_seconds:.2f}s")
+    assert res["success"], res
+    assert version == 3
+    after = run(generate_all())
+    assert all(o["meta_info"]["weight_version"] == 3 for o in after)
+    assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+    for p, o in zip(prompts, after):
+        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
+                                                       "response_lengths": [len(o["output_ids"])],
+                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
+        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
