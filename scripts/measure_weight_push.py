@@ -1,0 +1,144 @@
+"""Seconds to push SmolLM2-135M's weights into each engine type, next to an in-memory copy of the same bytes,
+measured in one run (issue 5's closing note).
+
+    PYTHONPATH=. ~/.cache/miles-async/venv/bin/python scripts/measure_weight_push.py [--dtype bfloat16] [--reps 3]
+
+Routes, each against a running server in ``--dtype`` (the model is held in that dtype, so every route moves
+the same bytes and none pays a cast):
+
+- ``memcopy``: ``copy_`` of every parameter into preallocated tensors: the floor;
+- ``embedded tensor``: the trainer's route to the embedded engine, ``push_buckets(iter_buckets(...))`` over
+  HTTP (/update_weights_from_tensor, 512 MiB buckets);
+- ``sglang disk``: the trainer's route to SGLang: write the HF folder (``save_pretrained``, safetensors) to
+  /dev/shm, then ``/update_weights_from_disk`` with the version (write and load timed separately).
+  SGLang runs its CPU engine here (SGLANG_USE_CPU_ENGINE=1); the GPU's NCCL route is checked by
+  scripts/gpu/check_sglang_nccl.sh.
+
+Every push bumps the weight version, checked afterwards. Prints a table and the machine's load average
+(other work on the machine slows every route alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct from the cache)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from miles_async.arguments import parse_args
+    from miles_async.backends.weight_export import iter_buckets, push_buckets
+    from miles_async.inference.client import EngineClient
+    from miles_async.inference.launcher import make_engine_process
+
+    if args.model:
+        model_path = Path(args.model)
+    else:
+        from miles_async.assets.smollm2 import prepare_smollm2
+
+        model_path = prepare_smollm2()
+    dtype = DTYPES[args.dtype]
+    # One thread here: on a busy machine a multi-threaded copy_ stalls on its own OMP team, which is noise,
+    # not the cost of copying; the engines keep their own threads.
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="weight_push_"))
+    prompts = work / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    params = list(model.named_parameters())
+    nbytes = sum(p.numel() * p.element_size() for _, p in params)
+
+    def cfg(backend: str):
+        return parse_args(["--use-tis", "--hf-checkpoint", str(model_path), "--prompt-data", str(prompts), "--rollout-batch-size",
+                           "1", "--num-rollout", "1", "--rm-type", "first_integer", "--rollout-dtype", args.dtype,
+                           "--rollout-backend", backend, "--engine-startup-timeout", "600",
+                           "--output-dir", str(work)]).engine
+
+    def call(url: str, fn):
+        async def go():
+            async with EngineClient(url, timeout=600) as c:
+                return await fn(c)
+        return asyncio.run(go())
+
+    results: dict[str, list[float]] = {}
+    version = 0
+
+    # memcopy: the floor
+    dst = [torch.empty_like(p) for _, p in params]
+    for rep in range(args.reps + 1):  # the first pass is not counted: it faults the fresh pages in
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for d, (_, p) in zip(dst, params):
+                d.copy_(p)
+        if rep:
+            results.setdefault("memcopy", []).append(time.perf_counter() - t0)
+    del dst
+
+    # embedded: tensor route
+    engine = make_engine_process(cfg("embedded"), 0, str(work))
+    with engine:
+        for _ in range(args.reps):
+            version += 1
+            t0 = time.perf_counter()
+            asyncio.run(push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600))
+            results.setdefault("embedded tensor", []).append(time.perf_counter() - t0)
+            assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
+
+    # SGLang: disk route (the trainer's save_pretrained, then /update_weights_from_disk)
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
+    engine = make_engine_process(cfg("sglang"), 0, str(work))
+    t_start = time.perf_counter()
+    with engine:
+        startup = time.perf_counter() - t_start
+        for _ in range(args.reps):
+            version += 1
+            folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
+            t0 = time.perf_counter()
+            model.save_pretrained(folder, safe_serialization=True)
+            t1 = time.perf_counter()
+            res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
+            t2 = time.perf_counter()
+            shutil.rmtree(folder, ignore_errors=True)
+            assert res.get("success"), res
+            assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
+            results.setdefault("sglang disk: write", []).append(t1 - t0)
+            results.setdefault("sglang disk: load", []).append(t2 - t1)
+            results.setdefault("sglang disk: total", []).append(t2 - t0)
+    shutil.rmtree(work, ignore_errors=True)
+
+    floor = statistics.median(results["memcopy"])
+    print(f"SmolLM2-135M ({model_path.name}), {len(params)} tensors, {nbytes / 1e6:.1f} MB in {args.dtype}; "
+          f"{args.reps} reps, median (min); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"SGLang server start {startup:.0f}s")
+    print(f"{'route':24s} {'seconds':>16s} {'x memcopy':>10s} {'GB/s':>7s}")
+    rows = {}
+    for name, xs in results.items():
+        med = statistics.median(xs)
+        rows[name] = {"median_s": med, "min_s": min(xs), "all_s": xs}
+        print(f"{name:24s} {med:9.3f} ({min(xs):.3f}) {med / floor:10.1f} {nbytes / med / 1e9:7.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bytes": nbytes, "dtype": args.dtype, "routes": rows,
+                                               "loadavg": os.getloadavg()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
