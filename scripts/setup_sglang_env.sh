@@ -44,7 +44,12 @@ build() {
   rm -f "$deps" "$cons"
   "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"
 }
-if ! (build) > "$LOG" 2>&1; then
+# Not "if ! (build)": errexit is ignored inside a condition, so a failed step would not stop the build.
+set +e
+(build) > "$LOG" 2>&1
+rc=$?
+set -e
+if [ "$rc" -ne 0 ]; then
   echo "[setup_sglang_env] FAILED; last lines of $LOG:" >&2
   grep -v "WARNING: Location" "$LOG" | tail -25 >&2
   exit 1

@@ -25,8 +25,12 @@ def pytest_collection_modifyitems(config, items):
 def sglang_python() -> str:
     if os.environ.get("MILES_ASYNC_SKIP_SGLANG") == "1":
         pytest.skip("MILES_ASYNC_SKIP_SGLANG=1")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_sglang_env.sh")], capture_output=True, text=True,
-                          timeout=3600)
+    try:
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_sglang_env.sh")], capture_output=True,
+                              text=True, timeout=1500)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"scripts/setup_sglang_env.sh did not finish in {e.timeout:.0f}s:\n{(e.stderr or b'')[-4000:]}",
+                    pytrace=False)
     if proc.returncode != 0:
         pytest.fail(f"scripts/setup_sglang_env.sh failed (exit {proc.returncode}); set MILES_ASYNC_SKIP_SGLANG=1 to "
                     f"skip the SGLang tests on purpose.\n{proc.stderr[-4000:]}", pytrace=False)

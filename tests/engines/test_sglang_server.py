@@ -19,7 +19,8 @@ from miles_async.arguments import parse_args
 from miles_async.inference.client import EngineClient
 from miles_async.inference.sglang_launcher import SGLangEngineProcess
 
-pytestmark = pytest.mark.timeout(600)
+# Generous: on a fresh machine the first test also waits for the SGLang environment to be built (minutes).
+pytestmark = pytest.mark.timeout(1800)
 
 LONG = {"temperature": 0.0, "max_new_tokens": 480, "ignore_eos": True}  # the context is 512
 

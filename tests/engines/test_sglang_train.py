@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead, wait_session_gone
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)  # with, on a fresh machine, the SGLang environment build
 
 
 def test_train_async_with_sglang(sglang_python, tiny_model, tiny_task, tmp_path):
