@@ -10,7 +10,9 @@ the same bytes and none pays a cast):
 - ``embedded tensor``: the trainer's route to the embedded engine, ``push_buckets(iter_buckets(...))`` over
   HTTP (/update_weights_from_tensor, 512 MiB buckets);
 - ``sglang disk``: the trainer's route to SGLang: write the HF folder (``save_pretrained``, safetensors) to
-  /dev/shm, then ``/update_weights_from_disk`` with the version (write and load timed separately).
+  /dev/shm, then ``/update_weights_from_disk`` with the version (write and load timed separately); also as
+  ``train_async.py`` does it today (``save_hf`` of the trainer's float32 weights plus the tokenizer: twice
+  the bytes written, cast by SGLang while loading; GB/s is still of the engine-dtype bytes).
   SGLang runs its CPU engine here (SGLANG_USE_CPU_ENGINE=1); the GPU's NCCL route is checked by
   scripts/gpu/check_sglang_nccl.sh.
 
@@ -123,18 +125,40 @@ def main() -> None:
             results.setdefault("sglang disk: write", []).append(t1 - t0)
             results.setdefault("sglang disk: load", []).append(t2 - t1)
             results.setdefault("sglang disk: total", []).append(t2 - t0)
+        # What train_async does today (PolicyMixin.save_weights_for_engines -> the fsdp backend's save_hf): the
+        # trainer's float32 weights and the tokenizer are written; SGLang casts to its dtype while loading.
+        from transformers import AutoTokenizer
+
+        trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        for _ in range(args.reps):
+            version += 1
+            folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
+            t0 = time.perf_counter()
+            trainer_model.save_pretrained(folder, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+            t1 = time.perf_counter()
+            res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
+            t2 = time.perf_counter()
+            shutil.rmtree(folder, ignore_errors=True)
+            assert res.get("success"), res
+            assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
+            results.setdefault("sglang disk, trainer fp32: write", []).append(t1 - t0)
+            results.setdefault("sglang disk, trainer fp32: load", []).append(t2 - t1)
+            results.setdefault("sglang disk, trainer fp32: total", []).append(t2 - t0)
+        del trainer_model
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])
     print(f"SmolLM2-135M ({model_path.name}), {len(params)} tensors, {nbytes / 1e6:.1f} MB in {args.dtype}; "
           f"{args.reps} reps, median (min); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
           f"SGLang server start {startup:.0f}s")
-    print(f"{'route':24s} {'seconds':>16s} {'x memcopy':>10s} {'GB/s':>7s}")
+    print(f"{'route':34s} {'seconds':>16s} {'x memcopy':>10s} {'GB/s':>7s}")
     rows = {}
     for name, xs in results.items():
         med = statistics.median(xs)
         rows[name] = {"median_s": med, "min_s": min(xs), "all_s": xs}
-        print(f"{name:24s} {med:9.3f} ({min(xs):.3f}) {med / floor:10.1f} {nbytes / med / 1e9:7.2f}")
+        print(f"{name:34s} {med:9.3f} ({min(xs):.3f}) {med / floor:10.1f} {nbytes / med / 1e9:7.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"bytes": nbytes, "dtype": args.dtype, "routes": rows,
                                                "loadavg": os.getloadavg()}, indent=1))
