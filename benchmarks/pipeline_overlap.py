@@ -1,7 +1,7 @@
 """Pipeline overlap: synchronous, one-step-off and fully-async loops with set generation and training costs.
 
 Real train_async.py runs (Ray actors, HTTP engine, trainer, weight pushes) on a tiny model, with the two
-costs set rather than guessed: each engine decode step after the prefill costs G / (tokens - 1) seconds
+costs set rather than guessed: each engine decode step costs G / tokens seconds
 (each rollout generates exactly ``tokens`` tokens per sample, all samples in one engine batch), and
 each training step is a sleep of T seconds (--debug-train-seconds; the batch still reaches the trainer).
 For N steps the ideal wall time is N * (G + T) for the synchronous loop and N * max(G, T) + min(G, T)
@@ -37,7 +37,7 @@ def _run(mode: str, out: Path, model: Path, data: Path, n: int, g: float, t: flo
                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                             "--rollout-max-response-len", str(TOKENS), "--rollout-dtype", "float32",
                             "--num-rollout", str(n), "--debug-train-seconds", str(t),
-                            "--debug-engine-step-seconds", str(g / (TOKENS - 1)), *MODES[mode]], out)
+                            "--debug-engine-step-seconds", str(g / TOKENS), *MODES[mode]], out)
     wall = rows[-1]["train/finished_at"] - rows[0]["rollout/started_at"]
     return {"wall_seconds": wall, "steps_per_second": n / wall, "steps": n,
             "generate_seconds_mean": sum(r["rollout/finished_at"] - r["rollout/started_at"] for r in rows) / n,
