@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -49,6 +50,8 @@ def render_readme_block(results: dict) -> str:
         m = entry.get("machine", {})
         machines.add(f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores")
         run = f"{'quick' if entry.get('quick') else 'full'}, {m.get('date', '?')[:10]}"
+        if "load_average" in entry:
+            run += f", load {entry['load_average'][0]:g}-{entry['load_average'][1]:g}"
         for what, result in getattr(module, "headline", lambda e: [])(entry):
             lines.append(f"| {what} | {result} | {run} |")
     lines += ["", f"Measured on {'; '.join(sorted(machines))}; every ratio is taken side by side in one run. "
@@ -130,13 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(REGISTRY):
         print(f"=== {name} ({'quick' if args.quick else 'full'})", flush=True)
         t0 = time.perf_counter()
+        load_before = os.getloadavg()[0]
         try:
             entry = importlib.import_module(REGISTRY[name]).run(args.quick, out)
         except Exception:  # noqa: BLE001 - one failed benchmark must not lose the others' results
             entry = {"error": traceback.format_exc()}
             failed.append(name)
             print(entry["error"], file=sys.stderr, flush=True)
-        entry = {"quick": args.quick, "seconds": round(time.perf_counter() - t0, 1), "machine": machine, **entry}
+        # The machine may be shared: the 1-minute load average before and after says how busy it was.
+        entry = {"quick": args.quick, "seconds": round(time.perf_counter() - t0, 1), "machine": machine,
+                 "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)], **entry}
         results["benchmarks"][name] = entry
         # Written after every benchmark so an interrupted run keeps what it measured.
         json_path.write_text(json.dumps(results, indent=1) + "\n")
