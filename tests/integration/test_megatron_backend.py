@@ -124,10 +124,11 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
     from miles_async.backends.megatron.actor import MegatronTrainActor
 
     fsdp = FSDPTrainActor(parse_args(fsdp_argv).train, 0, 1, total_optimizer_steps=10)
-    fsdp_metrics = fsdp.train(0, _batch(0))
     cfg = parse_args(meg_argv).train
     meg = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=10)
     meg.init_process_group("127.0.0.1", port)
+    same_checksums = fsdp.weights_checksum("bfloat16") == meg.weights_checksum("bfloat16")
+    fsdp_metrics = fsdp.train(0, _batch(0))
     meg_metrics = meg.train(0, _batch(0))
     meg.save(ckpt, 0)
     meg.save_hf(ckpt + "/hf")
@@ -140,7 +141,7 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
     torch.save({"fsdp": fsdp_metrics, "megatron": meg_metrics, "fsdp_weights": fsdp.module.state_dict(),
                 "saved": saved, "continued": continued, "continued_weights": meg.hf_state(),
                 "resumed_at": resumed_at, "resumed": resumed_metrics, "resumed_weights": resumed.hf_state(),
-                "resumed_steps": resumed.optimizer_steps}, out)
+                "resumed_steps": resumed.optimizer_steps, "same_checksums": same_checksums}, out)
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -198,6 +199,7 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
            str(tmp_path / "out.pt"))
     r = torch.load(tmp_path / "out.pt", weights_only=False)
     assert r["megatron"]["train/kl_loss"] > 0
+    assert r["same_checksums"]  # --check-weight-update-equal: the stream the engines get, as the torch backend's
     for key in ("train/loss", "train/pg_loss", "train/entropy", "train/kl_loss", "train/approx_kl", "train/clipfrac",
                 "train/grad_norm", "train/advantage_abs_mean", "train/optimizer_steps", "train/lr"):
         assert r["megatron"][key] == pytest.approx(r["fsdp"][key], rel=1e-4, abs=1e-6), key

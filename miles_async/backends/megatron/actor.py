@@ -244,6 +244,18 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
         return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
 
+    def weights_checksum(self, engine_dtype: str) -> dict:
+        """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""
+        from miles_async.utils.weight_checksum import tensor_checksums
+
+        if self.dp_rank != 0:
+            return {}
+        if self.rank != 0:
+            for _ in self._export():
+                pass
+            return {}
+        return tensor_checksums(self._export(), DTYPES[engine_dtype])
+
     def save_hf(self, path: str) -> None:
         if self.dp_rank != 0:
             return
