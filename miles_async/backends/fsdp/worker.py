@@ -13,6 +13,7 @@ import math
 import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,6 +40,21 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
             return floor + (1 - floor) * (1 - frac)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
     return f
+
+
+def save_rng_state(folder: Path, rank: int) -> None:
+    """Python, numpy and torch RNG states of one worker, so a resumed run samples as the original."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(rng, folder / f"rng_rank{rank}.pt")
+
+
+def load_rng_state(folder: Path, rank: int) -> None:
+    path = folder / f"rng_rank{rank}.pt"
+    if path.exists():
+        rng = torch.load(path, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
 
 
 class TrainWorker:
@@ -176,8 +192,7 @@ class TrainWorker:
 
         out = iteration_dir(save_dir, rollout_id) / self.cfg.role
         out.mkdir(parents=True, exist_ok=True)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        torch.save(rng, out / f"rng_rank{self.rank}.pt")
+        save_rng_state(out, self.rank)
         if self.rank != 0:
             return
         state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
@@ -209,12 +224,7 @@ class TrainWorker:
             self.optimizer.load_state_dict(opt["optimizer"])
             self.scheduler.load_state_dict(opt["scheduler"])
             self.optimizer_steps = opt["optimizer_steps"]
-        rng_path = src / f"rng_rank{self.rank}.pt"
-        if rng_path.exists():
-            rng = torch.load(rng_path, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        load_rng_state(src, self.rank)
 
     def state_checksum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.module.parameters()))

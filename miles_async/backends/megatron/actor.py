@@ -17,17 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
-from miles_async.backends.fsdp.worker import TrainWorker, lr_lambda
+from miles_async.backends.fsdp.worker import TrainWorker, load_rng_state, lr_lambda, save_rng_state
 from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf, save_hf_folder
 from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, init_parallel
 from miles_async.backends.packing import MicroBatch
@@ -288,8 +286,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         if self.world_size > 1:
             dist.barrier()
         dist_checkpointing.save(self._sharded_state(save_optimizer), str(dist_dir))
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        torch.save(rng, out / f"rng_rank{self.rank}.pt")
+        save_rng_state(out, self.rank)
         if self.rank == 0:
             (out / "megatron_meta.json").write_text(json.dumps({
                 "optimizer_steps": self.optimizer_steps, "has_optimizer": save_optimizer,
@@ -310,12 +307,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             self.optimizer.load_state_dict(state["optimizer"])
         self.optimizer_steps = meta["optimizer_steps"]
         self._set_lr()
-        rng_path = src / f"rng_rank{self.rank}.pt"
-        if rng_path.exists():
-            rng = torch.load(rng_path, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        load_rng_state(src, self.rank)
 
     def state_checksum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.module.parameters()))
