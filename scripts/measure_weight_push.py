@@ -111,42 +111,38 @@ def main() -> None:
     t_start = time.perf_counter()
     with engine:
         startup = time.perf_counter() - t_start
-        for _ in range(args.reps):
-            version += 1
-            folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
-            t0 = time.perf_counter()
-            model.save_pretrained(folder, safe_serialization=True)
-            t1 = time.perf_counter()
-            res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
-            t2 = time.perf_counter()
-            shutil.rmtree(folder, ignore_errors=True)
-            assert res.get("success"), res
-            assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
-            results.setdefault("sglang disk: write", []).append(t1 - t0)
-            results.setdefault("sglang disk: load", []).append(t2 - t1)
-            results.setdefault("sglang disk: total", []).append(t2 - t0)
+
+        def disk_route(label: str, write) -> None:
+            """Write a folder with ``write``, load it into the engine by path, check the version; time both."""
+            nonlocal version
+            for _ in range(args.reps):
+                version += 1
+                folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
+                t0 = time.perf_counter()
+                write(folder)
+                t1 = time.perf_counter()
+                res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
+                t2 = time.perf_counter()
+                shutil.rmtree(folder, ignore_errors=True)
+                assert res.get("success"), res
+                assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
+                results.setdefault(f"{label}: write", []).append(t1 - t0)
+                results.setdefault(f"{label}: load", []).append(t2 - t1)
+                results.setdefault(f"{label}: total", []).append(t2 - t0)
+
+        disk_route("sglang disk", lambda folder: model.save_pretrained(folder, safe_serialization=True))
         # What train_async does today (PolicyMixin.save_weights_for_engines -> the fsdp backend's save_hf): the
         # trainer's float32 weights and the tokenizer are written; SGLang casts to its dtype while loading.
         from transformers import AutoTokenizer
 
         trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        for _ in range(args.reps):
-            version += 1
-            folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
-            t0 = time.perf_counter()
+
+        def write_like_the_trainer(folder) -> None:
             trainer_model.save_pretrained(folder, safe_serialization=True)
             tokenizer.save_pretrained(folder)
-            t1 = time.perf_counter()
-            res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
-            t2 = time.perf_counter()
-            shutil.rmtree(folder, ignore_errors=True)
-            assert res.get("success"), res
-            assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
-            results.setdefault("sglang disk, trainer fp32: write", []).append(t1 - t0)
-            results.setdefault("sglang disk, trainer fp32: load", []).append(t2 - t1)
-            results.setdefault("sglang disk, trainer fp32: total", []).append(t2 - t0)
-        del trainer_model
+
+        disk_route("sglang disk, trainer fp32", write_like_the_trainer)
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])
