@@ -184,28 +184,33 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     _apply_yaml_config(parser, argv)
     ns, unknown = parser.parse_known_args(argv)
-    ns.sglang_args = _sglang_passthrough(parser, unknown)
+    passthrough = _engine_passthrough(parser, unknown)
+    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
     return build_config(ns)
 
 
-def _sglang_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> tuple[str, ...]:
-    """``--sglang-<flag> [value]`` not declared here becomes SGLang's ``--<flag> [value]``; anything else unknown
-    is an error, as with ``parse_args``."""
-    out: list[str] = []
+PASSTHROUGH_ENGINES = ("sglang", "vllm")
+
+
+def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> dict[str, tuple[str, ...]]:
+    """``--sglang-<flag> [value]`` / ``--vllm-<flag> [value]`` not declared here becomes that engine server's
+    ``--<flag> [value]``; anything else unknown is an error, as with ``parse_args``."""
+    out: dict[str, list[str]] = {engine: [] for engine in PASSTHROUGH_ENGINES}
     i = 0
     while i < len(unknown):
         arg = unknown[i]
-        if not arg.startswith("--sglang-"):
+        engine = next((e for e in PASSTHROUGH_ENGINES if arg.startswith(f"--{e}-")), None)
+        if engine is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown[i:])}")
         name, eq, value = arg.partition("=")
-        out.append("--" + name[len("--sglang-"):])
+        out[engine].append("--" + name[len(f"--{engine}-"):])
         if eq:
-            out.append(value)
+            out[engine].append(value)
         elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
-            out.append(unknown[i + 1])
+            out[engine].append(unknown[i + 1])
             i += 1
         i += 1
-    return tuple(out)
+    return {engine: tuple(args) for engine, args in out.items()}
 
 
 def build_config(ns: argparse.Namespace) -> Config:
@@ -370,6 +375,8 @@ def build_config(ns: argparse.Namespace) -> Config:
         router=ns.rollout_router,
         sglang_python=ns.sglang_python,
         sglang_args=tuple(getattr(ns, "sglang_args", ())),
+        vllm_python=ns.vllm_python,
+        vllm_args=tuple(getattr(ns, "vllm_args", ())),
         num_gpus_per_engine=ns.rollout_num_gpus_per_engine,
         use_gpu=use_gpu,
         weight_update_dir=ns.weight_update_dir,
@@ -499,11 +506,20 @@ def _fault_tolerance_config(ns: argparse.Namespace) -> FaultToleranceConfig | No
              "--rollout-router sglang needs the sglang_router package: pip install sglang-router")
     _require(not (ns.use_fault_tolerance and ns.rollout_router == "sglang"),
              "--use-fault-tolerance works with --rollout-router builtin only for now")
-    if ns.rollout_backend == "sglang":
-        _require(not ns.use_fault_tolerance, "--use-fault-tolerance works with --rollout-backend embedded only for "
-                                             "now (a restarted engine is seeded through /get_weights)")
-        _require(not ns.check_weight_update_equal, "--check-weight-update-equal needs the embedded engine's "
-                                                   "/weights_checksum; not available with --rollout-backend sglang")
+    _require(ns.rollout_router != "sglang" or ns.rollout_backend != "vllm",
+             "--rollout-router sglang speaks SGLang's API; with --rollout-backend vllm use --rollout-router builtin")
+    for engine in PASSTHROUGH_ENGINES:
+        stray = getattr(ns, f"{engine}_args", ())
+        _require(not stray or ns.rollout_backend == engine,
+                 f"{' '.join(stray)} came from --{engine}-* flags, which only apply to --rollout-backend {engine} "
+                 f"(this run uses --rollout-backend {ns.rollout_backend})")
+    if ns.rollout_backend in PASSTHROUGH_ENGINES:
+        _require(not ns.use_fault_tolerance, f"--use-fault-tolerance works with --rollout-backend embedded only for "
+                                             f"now (a restarted engine is seeded through /get_weights); not with "
+                                             f"--rollout-backend {ns.rollout_backend}")
+        _require(not ns.check_weight_update_equal, f"--check-weight-update-equal needs the embedded engine's "
+                                                   f"/weights_checksum; not available with --rollout-backend "
+                                                   f"{ns.rollout_backend}")
     if not ns.use_fault_tolerance:
         return None
     return FaultToleranceConfig(ns.rollout_health_check_interval, ns.rollout_health_check_timeout,

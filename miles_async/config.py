@@ -34,7 +34,7 @@ class FaultToleranceConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    backend: str  # "embedded" or "sglang" (vllm would join through the same protocol)
+    backend: str  # "embedded", "sglang" or "vllm"
     model_path: str
     num_engines: int
     dtype: str
@@ -48,11 +48,14 @@ class EngineConfig:
     fault_tolerance: FaultToleranceConfig | None = None  # None: a dead engine fails the run
     check_weight_update_equal: bool = False  # compare engine and trainer weight checksums after each update
     router: str = "builtin"  # "builtin" or "sglang" (SGLang's own router, untested here)
-    # --rollout-backend sglang: the python of SGLang's environment, --sglang-* flags passed through to
-    # sglang.launch_server (e.g. ("--mem-fraction-static", "0.7")), GPUs per engine (its --tp-size), whether
-    # the engines get GPUs (else SGLang's CPU engine), and the folder the disk weight route writes to.
+    # --rollout-backend sglang / vllm: the python of the engine's environment, --sglang-* / --vllm-* flags
+    # passed through to its server (e.g. ("--mem-fraction-static", "0.7")), GPUs per engine (its tensor
+    # parallel size), whether the engines get GPUs (else the engine's CPU build), and the folder the disk
+    # weight route writes to.
     sglang_python: str | None = None
     sglang_args: tuple[str, ...] = ()
+    vllm_python: str | None = None
+    vllm_args: tuple[str, ...] = ()
     num_gpus_per_engine: int = 1
     use_gpu: bool = False
     weight_update_dir: str | None = None

@@ -97,16 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source-path", default=None)
 
     g = p.add_argument_group("inference engines")
-    g.add_argument("--rollout-backend", default="embedded", choices=("embedded", "sglang"),
+    g.add_argument("--rollout-backend", default="embedded", choices=("embedded", "sglang", "vllm"),
                    help="embedded: the project's own CPU engine server; sglang: SGLang's server "
-                        "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh). "
-                        "Any --sglang-<flag> [value] not listed here goes to SGLang as --<flag> [value], e.g. "
-                        "--sglang-mem-fraction-static 0.7, --sglang-attention-backend fa3")
+                        "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh); "
+                        "vllm: vLLM's server (vllm.entrypoints.openai.api_server, in vLLM's environment: "
+                        "scripts/setup_vllm_env.sh). Any --sglang-<flag> [value] / --vllm-<flag> [value] not listed "
+                        "here goes to that server as --<flag> [value], e.g. --sglang-mem-fraction-static 0.7, "
+                        "--vllm-gpu-memory-utilization 0.7")
     g.add_argument("--sglang-python", default=None,
                    help="python of SGLang's environment (default: $MILES_ASYNC_SGLANG_PYTHON, else "
                         "~/.cache/miles-async/venv-sglang/bin/python if present, else this python)")
+    g.add_argument("--vllm-python", default=None,
+                   help="python of vLLM's environment (default: $MILES_ASYNC_VLLM_PYTHON, else "
+                        "~/.cache/miles-async/venv-vllm/bin/python if present, else this python)")
     g.add_argument("--weight-update-dir", default=None,
-                   help="--rollout-backend sglang: where the trainer writes the weights the engines load "
+                   help="--rollout-backend sglang / vllm: where the trainer writes the weights the engines load "
                         "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir")
     g.add_argument("--rollout-num-gpus", type=int, default=1, help="engine slots in all")
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)

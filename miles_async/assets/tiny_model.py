@@ -61,14 +61,17 @@ def build_tiny_tokenizer():
     return tokenizer
 
 
-def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int]):
+def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_dim: int = 16):
+    if 64 % head_dim or head_dim > 32:
+        raise ValueError(f"head_dim {head_dim}: expected 16 or 32 (the hidden size is 64, with at least 2 heads)")
+    heads = 64 // head_dim
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         **special_ids,
@@ -80,14 +83,15 @@ def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int]):
     if arch == "qwen3":
         from transformers import Qwen3Config
 
-        return Qwen3Config(head_dim=16, **common)
+        return Qwen3Config(head_dim=head_dim, **common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
 
 
-def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama") -> Path:
+def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama", head_dim: int = 16) -> Path:
     """Write a random tiny causal LM (hidden 64, 2 layers) with its tokenizer to ``out_dir``.
 
-    The same ``seed`` and ``arch`` always give the same weights.
+    The same ``seed``, ``arch`` and ``head_dim`` always give the same weights. ``head_dim`` 32 (2 query
+    heads, 1 KV head) is for vLLM's CPU attention, which has no kernel for head size 16.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -99,7 +103,7 @@ def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama") -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = _tiny_config(arch, len(tokenizer), special_ids)
+    config = _tiny_config(arch, len(tokenizer), special_ids, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(**special_ids)

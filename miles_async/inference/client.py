@@ -244,6 +244,15 @@ class EngineClient:
         return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
 
 
+def make_client(backend: str, url: str, timeout: float) -> EngineClient:
+    """The client for one engine of ``--rollout-backend`` (SGLang and the embedded engine share the protocol)."""
+    if backend == "vllm":
+        from miles_async.inference.vllm_client import VLLMEngineClient
+
+        return VLLMEngineClient(url, timeout=timeout)
+    return EngineClient(url, timeout=timeout)
+
+
 def _version(v: Any) -> Any:
     """A weight version as an int where it is one (SGLang sends strings)."""
     if isinstance(v, str):

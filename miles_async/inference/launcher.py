@@ -40,12 +40,30 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+CACHE = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
+
+
+def engine_python(engine: str, explicit: str | None) -> str:
+    """The interpreter that runs ``engine`` ("sglang", "vllm"): --<engine>-python, $MILES_ASYNC_<ENGINE>_PYTHON,
+    the engine's cached environment (scripts/setup_<engine>_env.sh), or (last) this one."""
+    if explicit:
+        return explicit
+    if os.environ.get(f"MILES_ASYNC_{engine.upper()}_PYTHON"):
+        return os.environ[f"MILES_ASYNC_{engine.upper()}_PYTHON"]
+    cached = CACHE / f"venv-{engine}" / "bin" / "python"
+    return str(cached) if cached.exists() else sys.executable
+
+
 def make_engine_process(cfg: EngineConfig, index: int, log_dir: str | None) -> "EngineProcess":
-    """The engine process of ``cfg.backend``: the embedded server or SGLang's."""
+    """The engine process of ``cfg.backend``: the embedded server, SGLang's or vLLM's."""
     if cfg.backend == "sglang":
         from miles_async.inference.sglang_launcher import SGLangEngineProcess
 
         return SGLangEngineProcess(cfg, index, log_dir)
+    if cfg.backend == "vllm":
+        from miles_async.inference.vllm_launcher import VLLMEngineProcess
+
+        return VLLMEngineProcess(cfg, index, log_dir)
     if cfg.backend != "embedded":
         raise ValueError(f"--rollout-backend {cfg.backend} is not available")
     return EngineProcess(cfg, index, log_dir)

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.client import EngineClient, EngineError, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,12 @@ def sglang_router_available() -> bool:
 
 
 def make_router(urls: list[str], timeout: float, kind: str = "builtin", retry: bool = False,
-                cooldown: float = 5.0) -> Router | SGLangRouter:
-    """``kind``: "builtin" (this module's Router), "sglang" (SGLang's router; must be installed)."""
+                cooldown: float = 5.0, backend: str = "embedded") -> Router | SGLangRouter:
+    """``kind``: "builtin" (this module's Router), "sglang" (SGLang's router; must be installed). ``backend``:
+    the engines' --rollout-backend, which picks the client the builtin router talks to them with."""
     if kind == "sglang":
         if not sglang_router_available():
             raise RuntimeError("--rollout-router sglang needs the sglang_router package (pip install sglang-router)")
         return SGLangRouter(urls, timeout)
-    return Router(urls, timeout, retry=retry, cooldown=cooldown)
+    return Router(urls, timeout, retry=retry, cooldown=cooldown,
+                  client_factory=lambda url, t: make_client(backend, url, t))

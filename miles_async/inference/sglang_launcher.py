@@ -19,28 +19,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from miles_async.config import EngineConfig
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.launcher import EngineProcess, engine_python
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VENV = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async")) / "venv-sglang"
 CPU_SHIMS = ROOT / "tests" / "engines" / "sglang_cpu_shims"
 CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
                 ("--max-total-tokens", "32768"))
-
-
-def sglang_python(cfg: EngineConfig) -> str:
-    """The interpreter that runs SGLang: --sglang-python, $MILES_ASYNC_SGLANG_PYTHON, SGLang's cached
-    environment, or (last) this one."""
-    if cfg.sglang_python:
-        return cfg.sglang_python
-    if os.environ.get("MILES_ASYNC_SGLANG_PYTHON"):
-        return os.environ["MILES_ASYNC_SGLANG_PYTHON"]
-    cached = DEFAULT_VENV / "bin" / "python"
-    return str(cached) if cached.exists() else sys.executable
 
 
 def cpu_shims_dir() -> Path:
@@ -57,7 +44,7 @@ class SGLangEngineProcess(EngineProcess):
 
     def command(self) -> list[str]:
         cfg = self.cfg
-        cmd = [sglang_python(cfg), "-m", "sglang.launch_server",
+        cmd = [engine_python("sglang", cfg.sglang_python), "-m", "sglang.launch_server",
                "--model-path", self.model_path,
                "--host", cfg.host,
                "--port", str(self.port),
@@ -66,7 +53,7 @@ class SGLangEngineProcess(EngineProcess):
                "--tp-size", str(cfg.num_gpus_per_engine),
                "--random-seed", str(cfg.seed + self.index),
                "--weight-version", str(self.weight_version)]
-        given = set(a for a in cfg.sglang_args if a.startswith("--"))
+        given = set(a.partition("=")[0] for a in cfg.sglang_args if a.startswith("--"))
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
                 cmd += ["--base-gpu-id", str(self.index * cfg.num_gpus_per_engine)]

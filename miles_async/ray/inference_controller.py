@@ -26,7 +26,7 @@ import os
 import time
 
 from miles_async.config import EngineConfig
-from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.client import EngineClient, EngineError, make_client
 from miles_async.inference.fault_tolerance import (
     AllEnginesFailed,
     EngineSupervisor,
@@ -63,7 +63,7 @@ class InferenceController:
             self.started_pids.append(e.proc.pid)
         # Health polling blocks, so run it off the event loop, all engines at once.
         await asyncio.gather(*[asyncio.to_thread(e.wait_healthy, self.cfg.startup_timeout) for e in self.engines])
-        self.clients = [EngineClient(e.url, timeout=self.cfg.request_timeout) for e in self.engines]
+        self.clients = [make_client(self.cfg.backend, e.url, self.cfg.request_timeout) for e in self.engines]
         ft = self.cfg.fault_tolerance
         if ft is not None:
             policy = FaultTolerancePolicy(ft.failure_threshold, ft.max_engine_restarts, ft.restart_backoff_base,
@@ -138,7 +138,7 @@ class InferenceController:
         new.start()
         self.started_pids.append(new.proc.pid)
         await asyncio.to_thread(new.wait_healthy, self.cfg.startup_timeout)
-        self.clients[i] = EngineClient(new.url, timeout=self.cfg.request_timeout)
+        self.clients[i] = make_client(self.cfg.backend, new.url, self.cfg.request_timeout)
         await self._seed(i)
 
     async def _seed(self, i: int) -> None:

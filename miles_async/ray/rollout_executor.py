@@ -56,7 +56,8 @@ class RolloutExecutor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
         ft = engine.fault_tolerance if engine is not None else None
         self.router = make_router(engine_urls, request_timeout, kind=engine.router if engine else "builtin",
-                                  retry=ft is not None, cooldown=ft.health_check_interval if ft else 5.0)
+                                  retry=ft is not None, cooldown=ft.health_check_interval if ft else 5.0,
+                                  backend=engine.backend if engine else "embedded")
         if cfg.data_source_path:
             self.data_source = load_function(cfg.data_source_path, "--data-source-path")(cfg.data,
                                                                                         cfg.rollout_batch_size)

@@ -92,7 +92,7 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
     repeated push is harmless); a restarted engine is seeded from a peer after the update.
     """
     t0 = time.time()
-    if cfg.engine.backend == "sglang":
+    if cfg.engine.backend in ("sglang", "vllm"):
         return await _update_weights_from_disk(cfg, comps, weight_version, t0)
     urls = await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
@@ -136,9 +136,9 @@ def weight_update_dir(cfg: Config) -> str:
 
 
 async def _update_weights_from_disk(cfg: Config, comps: Components, weight_version: int, t0: float) -> dict:
-    """SGLang: the trainer writes an HF folder (while the engines still generate), then the engines pause,
-    load it (``/update_weights_from_disk`` with the version), flush their prefix cache and continue; the
-    folder is removed once loaded."""
+    """SGLang and vLLM: the trainer writes an HF folder (while the engines still generate), then the engines
+    pause, load it (SGLang's ``/update_weights_from_disk``, vLLM's ``reload_weights``, each with the version),
+    flush their prefix cache and continue; the folder is removed once loaded."""
     import shutil
     from pathlib import Path
 
@@ -149,7 +149,8 @@ async def _update_weights_from_disk(cfg: Config, comps: Components, weight_versi
         t_load = time.time()
         await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
         try:
-            # SGLang flushes its prefix cache as part of the update (flush_cache defaults to true).
+            # Both flush their prefix cache as part of the update (SGLang's flush_cache defaults to true; the
+            # vLLM client resets it after reload_weights).
             await comps.controller.update_weights_from_disk.remote(str(path), weight_version)
         finally:
             await comps.controller.end_weight_update.remote()

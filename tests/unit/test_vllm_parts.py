@@ -1,0 +1,101 @@
+"""The vLLM backend's pure parts: flag passthrough and refusals, the launch command and environment, the
+sampling-param and response adapters (the real server is exercised in tests/engines)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from miles_async.arguments import ConfigError, parse_args
+from miles_async.inference.client import EngineClient, make_client
+from miles_async.inference.launcher import make_engine_process
+from miles_async.inference.vllm_client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
+from miles_async.inference.vllm_launcher import VLLMEngineProcess
+from tests.unit.test_sglang_parts import _args
+
+
+def _cfg(tmp_path, *extra):
+    return parse_args(_args(tmp_path, "--rollout-backend", "vllm", "--vllm-python", "/venv/bin/python", *extra)).engine
+
+
+def test_vllm_flags_pass_through_and_stray_engine_flags_are_refused(tmp_path):
+    e = _cfg(tmp_path, "--vllm-gpu-memory-utilization", "0.7", "--vllm-no-enforce-eager", "--vllm-max-model-len=4096")
+    assert e.backend == "vllm" and e.vllm_python == "/venv/bin/python"
+    assert e.vllm_args == ("--gpu-memory-utilization", "0.7", "--no-enforce-eager", "--max-model-len", "4096")
+    assert e.sglang_args == ()
+    with pytest.raises(ConfigError, match="--rollout-backend vllm"):
+        parse_args(_args(tmp_path, "--vllm-max-model-len", "4096"))  # the embedded engine would ignore it
+    with pytest.raises(ConfigError, match="--rollout-backend sglang"):
+        _cfg(tmp_path, "--sglang-mem-fraction-static", "0.7")
+
+
+def test_vllm_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ConfigError, match="fault-tolerance.*vllm"):
+        _cfg(tmp_path, "--use-fault-tolerance")
+    with pytest.raises(ConfigError, match="weights_checksum.*vllm"):
+        _cfg(tmp_path, "--check-weight-update-equal")
+
+
+def test_launch_command_and_environment(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, "--rollout-dtype", "float32", "--sglang-server-concurrency", "16")
+    proc = make_engine_process(replace(cfg, use_gpu=False), 1, None)
+    assert isinstance(proc, VLLMEngineProcess)
+    cmd = proc.command()
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd, cmd[1:]))
+    assert flags["--port"] == str(proc.port) and flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "16"
+    assert flags["--seed"] == str(cfg.seed + 1) and flags["--logprobs-mode"] == "processed_logprobs"
+    assert flags["--worker-extension-cls"] == "miles_async.inference.vllm_worker.MilesWorkerExtension"
+    assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = proc.env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    assert proc.env()["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the user's wins
+
+    mine = VLLMEngineProcess(replace(cfg, use_gpu=False, vllm_args=("--no-enforce-eager", "--logprobs-mode",
+                                                                    "raw_logprobs")), 0, None).command()
+    assert "--enforce-eager" not in mine and mine.count("--logprobs-mode") == 1
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    gpu = VLLMEngineProcess(replace(cfg, use_gpu=True, num_gpus_per_engine=2), 1, None)
+    flags = dict(zip(gpu.command(), gpu.command()[1:]))
+    assert flags["--tensor-parallel-size"] == "2" and "--enforce-eager" not in gpu.command()
+    assert gpu.env()["CUDA_VISIBLE_DEVICES"] == "6,7" and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env()
+
+
+def test_make_client_picks_the_vllm_adapter():
+    assert type(make_client("vllm", "http://x", 1.0)) is VLLMEngineClient
+    assert type(make_client("sglang", "http://x", 1.0)) is EngineClient
+    assert type(make_client("embedded", "http://x", 1.0)) is EngineClient
+
+
+def test_sampling_params_are_renamed_and_unknown_ones_refused():
+    out = vllm_sampling_params({"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 12,
+                                "min_new_tokens": 2, "sampling_seed": 5, "ignore_eos": True, "no_stop_trim": True},
+                               return_logprob=True)
+    assert out == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 12, "min_tokens": 2, "seed": 5,
+                   "ignore_eos": True, "logprobs": 0}
+    assert "logprobs" not in vllm_sampling_params({"temperature": 1.0}, return_logprob=False)
+    with pytest.raises(ValueError, match="json_schema"):
+        vllm_sampling_params({"json_schema": "{}"}, True)
+    with pytest.raises(ValueError, match="n=1"):
+        vllm_sampling_params({"n": 4}, True)
+
+
+def test_a_vllm_answer_reads_like_sglangs():
+    answer = {"request_id": "generate-tokens-r1", "usage": {"prompt_tokens": 3},
+              "choices": [{"finish_reason": "abort", "token_ids": [7, 8, 9], "text": "abc",
+                           "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}, {"logprob": -2.0}]},
+                           "weight_versions": [{"version": "4", "start": 0, "end": 1},
+                                               {"version": "5", "start": 1, "end": 3}]}]}
+    out = sglang_shaped(answer)
+    assert out["text"] == "abc" and out["output_ids"] == [7, 8, 9]
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort"} and meta["prompt_tokens"] == 3
+    assert meta["output_token_logprobs"] == [[-0.5, 7, None], [-1.0, 8, None], [-2.0, 9, None]]
+    assert meta["weight_version"] == 5 and meta["output_token_weight_versions"] == [4, 5, 5]
+    empty = sglang_shaped({"choices": [{"finish_reason": "abort", "token_ids": [], "weight_versions": []}]})
+    assert empty["output_ids"] == [] and empty["meta_info"]["output_token_logprobs"] == []
