@@ -380,6 +380,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         num_gpus_per_engine=ns.rollout_num_gpus_per_engine,
         use_gpu=use_gpu,
         weight_update_dir=ns.weight_update_dir,
+        weight_update_method=_weight_update_method(ns),
     )
     rollout_sampling = SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
                                       ns.rollout_max_response_len)
@@ -492,6 +493,20 @@ def build_config(ns: argparse.Namespace) -> Config:
         ),
         critic=critic,
     )
+
+
+WEIGHT_UPDATE_METHODS = {"embedded": ("tensor",), "sglang": ("distributed", "disk"), "vllm": ("disk",)}
+
+
+def _weight_update_method(ns: argparse.Namespace) -> str:
+    """--weight-update-method resolved for --rollout-backend (auto: the first the engine supports)."""
+    supported = WEIGHT_UPDATE_METHODS[ns.rollout_backend]
+    if ns.weight_update_method == "auto":
+        return supported[0]
+    _require(ns.weight_update_method in supported,
+             f"--weight-update-method {ns.weight_update_method} is not available with --rollout-backend "
+             f"{ns.rollout_backend} (it supports: {', '.join(supported)})")
+    return ns.weight_update_method
 
 
 def _fault_tolerance_config(ns: argparse.Namespace) -> FaultToleranceConfig | None:

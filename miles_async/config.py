@@ -59,6 +59,7 @@ class EngineConfig:
     num_gpus_per_engine: int = 1
     use_gpu: bool = False
     weight_update_dir: str | None = None
+    weight_update_method: str = "tensor"  # "tensor", "disk" or "distributed" (--weight-update-method, resolved)
 
 
 @dataclass(frozen=True)

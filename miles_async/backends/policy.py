@@ -91,6 +91,44 @@ class PolicyMixin:
                                          temperature))
         return out
 
+    def _send_buckets(self, buckets, urls: list[str], weight_version: int, timeout: float, method: str,
+                      ranks_per_engine: int) -> dict:
+        """Rank 0's half of a weight push: ``tensor`` posts each bucket over HTTP; ``distributed`` broadcasts it
+        in the process group shared with the engines (joined at the first push, kept for the run)."""
+        import asyncio
+
+        from miles_async.backends.weight_export import push_buckets
+
+        t0 = time.time()
+        if method == "distributed":
+            nbytes = self._engine_weight_group(urls, ranks_per_engine, timeout).push(buckets, weight_version)
+        elif method == "tensor":
+            nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
+        else:
+            raise ValueError(f"weight update method {method!r} does not push buckets")
+        return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
+
+    def _engine_weight_group(self, urls: list[str], ranks_per_engine: int, timeout: float):
+        from urllib.parse import urlparse
+
+        from miles_async.backends.distributed_weights import EngineWeightGroup
+
+        group = getattr(self, "_weight_group", None)
+        if group is not None and group.urls == list(urls):
+            return group
+        if group is not None:
+            group.close()
+        hosts = {urlparse(u).hostname for u in urls}
+        if hosts <= {"127.0.0.1", "localhost"}:
+            address = "127.0.0.1"
+        else:  # engines on other nodes reach the trainer by its node address
+            import ray
+
+            address = ray.util.get_node_ip_address()
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self._weight_group = EngineWeightGroup(urls, ranks_per_engine, backend, address, timeout)
+        return self._weight_group
+
     def save_weights_for_engines(self, path: str, weight_version: int) -> dict:
         """The disk route of a weight update (``--rollout-backend sglang``): write the policy as an HF folder
         that the engines then load with ``/update_weights_from_disk``. Every rank calls it (Megatron's TP

@@ -92,14 +92,15 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
     repeated push is harmless); a restarted engine is seeded from a peer after the update.
     """
     t0 = time.time()
-    if cfg.engine.backend in ("sglang", "vllm"):
+    if cfg.engine.weight_update_method == "disk":
         return await _update_weights_from_disk(cfg, comps, weight_version, t0)
     urls = await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
         for attempt in range(cfg.engine.num_engines + 1):
             try:
                 metrics = await comps.actor.push_weights(urls, weight_version, cfg.engine.dtype,
-                                                         cfg.engine.request_timeout)
+                                                         cfg.engine.request_timeout, cfg.engine.weight_update_method,
+                                                         cfg.engine.num_gpus_per_engine)
                 break
             except Exception as e:
                 if cfg.engine.fault_tolerance is None:

@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import socket
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import requests
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -33,6 +24,7 @@ def main() -> int:
 
     from miles_async.arguments import parse_args
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
+    from miles_async.backends.distributed_weights import EngineWeightGroup
     from miles_async.backends.weight_export import iter_buckets
     from miles_async.inference.client import EngineClient
     from miles_async.inference.sglang_launcher import SGLangEngineProcess
@@ -64,40 +56,15 @@ def main() -> int:
             for _, prm in model.named_parameters():
                 prm.add_(torch.randn_like(prm) * 0.05)
 
-        # One NCCL group: this process is rank 0, the engine's TP ranks follow (rank_offset 1).
-        port, group = free_port(), "miles_async_weights"
-        world = 1 + cfg.engine.num_gpus_per_engine
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(requests.post, f"{url}/init_weights_update_group", timeout=300,
-                                 json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                       "world_size": world, "group_name": group, "backend": "nccl"})
-            store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True,
-                                               timeout=timedelta(seconds=300))
-            torch.distributed.init_process_group("nccl", store=torch.distributed.PrefixStore(group, store), rank=0,
-                                                 world_size=world, device_id=torch.device("cuda:0"))
-            r = joined.result()
-            assert r.status_code == 200, r.text
-
+        # The trainer's own code path (what train_async runs with --weight-update-method distributed): one NCCL
+        # group of this process (rank 0) and the engine's TP ranks, buckets broadcast under their HF names.
+        group = EngineWeightGroup([url], cfg.engine.num_gpus_per_engine, "nccl", "127.0.0.1", timeout=300)
         t0 = time.perf_counter()
-        buckets = list(iter_buckets(((n, t.cuda()) for n, t in model.named_parameters()), torch.bfloat16,
-                                    args.bucket_bytes))
-        sent = 0
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            body = {"names": [n for n, _ in bucket], "dtypes": ["bfloat16"] * len(bucket),
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": group, "flush_cache": last}
-            if last:
-                body["weight_version"] = "1"
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                fut = pool.submit(requests.post, f"{url}/update_weights_from_distributed", json=body, timeout=300)
-                for _, t in bucket:
-                    torch.distributed.broadcast(t.cuda(), src=0)
-                r = fut.result()
-            assert r.status_code == 200, r.text
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        torch.cuda.synchronize()
+        sent = group.push(iter_buckets(((n, t) for n, t in model.named_parameters()), torch.bfloat16,
+                                       args.bucket_bytes), 1)
         seconds = time.perf_counter() - t0
-        print(f"update_weights_from_distributed: {sent / 1e6:.1f} MB in {len(buckets)} buckets, {seconds:.3f}s")
+        print(f"update_weights_from_distributed: {sent / 1e6:.1f} MB in buckets of {args.bucket_bytes} bytes, "
+              f"{seconds:.3f}s (first push, group set-up included)")
 
         info = requests.get(f"{url}/get_model_info", timeout=30).json()
         assert str(info["weight_version"]) == "1", info
@@ -111,7 +78,7 @@ def main() -> int:
         worst = max(abs(a - b) for a, b in zip(ref, got))
         assert worst < 0.1, (ref, got)  # bf16 on both sides
         print(f"log-probs vs transformers: max |diff| {worst:.4f}")
-    torch.distributed.destroy_process_group()
+        group.close()
     print("PASS")
     return 0
 

@@ -3,7 +3,8 @@
 # run. Needs one NVIDIA GPU: the SGLang server (its full CUDA environment) and a "trainer" (this
 # project's environment, CUDA torch) share it.
 #   bash scripts/gpu/check_sglang_nccl.sh [MODEL_DIR]      (default: the tiny llama built on the fly)
-# What it checks (check_sglang_nccl.py): the server starts on the GPU, /init_weights_update_group joins
+# What it checks (check_sglang_nccl.py), through the trainer's own EngineWeightGroup (the same code the CPU
+# tests run over gloo): the server starts on the GPU, /init_weights_update_group joins
 # an NCCL group with the trainer's rank 0, perturbed weights broadcast in buckets of
 # --update-weight-buffer-size bytes under their HF names reach the engine (/update_weights_from_distributed,
 # version in the last bucket), the version is reported, greedy outputs change and the engine's

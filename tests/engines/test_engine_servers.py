@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
+from miles_async.backends.weight_export import iter_buckets
 from miles_async.inference.client import make_client
 from miles_async.inference.launcher import make_engine_process
 
@@ -233,3 +234,39 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
                                                        "response_lengths": [len(o["output_ids"])],
                                                        "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
+
+
+def test_trained_weights_reach_sglang_by_broadcast(backend, cfg, engine, tiny_model):
+    """SGLang's distributed route (the trainer's rank 0 and the engine in one process group, gloo here, NCCL on
+    GPUs): the trainer's weights, broadcast in several buckets, give the engine the trainer's log-probs, the
+    version arrives with the last bucket, and a second push reuses the group."""
+    if backend != "sglang":
+        pytest.skip("update_weights_from_distributed is SGLang's")
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    prompts = _prompts(tiny_model)
+    greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    with torch.no_grad():  # "trained" weights: a visible change
+        for _, p in actor.module.named_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+
+    async def generate_all():
+        async with client(backend, engine) as c:
+            return await asyncio.gather(*[c.generate(p, greedy) for p in prompts])
+
+    try:
+        for version in (5, 6):
+            pushed = actor._send_buckets(
+                iter_buckets(actor.module.named_parameters(), torch.float32, 64 * 1024), [engine.url], version,
+                60, "distributed", 1)
+            assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())
+            outs = run(generate_all())
+            assert all(o["meta_info"]["weight_version"] == version for o in outs)
+        for p, o in zip(prompts, outs):
+            trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
+                                                           "response_lengths": [len(o["output_ids"])],
+                                                           "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
+            assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
+    finally:
+        actor._weight_group.close()

@@ -99,3 +99,17 @@ def test_a_vllm_answer_reads_like_sglangs():
     assert meta["weight_version"] == 5 and meta["output_token_weight_versions"] == [4, 5, 5]
     empty = sglang_shaped({"choices": [{"finish_reason": "abort", "token_ids": [], "weight_versions": []}]})
     assert empty["output_ids"] == [] and empty["meta_info"]["output_token_logprobs"] == []
+
+
+def test_weight_update_method_resolves_per_engine(tmp_path):
+    def method(*extra):
+        return parse_args(_args(tmp_path, *extra)).engine.weight_update_method
+
+    assert method() == "tensor"
+    assert method("--rollout-backend", "sglang") == "distributed"
+    assert method("--rollout-backend", "sglang", "--weight-update-method", "disk") == "disk"
+    assert method("--rollout-backend", "vllm") == "disk"
+    with pytest.raises(ConfigError, match="--weight-update-method distributed .* vllm .*disk"):
+        method("--rollout-backend", "vllm", "--weight-update-method", "distributed")
+    with pytest.raises(ConfigError, match="--weight-update-method disk .* embedded"):
+        method("--weight-update-method", "disk")

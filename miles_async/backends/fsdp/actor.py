@@ -8,11 +8,9 @@ entropy, and takes the optimizer step through ``TrainWorker``.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_log
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, Prepared, PolicyMixin  # noqa: F401 - Prepared re-exported
-from miles_async.backends.weight_export import iter_buckets, push_buckets
+from miles_async.backends.weight_export import iter_buckets
 from miles_async.config import TrainConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -81,16 +79,15 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         return self._old_module
 
     # -- weights -----------------------------------------------------------------------
-    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float) -> dict:
+    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
+                     method: str = "tensor", ranks_per_engine: int = 1) -> dict:
         """Stream the policy to every engine in buckets; only rank 0 sends (DDP replicas agree)."""
         self._keep_weights(weight_version)
         if self.rank != 0:
             return {}
-        t0 = time.time()
         buckets = iter_buckets(self.module.named_parameters(), DTYPES[engine_dtype],
                                self.cfg.update_weight_buffer_size)
-        nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
-        return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
+        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine)
 
     def weights_checksum(self, engine_dtype: str) -> dict:
         """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""

@@ -14,11 +14,9 @@ process group first); ``TrainGroup.init`` always calls it, also with one worker.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf, 
 from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, init_parallel
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
-from miles_async.backends.weight_export import iter_buckets, push_buckets
+from miles_async.backends.weight_export import iter_buckets
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
 
@@ -228,7 +226,8 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it."""
         return export_hf(self.module, self.arch, self.tp, self.tp_group)
 
-    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float) -> dict:
+    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
+                     method: str = "tensor", ranks_per_engine: int = 1) -> dict:
         """Stream the policy to every engine in buckets gathered over TP; global rank 0 sends."""
         self._keep_weights(weight_version)
         if self.dp_rank != 0:
@@ -237,10 +236,8 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             for _ in self._export():  # take part in the TP gathers
                 pass
             return {}
-        t0 = time.time()
         buckets = iter_buckets(self._export(), DTYPES[engine_dtype], self.cfg.update_weight_buffer_size)
-        nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
-        return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
+        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine)
 
     def weights_checksum(self, engine_dtype: str) -> dict:
         """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""

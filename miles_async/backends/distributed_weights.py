@@ -1,0 +1,163 @@
+"""The distributed weight route into SGLang: one process group of the trainer's rank 0 and every engine's
+tensor-parallel ranks, the weights broadcast from rank 0 in buckets (``update_weights_from_distributed``).
+
+On GPUs the group is NCCL (the route Miles and slime use between the trainer and non-colocated engines);
+on the CPU the same calls run over gloo, which is how the suite drives this route against SGLang's real
+CPU server: the only line that differs on a GPU is the backend name (scripts/gpu/check_sglang_nccl.sh).
+
+Protocol, per SGLang's HTTP API:
+1. ``/init_weights_update_group`` on every engine (``rank_offset`` 1 + i * tp, ``world_size`` 1 + n * tp),
+   while this process, rank 0, hosts the rendezvous store and joins. The group is not the default one: the
+   trainer keeps its own (DDP / Megatron) default group, so it is built the way SGLang builds its side
+   (a TCP store, prefixed with the group name, then torch's group constructor), or the two sides would
+   look for each other under different keys.
+2. ``/begin_weight_update``, then per bucket ``/update_weights_from_distributed`` with the names, dtypes and shapes on every engine while
+   rank 0 broadcasts the bucket's tensors in that order; the last bucket carries the weight version and
+   flushes the engines' caches; then ``/end_weight_update``.
+
+Waits race failures: joining and every broadcast run against the engines' HTTP answers, and an engine that
+answers with an error fails the update at once instead of leaving rank 0 waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from datetime import timedelta
+from typing import Iterable
+
+import requests
+import torch
+
+from miles_async.inference.launcher import free_port
+
+logger = logging.getLogger(__name__)
+
+GROUP_NAME = "miles_async_weights"
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class WeightGroupError(RuntimeError):
+    pass
+
+
+def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout: float):
+    """Host the rendezvous store and join the group as rank 0, keyed as SGLang's ``init_custom_process_group``
+    keys its side (the group name as the store prefix and as the group's name)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout))
+    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store),
+                                      group_name=GROUP_NAME, timeout=timedelta(seconds=timeout))
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg, store
+
+
+class EngineWeightGroup:
+    """Trainer rank 0's end of the group; ``connect`` once, ``push`` every update, ``close`` at the end."""
+
+    def __init__(self, urls: list[str], ranks_per_engine: int, backend: str, master_address: str,
+                 timeout: float = 300.0):
+        self.urls = list(urls)
+        self.ranks_per_engine = ranks_per_engine
+        self.backend = backend
+        self.master_address = master_address
+        self.timeout = timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.pg = None
+        self._store = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(2, len(self.urls) + 1))
+
+    def _post_all(self, endpoint: str, bodies: list[dict]) -> dict[str, concurrent.futures.Future]:
+        return {url: self._pool.submit(requests.post, url + endpoint, json=body, timeout=self.timeout)
+                for url, body in zip(self.urls, bodies)}
+
+    def _check(self, url: str, fut: concurrent.futures.Future, endpoint: str) -> None:
+        try:
+            r = fut.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - named with the engine below
+            raise WeightGroupError(f"{url}{endpoint} failed: {e!r}") from e
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+            raise WeightGroupError(f"{url}{endpoint} answered {r.status_code}: {r.text[:1000]}")
+
+    def _race(self, work: concurrent.futures.Future, answers: dict[str, concurrent.futures.Future], endpoint: str):
+        """Wait for ``work`` (this process's part) and then the engines' answers, failing at once if an engine
+        answers with an error while rank 0 still waits in the collective."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                result = work.result(timeout=0.5)
+                break
+            except concurrent.futures.TimeoutError:
+                pass
+            for url, fut in answers.items():
+                if fut.done():
+                    self._check(url, fut, endpoint)  # raises on an error answer
+            if time.monotonic() > deadline:
+                raise WeightGroupError(f"{endpoint}: rank 0 still waiting in the collective after {self.timeout:.0f}s")
+        for url, fut in answers.items():
+            self._check(url, fut, endpoint)
+        return result
+
+    def connect(self) -> None:
+        port = free_port(self.master_address)
+        world = 1 + len(self.urls) * self.ranks_per_engine
+        bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
+                   "world_size": world, "group_name": GROUP_NAME, "backend": self.backend}
+                  for i in range(len(self.urls))]
+        t0 = time.perf_counter()
+        answers = self._post_all("/init_weights_update_group", bodies)
+        join = self._pool.submit(_join_as_rank0, self.master_address, port, world, self.backend, self.timeout)
+        self.pg, self._store = self._race(join, answers, "/init_weights_update_group")
+        logger.info("weight group %s: %d ranks over %s in %.1fs", GROUP_NAME, world, self.backend,
+                    time.perf_counter() - t0)
+
+    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], weight_version: int) -> int:
+        """Broadcast every bucket; returns the bytes sent."""
+        if self.pg is None:
+            self.connect()
+        self._call_all("/begin_weight_update")  # SGLang unpacks its kernel-packed weights so new ones can load
+        sent = 0
+        buckets = iter(buckets)
+        current = next(buckets, None)
+        while current is not None:
+            following = next(buckets, None)
+            last = following is None
+            body = {"names": [n for n, _ in current], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in current],
+                    "shapes": [list(t.shape) for _, t in current], "group_name": GROUP_NAME, "flush_cache": last}
+            if last:
+                body["weight_version"] = str(int(weight_version))
+            answers = self._post_all("/update_weights_from_distributed", [body] * len(self.urls))
+            tensors = [t.to(self.device, non_blocking=True).contiguous() for _, t in current]
+            broadcast = self._pool.submit(self._broadcast, tensors)
+            self._race(broadcast, answers, "/update_weights_from_distributed")
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+            current = following
+        self._call_all("/end_weight_update")  # ... and packs them again
+        return sent
+
+    def _call_all(self, endpoint: str, body: dict | None = None) -> None:
+        for url, fut in self._post_all(endpoint, [body or {}] * len(self.urls)).items():
+            self._check(url, fut, endpoint)
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            torch.distributed.broadcast(t, src=0, group=self.pg)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        if self.pg is not None:
+            try:
+                self._call_all("/destroy_weights_update_group", {"group_name": GROUP_NAME})
+            except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
+                logger.warning("could not close the weight group: %s", e)
+            torch.distributed.destroy_process_group(self.pg)
+            self.pg = None
+        self._pool.shutdown(wait=False)
+
