@@ -495,7 +495,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     )
 
 
-WEIGHT_UPDATE_METHODS = {"embedded": ("tensor",), "sglang": ("distributed", "disk"), "vllm": ("disk",)}
+WEIGHT_UPDATE_METHODS = {"embedded": ("tensor",), "sglang": ("distributed", "disk", "tensor"), "vllm": ("disk",)}
 
 
 def _weight_update_method(ns: argparse.Namespace) -> str:

@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir")
     g.add_argument("--weight-update-method", default="auto", choices=("auto", "tensor", "disk", "distributed"),
                    help="how a weight update reaches the engines. tensor: buckets of tensors over HTTP (the embedded "
-                        "engine); disk: an HF folder the engines load (SGLang, vLLM); distributed: broadcast from the "
+                        "engine; SGLang on the trainer's node: shared-memory / CUDA IPC handles, "
+                        "/update_weights_from_tensor); disk: an HF folder the engines load (SGLang, vLLM); distributed: broadcast from the "
                         "trainer's rank 0 in a process group with the engines, NCCL on GPUs, gloo on the CPU (SGLang's "
                         "update_weights_from_distributed). auto: tensor for embedded, distributed for sglang, disk "
                         "for vllm")

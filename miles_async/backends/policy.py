@@ -92,9 +92,10 @@ class PolicyMixin:
         return out
 
     def _send_buckets(self, buckets, urls: list[str], weight_version: int, timeout: float, method: str,
-                      ranks_per_engine: int) -> dict:
-        """Rank 0's half of a weight push: ``tensor`` posts each bucket over HTTP; ``distributed`` broadcasts it
-        in the process group shared with the engines (joined at the first push, kept for the run)."""
+                      ranks_per_engine: int, backend: str = "embedded") -> dict:
+        """Rank 0's half of a weight push: ``tensor`` posts each bucket over HTTP (the embedded engine: the bytes;
+        SGLang on this node: shared-memory handles); ``distributed`` broadcasts it in the process group shared
+        with the engines (joined at the first push, kept for the run)."""
         import asyncio
 
         from miles_async.backends.weight_export import push_buckets
@@ -103,7 +104,7 @@ class PolicyMixin:
         if method == "distributed":
             nbytes = self._engine_weight_group(urls, ranks_per_engine, timeout).push(buckets, weight_version)
         elif method == "tensor":
-            nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout))
+            nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout, backend))
         else:
             raise ValueError(f"weight update method {method!r} does not push buckets")
         return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}

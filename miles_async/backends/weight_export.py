@@ -7,7 +7,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from miles_async.inference.client import EngineClient
+from miles_async.inference.client import make_client
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -28,11 +28,13 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch
 
 
 async def push_buckets(buckets: Iterator[list[tuple[str, torch.Tensor]]], urls: list[str], weight_version: int,
-                       timeout: float) -> int:
-    """Send each bucket to every engine; the version is set with the last bucket. Returns bytes sent per engine."""
-    clients = [EngineClient(u, timeout=timeout) for u in urls]
+                       timeout: float, backend: str = "embedded") -> int:
+    """Send each bucket to every engine (the client of ``backend``); the version is set with the last bucket.
+    Returns bytes sent per engine."""
+    clients = [make_client(backend, u, timeout) for u in urls]
     sent = 0
     try:
+        await asyncio.gather(*[c.begin_weight_update() for c in clients])
         current = next(buckets, None)
         while current is not None:
             following = next(buckets, None)
@@ -41,6 +43,7 @@ async def push_buckets(buckets: Iterator[list[tuple[str, torch.Tensor]]], urls: 
                                                                  flush=last) for c in clients])
             sent += sum(t.numel() * t.element_size() for _, t in current)
             current = following
+        await asyncio.gather(*[c.end_weight_update() for c in clients])
     finally:
         for c in clients:
             await c.close()

@@ -7,8 +7,9 @@ native endpoints (``/generate``, ``/pause_generation``, ...).
 
 One exception: ``update_weights_from_tensors`` posts a raw safetensors blob
 to ``/update_weights_from_tensor?weight_version=V&flush=0|1``, the embedded
-server's format (SGLang proper expects pickled tensors in JSON).  Adapters for
-other engines must accept that format.
+server's format; SGLang's (tensors pickled with torch's multiprocessing
+reductions, for an engine on the same node) is ``sglang_client``'s, and vLLM's
+mapping is ``vllm_client``'s (``make_client`` picks by --rollout-backend).
 
 Every call has a timeout; failures raise ``EngineError`` naming the URL and
 endpoint, never a bare aiohttp exception.
@@ -226,6 +227,12 @@ class EngineClient:
                        "weight_version": None if weight_version is None else str(int(weight_version))},
         )
 
+    async def begin_weight_update(self) -> None:
+        """Before the buckets of an update (SGLang needs it; nothing to do for the embedded engine)."""
+
+    async def end_weight_update(self) -> None:
+        """After the last bucket of an update."""
+
     async def update_weights_from_tensors(
         self,
         named_tensors: list[tuple[str, torch.Tensor]],
@@ -250,6 +257,10 @@ def make_client(backend: str, url: str, timeout: float) -> EngineClient:
         from miles_async.inference.vllm_client import VLLMEngineClient
 
         return VLLMEngineClient(url, timeout=timeout)
+    if backend == "sglang":
+        from miles_async.inference.sglang_client import SGLangEngineClient
+
+        return SGLangEngineClient(url, timeout=timeout)
     return EngineClient(url, timeout=timeout)
 
 

@@ -50,8 +50,9 @@ class TrainGroup:
         return await self.call("train", rollout_id, data_ref, *args)
 
     async def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                           method: str = "tensor", ranks_per_engine: int = 1) -> dict:
-        return await self.call("push_weights", urls, weight_version, engine_dtype, timeout, method, ranks_per_engine)
+                           method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
+        return await self.call("push_weights", urls, weight_version, engine_dtype, timeout, method, ranks_per_engine,
+                               backend)
 
     async def save(self, save_dir: str, rollout_id: int, save_optimizer: bool) -> None:
         await self._all("save", save_dir, rollout_id, save_optimizer)

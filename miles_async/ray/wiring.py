@@ -100,7 +100,7 @@ async def update_weights(cfg: Config, comps: Components, weight_version: int) ->
             try:
                 metrics = await comps.actor.push_weights(urls, weight_version, cfg.engine.dtype,
                                                          cfg.engine.request_timeout, cfg.engine.weight_update_method,
-                                                         cfg.engine.num_gpus_per_engine)
+                                                         cfg.engine.num_gpus_per_engine, cfg.engine.backend)
                 break
             except Exception as e:
                 if cfg.engine.fault_tolerance is None:

@@ -236,14 +236,21 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
 
 
-def test_trained_weights_reach_sglang_by_broadcast(backend, cfg, engine, tiny_model):
-    """SGLang's distributed route (the trainer's rank 0 and the engine in one process group, gloo here, NCCL on
-    GPUs): the trainer's weights, broadcast in several buckets, give the engine the trainer's log-probs, the
-    version arrives with the last bucket, and a second push reuses the group."""
+@pytest.mark.parametrize("method", ["distributed", "tensor"])
+def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_model, method):
+    """SGLang's two memory routes, as the trainer runs them (``_send_buckets``): ``distributed``, the trainer's
+    rank 0 and the engine in one process group (gloo here, NCCL on GPUs), and ``tensor``, shared-memory
+    handles through /update_weights_from_tensor (CUDA IPC on GPUs). The trainer's weights, sent in several
+    buckets, give the engine the trainer's log-probs; the version arrives with the last bucket; a second push
+    reuses the group; no shared-memory file is left behind."""
     if backend != "sglang":
-        pytest.skip("update_weights_from_distributed is SGLang's")
+        pytest.skip("update_weights_from_distributed and SGLang's tensor format are SGLang's")
+    import gc
+    import os
+
     from miles_async.backends.fsdp.actor import FSDPTrainActor
 
+    shm_before = set(os.listdir("/dev/shm"))
     prompts = _prompts(tiny_model)
     greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
@@ -259,7 +266,7 @@ def test_trained_weights_reach_sglang_by_broadcast(backend, cfg, engine, tiny_mo
         for version in (5, 6):
             pushed = actor._send_buckets(
                 iter_buckets(actor.module.named_parameters(), torch.float32, 64 * 1024), [engine.url], version,
-                60, "distributed", 1)
+                60, method, 1, backend)
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())
             outs = run(generate_all())
             assert all(o["meta_info"]["weight_version"] == version for o in outs)
@@ -269,4 +276,7 @@ def test_trained_weights_reach_sglang_by_broadcast(backend, cfg, engine, tiny_mo
                                                            "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
             assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
     finally:
-        actor._weight_group.close()
+        if getattr(actor, "_weight_group", None) is not None:
+            actor._weight_group.close()
+    gc.collect()
+    assert {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("torch_")} == set()

@@ -80,14 +80,14 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     # -- weights -----------------------------------------------------------------------
     def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                     method: str = "tensor", ranks_per_engine: int = 1) -> dict:
+                     method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
         """Stream the policy to every engine in buckets; only rank 0 sends (DDP replicas agree)."""
         self._keep_weights(weight_version)
         if self.rank != 0:
             return {}
         buckets = iter_buckets(self.module.named_parameters(), DTYPES[engine_dtype],
                                self.cfg.update_weight_buffer_size)
-        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine)
+        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine, backend)
 
     def weights_checksum(self, engine_dtype: str) -> dict:
         """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""

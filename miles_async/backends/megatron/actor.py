@@ -227,7 +227,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         return export_hf(self.module, self.arch, self.tp, self.tp_group)
 
     def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                     method: str = "tensor", ranks_per_engine: int = 1) -> dict:
+                     method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
         """Stream the policy to every engine in buckets gathered over TP; global rank 0 sends."""
         self._keep_weights(weight_version)
         if self.dp_rank != 0:
@@ -237,7 +237,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
                 pass
             return {}
         buckets = iter_buckets(self._export(), DTYPES[engine_dtype], self.cfg.update_weight_buffer_size)
-        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine)
+        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine, backend)
 
     def weights_checksum(self, engine_dtype: str) -> dict:
         """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""

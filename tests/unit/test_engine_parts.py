@@ -1,5 +1,6 @@
-"""The vLLM backend's pure parts: flag passthrough and refusals, the launch command and environment, the
-sampling-param and response adapters (the real server is exercised in tests/engines)."""
+"""The engine backends' pure parts: vLLM's flag passthrough and refusals, launch command and environment,
+sampling-param and response adapters; --weight-update-method per engine; SGLang's shared-memory pickling
+(the real servers are exercised in tests/engines)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.inference.client import EngineClient, make_client
 from miles_async.inference.launcher import make_engine_process
+from miles_async.inference.sglang_client import SGLangEngineClient
 from miles_async.inference.vllm_client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
 from miles_async.inference.vllm_launcher import VLLMEngineProcess
 from tests.unit.test_sglang_parts import _args
@@ -66,9 +68,9 @@ def test_launch_command_and_environment(tmp_path, monkeypatch):
     assert gpu.env()["CUDA_VISIBLE_DEVICES"] == "6,7" and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env()
 
 
-def test_make_client_picks_the_vllm_adapter():
+def test_make_client_picks_each_engines_client():
     assert type(make_client("vllm", "http://x", 1.0)) is VLLMEngineClient
-    assert type(make_client("sglang", "http://x", 1.0)) is EngineClient
+    assert type(make_client("sglang", "http://x", 1.0)) is SGLangEngineClient
     assert type(make_client("embedded", "http://x", 1.0)) is EngineClient
 
 
@@ -108,8 +110,28 @@ def test_weight_update_method_resolves_per_engine(tmp_path):
     assert method() == "tensor"
     assert method("--rollout-backend", "sglang") == "distributed"
     assert method("--rollout-backend", "sglang", "--weight-update-method", "disk") == "disk"
+    assert method("--rollout-backend", "sglang", "--weight-update-method", "tensor") == "tensor"
     assert method("--rollout-backend", "vllm") == "disk"
     with pytest.raises(ConfigError, match="--weight-update-method distributed .* vllm .*disk"):
         method("--rollout-backend", "vllm", "--weight-update-method", "distributed")
     with pytest.raises(ConfigError, match="--weight-update-method disk .* embedded"):
         method("--weight-update-method", "disk")
+
+
+def test_sglang_tensor_route_pickles_shared_memory_handles_and_restores_the_strategy():
+    import base64
+    import pickle
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from miles_async.inference.sglang_client import shared_memory_pickle
+
+    before = mp.get_sharing_strategy()
+    tensors = [("a.weight", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b.bias", torch.ones(4))]
+    payload, keep = shared_memory_pickle(tensors)
+    assert mp.get_sharing_strategy() == before
+    assert all(t.is_shared() for t in keep) and not tensors[0][1].is_shared()  # copies; the trainer's stay put
+    loaded = pickle.loads(base64.b64decode(payload))
+    assert [n for n, _ in loaded] == ["a.weight", "b.bias"]
+    assert all(torch.equal(t, src) for (_, t), (_, src) in zip(loaded, tensors))
