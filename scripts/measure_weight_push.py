@@ -9,10 +9,10 @@ the same bytes and none pays a cast):
 - ``memcopy``: ``copy_`` of every parameter into preallocated tensors: the floor;
 - ``embedded tensor``: the trainer's route to the embedded engine, ``push_buckets(iter_buckets(...))`` over
   HTTP (/update_weights_from_tensor, 512 MiB buckets);
-- ``sglang disk``: the trainer's route to SGLang: write the HF folder (``save_pretrained``, safetensors) to
-  /dev/shm, then ``/update_weights_from_disk`` with the version (write and load timed separately); also as
-  ``train_async.py`` does it today (``save_hf`` of the trainer's float32 weights plus the tokenizer: twice
-  the bytes written, cast by SGLang while loading; GB/s is still of the engine-dtype bytes).
+- ``sglang disk``: SGLang's disk route: write the HF folder (``save_pretrained`` of the engine-dtype model,
+  safetensors) to /dev/shm, then ``/update_weights_from_disk`` with the version (write and load timed
+  separately); also as ``train_async.py`` does it (``save_weights_for_engines``: the trainer's float32
+  weights cast to the engine dtype while written, config.json only).
   SGLang runs its CPU engine here (SGLANG_USE_CPU_ENGINE=1); the GPU's NCCL route is checked by
   scripts/gpu/check_sglang_nccl.sh.
 - ``sglang distributed``: the trainer's ``EngineWeightGroup`` (--weight-update-method distributed, the
@@ -114,16 +114,14 @@ def main() -> None:
             assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
 
     # SGLang and vLLM: disk route (the trainer's save_pretrained, then the engine's load from disk)
-    from transformers import AutoTokenizer
+    # What train_async does (PolicyMixin.save_weights_for_engines): the trainer's float32 weights cast to the
+    # engine dtype while written, with config.json only.
+    from miles_async.backends.weight_export import save_hf_folder
 
-    # What train_async does today (PolicyMixin.save_weights_for_engines -> the fsdp backend's save_hf): the
-    # trainer's float32 weights and the tokenizer are written; the engine casts to its dtype while loading.
     trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def write_like_the_trainer(folder) -> None:
-        trainer_model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
+        save_hf_folder(trainer_model.named_parameters(), model_path, folder, dtype=dtype, side_files="config")
 
     def distributed_route(url: str) -> None:
         """The trainer's EngineWeightGroup, as train_async runs it: a gloo group here (NCCL on GPUs)."""
@@ -167,7 +165,7 @@ def main() -> None:
                     results.setdefault(f"{label}: total", []).append(t2 - t0)
 
             disk_route(f"{backend} disk", lambda folder: model.save_pretrained(folder, safe_serialization=True))
-            disk_route(f"{backend} disk, trainer fp32", write_like_the_trainer)
+            disk_route(f"{backend} disk, as train_async", write_like_the_trainer)
             if backend == "sglang":
                 distributed_route(engine.url)
                 for _ in range(args.reps):

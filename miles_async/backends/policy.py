@@ -130,14 +130,17 @@ class PolicyMixin:
         self._weight_group = EngineWeightGroup(urls, ranks_per_engine, backend, address, timeout)
         return self._weight_group
 
-    def save_weights_for_engines(self, path: str, weight_version: int) -> dict:
-        """The disk route of a weight update (``--rollout-backend sglang``): write the policy as an HF folder
-        that the engines then load with ``/update_weights_from_disk``. Every rank calls it (Megatron's TP
-        gathers); the backend's ``save_hf`` decides who writes."""
+    def save_weights_for_engines(self, path: str, weight_version: int, engine_dtype: str = "float32") -> dict:
+        """The disk route of a weight update (``--weight-update-method disk``): write the policy's weights, in
+        the engines' dtype, with the model's config.json (what an engine reloading weights reads; no tokenizer),
+        for the engines to load from ``path``. Every rank calls it (Megatron's TP gathers); the backend's
+        ``_save_engine_folder`` decides who writes."""
+        from miles_async.backends.weight_export import DTYPES
+
         self._keep_weights(weight_version)
         t0 = time.time()
-        self.save_hf(path)
-        return {"weights/save_seconds": time.time() - t0}
+        nbytes = self._save_engine_folder(path, DTYPES[engine_dtype])
+        return {"weights/save_seconds": time.time() - t0, "weights/bytes": nbytes}
 
     def _keep_weights(self, weight_version: int) -> None:
         if self.cfg.algorithm.keep_old_actor:

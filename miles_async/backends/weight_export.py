@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from miles_async.inference.client import make_client
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -48,3 +53,54 @@ async def push_buckets(buckets: Iterator[list[tuple[str, torch.Tensor]]], urls: 
         for c in clients:
             await c.close()
     return sent
+
+
+# Files of an HF folder that are not weights; an engine reloading weights needs none of them but the config.
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin")
+
+
+def save_hf_folder(named: Iterable[tuple[str, torch.Tensor]], src: str | Path, out: str | Path,
+                   max_shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None,
+                   side_files: str = "all") -> int:
+    """Write streamed HF-named tensors (cast to ``dtype`` if given) as safetensors shards, plus the source
+    folder's other files: ``side_files`` "all" (config, tokenizer, ...: a loadable checkpoint) or "config"
+    (config.json only: what an engine reloading weights reads). Returns the bytes of tensors written."""
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+    weight_map: dict[str, str] = {}
+    files: list[str] = []
+
+    def flush():
+        nonlocal shard, size
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({k: fname for k in shard})
+        shard, size = {}, 0
+
+    for name, t in named:
+        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+        # A clone: a cast or copy may alias the live parameter (same dtype on the CPU), and safetensors
+        # refuses tensors sharing storage (tied embeddings).
+        shard[name] = t.clone()
+        size += nbytes
+        total += nbytes
+    if shard:
+        flush()
+    if len(files) == 1:
+        (out / files[0]).rename(out / "model.safetensors")
+    else:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in src.iterdir():
+        if not f.is_file() or f.name.endswith(WEIGHT_FILE_SUFFIXES) or f.name == "model.safetensors.index.json":
+            continue
+        if side_files == "all" or f.name == "config.json":
+            shutil.copy2(f, out / f.name)
+    return total

@@ -146,7 +146,7 @@ async def _update_weights_from_disk(cfg: Config, comps: Components, weight_versi
     path = Path(weight_update_dir(cfg)) / f"v{weight_version}"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        metrics = await comps.actor.call("save_weights_for_engines", str(path), weight_version)
+        metrics = await comps.actor.call("save_weights_for_engines", str(path), weight_version, cfg.engine.dtype)
         t_load = time.time()
         await comps.controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
         try:

@@ -135,3 +135,33 @@ def test_sglang_tensor_route_pickles_shared_memory_handles_and_restores_the_stra
     loaded = pickle.loads(base64.b64decode(payload))
     assert [n for n, _ in loaded] == ["a.weight", "b.bias"]
     assert all(torch.equal(t, src) for (_, t), (_, src) in zip(loaded, tensors))
+
+
+def test_engine_weight_folder_holds_engine_dtype_weights_and_the_config_only(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from miles_async.backends.weight_export import save_hf_folder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (src / "tokenizer.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"old weights")
+    embed = torch.randn(5, 4)
+    named = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("model.norm.weight", torch.ones(4))]
+
+    nbytes = save_hf_folder(iter(named), src, tmp_path / "engine", dtype=torch.bfloat16, side_files="config")
+    assert sorted(p.name for p in (tmp_path / "engine").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = load_file(tmp_path / "engine" / "model.safetensors")
+    assert {k: v.dtype for k, v in loaded.items()} == {n: torch.bfloat16 for n, _ in named}
+    assert torch.equal(loaded["lm_head.weight"], embed.to(torch.bfloat16))
+    assert nbytes == sum(t.numel() * 2 for _, t in named)
+
+    save_hf_folder(iter(named), src, tmp_path / "full", max_shard_bytes=64)  # a loadable checkpoint, sharded
+    names = sorted(p.name for p in (tmp_path / "full").iterdir())
+    assert "tokenizer.json" in names and "model.safetensors.index.json" in names and "model.safetensors" not in names
+    index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == {n for n, _ in named} and embed.dtype == torch.float32

@@ -19,10 +19,9 @@ from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_log
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, Prepared, PolicyMixin  # noqa: F401 - Prepared re-exported
-from miles_async.backends.weight_export import iter_buckets
+from miles_async.backends.weight_export import DTYPES, iter_buckets, save_hf_folder
 from miles_async.config import TrainConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
@@ -94,6 +93,12 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         from miles_async.utils.weight_checksum import tensor_checksums
 
         return tensor_checksums(self.module.named_parameters(), DTYPES[engine_dtype])
+
+    def _save_engine_folder(self, path: str, dtype: torch.dtype) -> int:
+        if self.rank != 0:
+            return 0
+        return save_hf_folder(self.module.named_parameters(), self.cfg.model_path, path, dtype=dtype,
+                              side_files="config")
 
     def save_hf(self, path: str) -> None:
         if self.rank != 0:

@@ -24,15 +24,14 @@ import torch.distributed as dist
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.worker import TrainWorker, load_rng_state, lr_lambda, save_rng_state
-from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf, save_hf_folder
+from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf
 from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, init_parallel
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
-from miles_async.backends.weight_export import iter_buckets
+from miles_async.backends.weight_export import DTYPES, iter_buckets, save_hf_folder
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -263,6 +262,15 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         save_hf_folder(self._export(), self.cfg.model_path, tmp)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
+
+    def _save_engine_folder(self, path: str, dtype: torch.dtype) -> int:
+        if self.dp_rank != 0:
+            return 0
+        if self.rank != 0:
+            for _ in self._export():  # take part in the TP gathers
+                pass
+            return 0
+        return save_hf_folder(self._export(), self.cfg.model_path, path, dtype=dtype, side_files="config")
 
     # -- checkpoints: Megatron distributed checkpointing -----------------------------------------
     def _sharded_state(self, with_optimizer: bool, is_loading: bool = False) -> dict:
