@@ -83,13 +83,15 @@ def save_hf_folder(named: Iterable[tuple[str, torch.Tensor]], src: str | Path, o
         shard, size = {}, 0
 
     for name, t in named:
-        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
-        nbytes = t.numel() * t.element_size()
+        c = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
+        if c.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            # No cast happened, so this is the live parameter: copy it (safetensors also refuses tensors that
+            # share storage, as tied embeddings do).
+            c = c.clone()
+        nbytes = c.numel() * c.element_size()
         if shard and size + nbytes > max_shard_bytes:
             flush()
-        # A clone: a cast or copy may alias the live parameter (same dtype on the CPU), and safetensors
-        # refuses tensors sharing storage (tied embeddings).
-        shard[name] = t.clone()
+        shard[name] = c
         size += nbytes
         total += nbytes
     if shard:
