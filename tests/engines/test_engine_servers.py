@@ -236,15 +236,14 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
 
 
-@pytest.mark.parametrize("method", ["distributed", "tensor"])
+@pytest.mark.parametrize("backend", ["sglang"], indirect=True)  # update_weights_from_distributed and
+@pytest.mark.parametrize("method", ["distributed", "tensor"])  # this tensor format are SGLang's
 def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_model, method):
     """SGLang's two memory routes, as the trainer runs them (``_send_buckets``): ``distributed``, the trainer's
     rank 0 and the engine in one process group (gloo here, NCCL on GPUs), and ``tensor``, shared-memory
     handles through /update_weights_from_tensor (CUDA IPC on GPUs). The trainer's weights, sent in several
     buckets, give the engine the trainer's log-probs; the version arrives with the last bucket; a second push
     reuses the group; no shared-memory file is left behind."""
-    if backend != "sglang":
-        pytest.skip("update_weights_from_distributed and SGLang's tensor format are SGLang's")
     import gc
     import os
 
