@@ -35,7 +35,6 @@ from miles_async.inference.launcher import free_port
 logger = logging.getLogger(__name__)
 
 GROUP_NAME = "miles_async_weights"
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 class WeightGroupError(RuntimeError):
@@ -128,7 +127,7 @@ class EngineWeightGroup:
         while current is not None:
             following = next(buckets, None)
             last = following is None
-            body = {"names": [n for n, _ in current], "dtypes": [DTYPE_NAMES[t.dtype] for _, t in current],
+            body = {"names": [n for n, _ in current], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in current],
                     "shapes": [list(t.shape) for _, t in current], "group_name": GROUP_NAME, "flush_cache": last}
             if last:
                 body["weight_version"] = str(int(weight_version))

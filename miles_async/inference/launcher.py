@@ -40,6 +40,7 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: engines import stand-ins and extensions from it
 CACHE = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
 
 
@@ -157,3 +158,18 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+class ServerEngineProcess(EngineProcess):
+    """An external engine's server (SGLang, vLLM) run in its own environment; ``weight_version`` is the version it
+    reports until the first update, and ``passthrough`` its --<engine>-* flags."""
+
+    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
+                 weight_version: int = 0):
+        super().__init__(cfg, index, log_dir, model_path)
+        self.weight_version = weight_version
+
+    @staticmethod
+    def given(passthrough: tuple[str, ...]) -> set[str]:
+        """The flags the user passed through (``--flag`` and ``--flag=value`` alike): launcher defaults yield to them."""
+        return {a.partition("=")[0] for a in passthrough if a.startswith("--")}

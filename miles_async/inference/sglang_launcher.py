@@ -21,10 +21,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from miles_async.config import EngineConfig
-from miles_async.inference.launcher import EngineProcess, engine_python
+from miles_async.inference.launcher import ROOT, ServerEngineProcess, engine_python
 
-ROOT = Path(__file__).resolve().parents[2]
 CPU_SHIMS = ROOT / "tests" / "engines" / "sglang_cpu_shims"
 CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
                 ("--max-total-tokens", "32768"))
@@ -34,13 +32,8 @@ def cpu_shims_dir() -> Path:
     return Path(os.environ.get("MILES_ASYNC_SGLANG_CPU_SHIMS", CPU_SHIMS))
 
 
-class SGLangEngineProcess(EngineProcess):
-    """One SGLang server; ``weight_version`` is the version it reports until the first update."""
-
-    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
-                 weight_version: int = 0):
-        super().__init__(cfg, index, log_dir, model_path)
-        self.weight_version = weight_version
+class SGLangEngineProcess(ServerEngineProcess):
+    """One SGLang server."""
 
     def command(self) -> list[str]:
         cfg = self.cfg
@@ -53,7 +46,7 @@ class SGLangEngineProcess(EngineProcess):
                "--tp-size", str(cfg.num_gpus_per_engine),
                "--random-seed", str(cfg.seed + self.index),
                "--weight-version", str(self.weight_version)]
-        given = set(a.partition("=")[0] for a in cfg.sglang_args if a.startswith("--"))
+        given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
                 cmd += ["--base-gpu-id", str(self.index * cfg.num_gpus_per_engine)]

@@ -24,25 +24,17 @@ at (0, or the version of the checkpoint it serves), so versions are integers fro
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import requests
 
-from miles_async.config import EngineConfig
-from miles_async.inference.launcher import EngineProcess, EngineStartError, engine_python
+from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess, engine_python
 
 CPU_KVCACHE_GIB = "2"
-ROOT = Path(__file__).resolve().parents[2]
 WORKER_EXTENSION = "miles_async.inference.vllm_worker.MilesWorkerExtension"
 
 
-class VLLMEngineProcess(EngineProcess):
-    """One vLLM server; ``weight_version`` is the version it reports until the first update."""
-
-    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
-                 weight_version: int = 0):
-        super().__init__(cfg, index, log_dir, model_path)
-        self.weight_version = weight_version
+class VLLMEngineProcess(ServerEngineProcess):
+    """One vLLM server."""
 
     def command(self) -> list[str]:
         cfg = self.cfg
@@ -56,7 +48,7 @@ class VLLMEngineProcess(EngineProcess):
                "--seed", str(cfg.seed + self.index),
                "--enable-scale-out",
                "--worker-extension-cls", WORKER_EXTENSION]
-        given = set(a.partition("=")[0] for a in cfg.vllm_args if a.startswith("--"))
+        given = self.given(cfg.vllm_args)
         if "--logprobs-mode" not in given:
             cmd += ["--logprobs-mode", "processed_logprobs"]
         if not cfg.use_gpu and not given & {"--enforce-eager", "--no-enforce-eager"}:

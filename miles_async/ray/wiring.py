@@ -156,7 +156,6 @@ async def _update_weights_from_disk(cfg: Config, comps: Components, weight_versi
         finally:
             await comps.controller.end_weight_update.remote()
         metrics["weights/load_seconds"] = time.time() - t_load
-        metrics["weights/bytes"] = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     finally:
         shutil.rmtree(path, ignore_errors=True)
         try:

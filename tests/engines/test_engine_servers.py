@@ -23,6 +23,7 @@ from miles_async.arguments import parse_args
 from miles_async.backends.weight_export import iter_buckets
 from miles_async.inference.client import make_client
 from miles_async.inference.launcher import make_engine_process
+from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 # Generous: on a fresh machine the first test also waits for the engine's environment to be built (minutes).
 pytestmark = pytest.mark.timeout(1800)
@@ -191,10 +192,6 @@ def test_abort_returns_the_partial_output(backend, engine, tiny_model, how):
 def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_model, tmp_path):
     """The trainer's disk route (save_weights_for_engines, then the client's update_weights_from_disk): version
     and outputs change, and the engine's log-probs equal the trainer's own."""
-    from miles_async.backends.fsdp.actor import FSDPTrainActor
-    from miles_async.rollout.batch import to_train_batch
-    from miles_async.rollout.sample import Sample
-
     prompts = _prompts(tiny_model)
     greedy = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
@@ -203,13 +200,7 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
             return await asyncio.gather(*[c.generate(p, greedy) for p in prompts])
 
     before = run(generate_all())
-    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
-    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
-                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
-                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
-                            for g, (p, out) in enumerate(zip(prompts, before))])
-    for step in range(3):
-        actor.train(step, batch)
+    actor = actor_trained_on(cfg, prompts, before)
     path = tmp_path / "v3"
     saved = actor.save_weights_for_engines(str(path), 3)
 
@@ -229,11 +220,7 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
     after = run(generate_all())
     assert all(o["meta_info"]["weight_version"] == 3 for o in after)
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
-    for p, o in zip(prompts, after):
-        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
-                                                       "response_lengths": [len(o["output_ids"])],
-                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
-        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
+    assert_engine_logprobs_match(actor, prompts, after, 2e-3)
 
 
 @pytest.mark.parametrize("backend", ["sglang"], indirect=True)  # update_weights_from_distributed and
@@ -269,11 +256,7 @@ def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_mo
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())
             outs = run(generate_all())
             assert all(o["meta_info"]["weight_version"] == version for o in outs)
-        for p, o in zip(prompts, outs):
-            trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
-                                                           "response_lengths": [len(o["output_ids"])],
-                                                           "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
-            assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=2e-3)
+        assert_engine_logprobs_match(actor, prompts, outs, 2e-3)
     finally:
         if getattr(actor, "_weight_group", None) is not None:
             actor._weight_group.close()

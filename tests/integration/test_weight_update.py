@@ -7,12 +7,10 @@ import asyncio
 import pytest
 
 from miles_async.arguments import parse_args
-from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.inference.client import EngineClient
 from miles_async.inference.launcher import EngineProcess
-from miles_async.rollout.batch import to_train_batch
 from miles_async.rollout.generate import encode_prompt
-from miles_async.rollout.sample import Sample
+from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,14 +53,8 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
     before = _generate(engine.url, prompts)
     assert _info(engine.url)["weight_version"] == 0
 
-    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
     # Reward the greedy outputs negatively: a policy step must move away from them.
-    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
-                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
-                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
-                            for g, (p, out) in enumerate(zip(prompts, before))])
-    for step in range(3):
-        actor.train(step, batch)
+    actor = actor_trained_on(cfg, prompts, before)
     pushed = actor.push_weights([engine.url], weight_version=3, engine_dtype="float32", timeout=60)
     assert pushed["weights/bytes"] > 0
 
@@ -71,8 +63,4 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
     assert all(o["meta_info"]["weight_version"] == 3 for o in after)
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
     # The engine now computes what the trainer holds: its log-probs match the trainer's own.
-    for p, o in zip(prompts, after):
-        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
-                                                       "response_lengths": [len(o["output_ids"])],
-                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
-        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=1e-3)
+    assert_engine_logprobs_match(actor, prompts, after, 1e-3)

@@ -1,0 +1,32 @@
+"""A torch-backend actor trained a few steps on engine outputs, and its log-probs beside an engine's: the checks
+that a weight update reached an engine (tests/integration/test_weight_update.py, tests/engines)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: int = 3):
+    """An FSDPTrainActor after ``steps`` updates that reward a truncated copy of each greedy output over the output
+    itself, so its greedy outputs move away from ``outputs``."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.rollout.batch import to_train_batch
+    from miles_async.rollout.sample import Sample
+
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
+                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
+                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
+                            for g, (p, out) in enumerate(zip(prompts, outputs))])
+    for step in range(steps):
+        actor.train(step, batch)
+    return actor
+
+
+def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[dict], abs_tol: float) -> None:
+    """The engine's log-probs of its own outputs equal the trainer's for the same tokens (temperature 1)."""
+    for p, o in zip(prompts, outputs):
+        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
+                                                       "response_lengths": [len(o["output_ids"])],
+                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
+        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=abs_tol)
