@@ -43,7 +43,10 @@ def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task
     # The critic trains on every rollout, the actor only after the critic-only warm-up.
     assert all("critic/vf_loss" in r for r in m)
     assert [("train/pg_loss" in r) for r in m] == [False, False] + [True] * 10
-    assert m[-1]["critic/vf_loss"] < m[0]["critic/vf_loss"]
+    # The critic's loss falls over the run. Averaged over a few steps: one step's loss follows that batch's
+    # reward spread and failed the single-step comparison in about 1 of 8 runs (0.078 -> 0.158 once).
+    vf = [r["critic/vf_loss"] for r in m]
+    assert sum(vf[-4:]) / 4 < sum(vf[:2]) / 2, vf
     assert (ckpt / "iter_0000005" / "critic" / "model.safetensors").exists()
     assert (ckpt / "iter_0000005" / "critic" / "optimizer.pt").exists()
     resumed = run_train(_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "14", *ppo, "--load", str(ckpt)),
