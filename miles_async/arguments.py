@@ -7,6 +7,7 @@ flag, file or line at fault.
 from __future__ import annotations
 
 import argparse
+import json
 import dataclasses
 import os
 import sys
@@ -72,6 +73,22 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_hf_folder(flag: str, path: str | None) -> None:
+    """An HF model folder, checked before anything starts: without config.json the workers would fail
+    only after Ray is up, with a transformers traceback."""
+    if path is None:
+        return
+    _require(Path(path).is_dir(), f"{flag}: not a folder: {path}")
+    config = Path(path) / "config.json"
+    _require(config.is_file(), f"{flag}: {path} has no config.json (an HF model folder holds config.json, "
+                               f"the weights and the tokenizer)")
+    try:
+        parsed = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag}: {config} is not valid JSON: {e}") from None
+    _require(isinstance(parsed, dict) and "model_type" in parsed, f"{flag}: {config} names no model_type")
+
+
 def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
     """Every step here trains on samples from an older policy (one-step-off: 1 version behind;
     --fully-async: up to --max-staleness-steps + 1). Which corrections are sound:
@@ -82,8 +99,10 @@ def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
     * --use-rollout-logprobs: the engine's own log-probs are PPO's old policy, so the clip
       bounds the whole gap. Safe; TIS is then the identity and is refused as a no-op.
     * --keep-old-actor: the trainer recomputes log-probs under its kept copy of the weights
-      that generated each sample; needs one weight version per sample, so a partial
-      rollout must mask its off-policy prefix.
+      that generated each sample; needs one weight version per trained token of a sample.
+      --fully-async generates across weight updates, and an in-place pause carries a request
+      on under the new weights, so it needs abort pauses (an aborted sample is regenerated,
+      or with --partial-rollout resumed with its off-policy prefix masked).
     Without any of them the update is silently biased, so the run is refused."""
     on_policy = ns.synchronous and ns.update_weights_interval == 1
     if not (ns.use_tis or ns.use_rollout_logprobs or ns.keep_old_actor or on_policy):
@@ -100,6 +119,12 @@ def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
     _require(not (ns.keep_old_actor and ns.partial_rollout and not ns.mask_offpolicy_in_partial_rollout),
              "--keep-old-actor recomputes each sample under the one weight version that generated it, but "
              "--partial-rollout mixes versions within a sample: add --mask-offpolicy-in-partial-rollout")
+    _require(not (ns.keep_old_actor and ns.fully_async and ns.pause_generation_mode == "in_place"),
+             "--fully-async --keep-old-actor needs --pause-generation-mode abort: the default in-place pause "
+             "continues a request under the new weights, so one sample holds tokens of two weight versions and "
+             "no kept copy generated it. With abort an interrupted sample is generated again (or, with "
+             "--partial-rollout --mask-offpolicy-in-partial-rollout, resumed with its older tokens masked); "
+             "or use --use-tis instead of --keep-old-actor")
 
 
 def _validate_algorithm(ns: argparse.Namespace) -> None:
@@ -122,7 +147,7 @@ def _validate_algorithm(ns: argparse.Namespace) -> None:
                  f"--{flag.replace('_', '-')} needs --advantage-estimator ppo (the only estimator with a critic)")
     _require(ns.num_critic_only_steps == 0 or uses_critic, "--num-critic-only-steps needs --advantage-estimator ppo")
     _require(ns.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
-    _require(ns.critic_load is None or Path(ns.critic_load).is_dir(), f"--critic-load: not a folder: {ns.critic_load}")
+    _require_hf_folder("--critic-load", ns.critic_load)
     _require(ns.critic_lr is None or ns.critic_lr > 0, "--critic-lr must be positive")
 
 
@@ -222,7 +247,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     from miles_async.utils.plugins import load_function
 
     _require(ns.hf_checkpoint is not None, "--hf-checkpoint is required (an HF model folder)")
-    _require(Path(ns.hf_checkpoint).is_dir(), f"--hf-checkpoint: not a folder: {ns.hf_checkpoint}")
+    _require_hf_folder("--hf-checkpoint", ns.hf_checkpoint)
     _require(ns.prompt_data is not None, "--prompt-data is required")
     _require(ns.rollout_batch_size is not None and ns.rollout_batch_size > 0,
              "--rollout-batch-size must be given and positive")
@@ -249,7 +274,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     _require(ns.max_in_flight_evals >= 1, "--max-in-flight-evals must be >= 1")
     _require(not (ns.use_kl_loss and ns.ref_load is None and ns.kl_loss_coef > 0),
              "--use-kl-loss with --kl-loss-coef > 0 needs --ref-load (the reference model)")
-    _require(ns.ref_load is None or Path(ns.ref_load).is_dir(), f"--ref-load: not a folder: {ns.ref_load}")
+    _require_hf_folder("--ref-load", ns.ref_load)
     _require(ns.debug_exit_after_rollout is None or ns.debug_exit_after_rollout >= 1,
              "--debug-exit-after-rollout must be >= 1")
     _require((ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,

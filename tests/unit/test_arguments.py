@@ -5,6 +5,7 @@ import pytest
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.rollout.data_source import DataError
 from miles_async.utils.plugins import PluginError
+from tests.flag_helpers import minimal_flags
 
 
 @pytest.fixture
@@ -15,9 +16,7 @@ def data(tmp_path):
 
 
 def base(tmp_path, data, *extra):
-    return ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "integer",
-            "--output-dir", str(tmp_path / "out"), *extra]
+    return [*minimal_flags(tmp_path, data=data), "--n-samples-per-prompt", "2", "--num-rollout", "3", *extra]
 
 
 def test_valid_flags_build_typed_configs(tmp_path, data):
@@ -183,7 +182,8 @@ def test_estimators_map_to_loss_and_critic(tmp_path, data):
     assert ppo.critic.optimizer.lr_warmup_iters == 2 and ppo.train.optimizer.lr_warmup_iters == 0
     assert ppo.train.algorithm.value_clip is None  # 0 turns the clip off
     assert ppo.loop.num_critic_only_steps == 1 and ppo.cluster.num_critic_workers == 1
-    keep = parse_args(base(tmp_path, data, "--keep-old-actor", "--fully-async", "--max-staleness-steps", "3"))
+    keep = parse_args(base(tmp_path, data, "--keep-old-actor", "--fully-async", "--max-staleness-steps", "3",
+                           "--pause-generation-mode", "abort"))
     assert keep.train.algorithm.keep_old_actor and keep.train.max_kept_weight_versions == 5
 
 
@@ -194,3 +194,49 @@ def test_synchronous_mode_needs_no_correction_only_when_on_policy(tmp_path, data
         parse_args(args + ["--update-weights-interval", "2"])
     with pytest.raises(ConfigError, match="exclude each other"):
         parse_args(base(tmp_path, data, "--synchronous", "--fully-async"))
+
+
+@pytest.mark.parametrize("flag", ["--hf-checkpoint", "--ref-load"])
+def test_model_folder_without_config_json_is_refused_up_front(tmp_path, data, flag):
+    empty = tmp_path / "no_config"
+    empty.mkdir()
+    args = base(tmp_path, data)
+    if flag == "--hf-checkpoint":
+        args[args.index(flag) + 1] = str(empty)
+    else:
+        args += [flag, str(empty)]
+    with pytest.raises(ConfigError, match=f"{flag}: .*no_config has no config.json"):
+        parse_args(args)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=f"{flag}: .*config.json is not valid JSON"):
+        parse_args(args)
+
+
+def test_train_async_names_a_model_folder_without_config_json_before_ray_starts(tmp_path, data):
+    import subprocess
+    import sys
+
+    from tests.scripts.helpers import ROOT
+
+    empty = tmp_path / "no_config"
+    empty.mkdir()
+    args = base(tmp_path, data)
+    args[args.index("--hf-checkpoint") + 1] = str(empty)
+    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"error: --hf-checkpoint: {empty} has no config.json" in proc.stderr
+    assert "Traceback" not in proc.stderr and "ray" not in proc.stderr.lower()
+    assert not (tmp_path / "out").exists()  # nothing was started, nothing written
+
+
+def test_fully_async_keep_old_actor_needs_abort_pauses(tmp_path, data):
+    """An in-place pause resumes a request under the new weights, so a sample mixes two versions that no kept
+    copy generated (training raised mid-run); abort pauses keep each trained token on one version."""
+    args = base(tmp_path, data, "--fully-async", "--keep-old-actor")
+    with pytest.raises(ConfigError, match=r"--fully-async --keep-old-actor needs --pause-generation-mode abort"):
+        parse_args(args)
+    assert parse_args(args + ["--pause-generation-mode", "abort"]).train.algorithm.keep_old_actor
+    assert parse_args(args + ["--pause-generation-mode", "abort", "--partial-rollout",
+                              "--mask-offpolicy-in-partial-rollout"]).rollout.mask_offpolicy_in_partial_rollout
+    assert parse_args(base(tmp_path, data, "--keep-old-actor")).train.algorithm.keep_old_actor  # one-step-off drains

@@ -178,14 +178,10 @@ def test_restarts_run_in_the_background_while_other_engines_are_probed():
 
 
 def test_flags_build_the_fault_tolerance_config(tmp_path):
-    import json
-
     from miles_async.arguments import ConfigError, parse_args
+    from tests.flag_helpers import minimal_flags
 
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(8)))
-    base = ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
-            "--num-rollout", "2", "--rm-type", "integer", "--output-dir", str(tmp_path / "out")]
+    base = [*minimal_flags(tmp_path, n_prompts=8), "--num-rollout", "2"]
     assert parse_args(base).engine.fault_tolerance is None  # off by default: a dead engine fails the run
     cfg = parse_args(base + ["--use-fault-tolerance", "--rollout-health-check-interval", "2",
                              "--rollout-health-check-timeout", "1", "--max-engine-restarts", "5",

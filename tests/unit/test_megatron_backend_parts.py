@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from miles_async.arguments import ConfigError, parse_args
 from miles_async.backends.megatron.convert import fuse_qkv, hf_shard, split_qkv
 from miles_async.backends.megatron.model import ArchSpec
 from miles_async.backends.packing import collate
+from tests.flag_helpers import minimal_flags
 
 
 def _arch(**kw) -> ArchSpec:
@@ -83,12 +83,7 @@ def test_arch_spec_reads_hf_configs_and_refuses_what_it_cannot_map():
 
 @pytest.fixture
 def setup(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(16)))
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2}))
-    return ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "2", "--num-rollout", "3", "--rm-type", "integer",
-            "--output-dir", str(tmp_path / "out")]
+    return [*minimal_flags(tmp_path), "--n-samples-per-prompt", "2", "--num-rollout", "3"]
 
 
 def test_megatron_flags_build_the_parallel_layout(setup):

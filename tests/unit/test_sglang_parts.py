@@ -11,15 +11,11 @@ from miles_async.arguments import parse_args
 from miles_async.inference.client import _normalize_meta
 from miles_async.inference.launcher import EngineProcess, make_engine_process
 from miles_async.inference.sglang_launcher import CPU_SHIMS, SGLangEngineProcess
+from tests.flag_helpers import minimal_flags
 
 
 def _args(tmp_path, *extra):
-    data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    return ["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "1",
-            "--num-rollout", "1", "--rm-type", "first_integer", "--output-dir", str(tmp_path), *extra]
+    return [*minimal_flags(tmp_path, n_prompts=1), "--rollout-batch-size", "1", "--num-rollout", "1", *extra]
 
 
 def test_sglang_flags_pass_through(tmp_path):
