@@ -14,7 +14,11 @@ setup(
     description="Asynchronous RL post-training of LLMs: Ray actors, SGLang/vLLM/embedded engines, torch and Megatron",
     packages=find_packages(include=["miles_async", "miles_async.*"]),
     py_modules=["train_async"],
-    python_requires=">=3.10",
+    # The SGLang CPU engine's stand-ins are a PYTHONPATH folder for the engine's interpreter, not a
+    # package of ours (no __init__.py), so find_packages does not see them.
+    package_data={"miles_async.inference": ["sglang_cpu_shims/*.py", "sglang_cpu_shims/*/*.py"]},
+    # asyncio.TaskGroup, ExceptionGroup and Task.cancelling() are 3.11's.
+    python_requires=">=3.11",
     # torch is left to the user (CPU or CUDA build); scripts/setup_env.sh installs the CPU wheel.
     install_requires=_requirements("requirements.txt"),
     extras_require={

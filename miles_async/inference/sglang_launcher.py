@@ -11,7 +11,7 @@ On GPUs engine ``i`` takes GPUs ``[i * tp, (i + 1) * tp)`` (``--base-gpu-id``) o
 controller. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
-``tests/engines/sglang_cpu_shims`` on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
+``sglang_cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from miles_async.inference.launcher import ROOT, ServerEngineProcess, engine_python
+from miles_async.inference.launcher import ServerEngineProcess, engine_python
 
-CPU_SHIMS = ROOT / "tests" / "engines" / "sglang_cpu_shims"
+CPU_SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
 CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
                 ("--max-total-tokens", "32768"))
 

@@ -4,7 +4,7 @@
 #      transformers and through the converted Megatron GPTModel, and HF -> Megatron -> HF is exact;
 #   2. MegatronTrainActor takes one rollout's optimizer steps on the GPU (Megatron DDP, optimizer, schedule).
 #
-# Needs: one CUDA GPU, a Python 3.10+ environment with a CUDA torch and transformers, and megatron-core.
+# Needs: one CUDA GPU, a Python 3.11+ environment with a CUDA torch and transformers, and megatron-core.
 # megatron-core can come from the wheel carried along (no network needed):
 #   pip install --no-deps megatron_core-0.16.1-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl
 #   pip install psutil   # used by megatron-core's checkpoint writer only
