@@ -10,10 +10,11 @@
 # node; with RAY_ADDRESS=host:port (e.g. under scripts/slurm/train-async.sbatch) it joins
 # that cluster. A checkpoint in SAVE_DIR is resumed from (--load) when one exists.
 #
-# NOTE: the Megatron training backend (--train-backend megatron and the parallelism /
-# MODEL_ARGS flags) and the SGLang rollout backend (--rollout-backend sglang,
-# --sglang-*) are not implemented by train_async.py yet; until they are, this launcher
-# is a reference whose --dry-run output is checked, and running it stops at flag parsing.
+# NOTE: the Megatron backend (--train-backend megatron, TP/PP/CP, distributed optimizer) and
+# SGLang engines (--rollout-backend sglang, --sglang-*) exist, but train_async.py does not
+# accept Megatron-LM's model-architecture flags (MODEL_ARGS) and some of its training flags
+# (--optimizer, --recompute-*, the dropouts, ...) yet: running this launcher stops at flag
+# parsing, and tests/scripts/test_launchers.py::test_qwen3_launcher_command_parses says so.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/lib/launch.sh

@@ -70,7 +70,11 @@ def _normalise(text: str) -> str:
     return text.replace(str(ROOT), "<repo>")
 
 
-@pytest.mark.parametrize("name", sorted({**CASES, **SBATCH_CASES}))
+# A golden file only for commands that run: the Qwen3 launcher's stops at parsing (see below).
+GOLDEN_CASES = sorted(set(CASES) - {"run-qwen3-4B-async"} | set(SBATCH_CASES))
+
+
+@pytest.mark.parametrize("name", GOLDEN_CASES)
 def test_dry_run_matches_golden(name):
     script, env, args = {**CASES, **SBATCH_CASES}[name]
     proc = _run(script, _env(env), ["--dry-run", *args])
@@ -128,6 +132,17 @@ def test_extra_flags_override_the_defaults():
     assert ns.num_rollout == 5 and ns.ray_address == "head-node:6379"
     assert ns.eval_prompt_data == ["my eval", "/data/e v.jsonl"]
     assert ns.save == "/runs/with space/ckpt"
+
+
+@pytest.mark.xfail(strict=True, reason="train_async.py does not accept Megatron-LM's model-architecture and "
+                                        "training flags yet (MODEL_ARGS, --optimizer, recompute, dropouts, ...)")
+def test_qwen3_launcher_command_parses():
+    from miles_async.arguments import build_parser
+
+    script, env, _ = CASES["run-qwen3-4B-async"]
+    words = _words(_run(script, _env(env), ["--dry-run"]).stdout)
+    _, unknown = build_parser().parse_known_args(words[2:])
+    assert [w for w in unknown if w.startswith("--") and not w.startswith("--sglang-")] == []
 
 
 def test_qwen3_launcher_resumes_when_a_checkpoint_exists(tmp_path):
