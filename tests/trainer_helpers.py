@@ -13,10 +13,14 @@ def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: 
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 
+    def sample(g: int, p: list[int], out: dict, i: int, n: int) -> Sample:
+        logprobs = [x[0] for x in out["meta_info"]["output_token_logprobs"]]  # --use-tis weighs against them
+        return Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
+                      response_tokens=out["output_ids"][:n], rollout_logprobs=logprobs[:n],
+                      reward=0.0 if i == 0 else 1.0)
+
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
-    batch = to_train_batch([[Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
-                                    response_tokens=resp, reward=0.0 if i == 0 else 1.0)
-                             for i, resp in enumerate([out["output_ids"], out["output_ids"][:1]])]
+    batch = to_train_batch([[sample(g, p, out, i, n) for i, n in enumerate([len(out["output_ids"]), 1])]
                             for g, (p, out) in enumerate(zip(prompts, outputs))])
     for step in range(steps):
         actor.train(step, batch)

@@ -1,7 +1,8 @@
 """The policy side of RL training, shared by every training backend.
 
 A rollout is trained in two phases. ``prepare`` computes what the loss needs before
-any weight moves: PPO's old log-probs (see ``validate_async_off_policy_correction``
+any weight moves (and, with --use-tis or --use-rollout-logprobs, fails the step on a sample
+whose trained tokens lack the engine's log-probs): PPO's old log-probs (see ``validate_async_off_policy_correction``
 for which policy that is), the reference model's log-probs, and the advantages of
 the whole batch (plus value targets for the critic). ``train`` then takes the
 optimizer steps. With a critic the loop calls them separately, so the critic can
@@ -22,6 +23,7 @@ supplies only:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +51,31 @@ class Prepared:
 
 def _padded(rows: list[list[float]] | list[list[int]], width: int) -> torch.Tensor:
     return pad_rows([[float(x) for x in r] for r in rows], width)
+
+
+def _rollout_logprob_gap(logprobs: list[float], loss_mask: list[int], response_length: int) -> str | None:
+    """Why a sample's rollout log-probs cannot serve its trained tokens, or None when they can.
+
+    They must line up with the response (one per token) wherever a token is trained; a sample
+    that trains no token needs none (a custom generate function may leave them out there)."""
+    trained = [t for t, m in enumerate(loss_mask) if m]
+    if not trained:
+        return None
+    if len(logprobs) != response_length:
+        return f"{len(logprobs)} rollout log-probs for {response_length} response tokens"
+    bad = next((t for t in trained if logprobs[t] is None or not math.isfinite(logprobs[t])), None)
+    return None if bad is None else f"rollout log-prob {logprobs[bad]} at trained response token {bad}"
+
+
+def require_rollout_logprobs(batch: dict, rows: list[int], flag: str) -> None:
+    """Fail the step on the first sample whose trained tokens lack the engine's log-probs: ``--use-tis``
+    would otherwise weigh them against nothing, and ``--use-rollout-logprobs`` would read log-prob 0."""
+    for i in rows:
+        gap = _rollout_logprob_gap(batch["rollout_logprobs"][i], batch["loss_masks"][i], batch["response_lengths"][i])
+        if gap is not None:
+            raise ValueError(f"{flag}: sample uid={batch['uids'][i]} (index {i} of the rollout) has {gap}; "
+                             f"{flag} needs the engine's log-prob of every trained response token (a custom "
+                             f"generate function must fill Sample.rollout_logprobs, one per response token)")
 
 
 def reduce_metrics(acc: dict[str, list[float]], prefix: str) -> dict[str, float]:
@@ -156,6 +183,8 @@ class PolicyMixin:
         alg = self.cfg.algorithm
         n = len(batch["rewards"])
         steps, mine = self._shard(n)
+        if alg.use_tis or alg.use_rollout_logprobs:
+            require_rollout_logprobs(batch, mine, "--use-tis" if alg.use_tis else "--use-rollout-logprobs")
         self.model.eval()
         if alg.use_rollout_logprobs:
             old = {i: batch["rollout_logprobs"][i] for i in mine}
@@ -223,13 +252,15 @@ class PolicyMixin:
         if adv.shape[1] < width:
             adv = torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
         adv = adv.to(device)
-        has_rollout_lp = all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows)
+        # With --use-tis, prepare() checked every trained token's log-prob; otherwise they only feed metrics.
+        has_rollout_lp = alg.use_tis or all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i]
+                                            for i in rows)
         rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(device)
         old_lp = logprobs.detach() if prep.old is None else pad_rows([prep.old[i] for i in rows], width).to(device)
         loss, m = policy_loss(
             logprobs, old_lp, adv, mask, eps_clip=alg.eps_clip, eps_clip_high=alg.eps_clip_high,
             eps_clip_c=alg.eps_clip_c, rollout_logprobs=rollout_lp if has_rollout_lp else None,
-            use_tis=alg.use_tis and has_rollout_lp, tis_clip=alg.tis_clip, tis_clip_low=alg.tis_clip_low,
+            use_tis=alg.use_tis, tis_clip=alg.tis_clip, tis_clip_low=alg.tis_clip_low,
             tis_level=alg.tis_level, tis_mode=alg.tis_mode, agg_mode=alg.loss_agg_mode, loss_type=alg.loss_type)
         ent = aggregate_loss(entropy, mask, alg.loss_agg_mode)
         m["entropy"] = ent.detach()

@@ -2,7 +2,10 @@
 
 A custom generate function (``--custom-generate-function-path``) has the same signature as
 ``generate_sample``: ``async fn(ctx, sample, sampling_params) -> Sample``; see
-``generate_sample`` for what it must do to support ``--partial-rollout``.
+``generate_sample`` for what it must do to support ``--partial-rollout``. Under ``--use-tis``
+or ``--use-rollout-logprobs`` it must also fill ``rollout_logprobs`` with the engine's log-prob
+of each response token (any number where the loss mask is 0): the trainer fails the step on a
+sample whose trained tokens lack one.
 """
 
 from __future__ import annotations

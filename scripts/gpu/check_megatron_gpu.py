@@ -52,6 +52,8 @@ def _batch() -> dict:
         groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
                               response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
                               reward=float(rng.random() < 0.5)) for i in range(4)])
+    for s in (s for g in groups for s in g):  # an engine's log-probs: --use-tis needs one per trained token
+        s.rollout_logprobs = [-3.0] * s.response_length
     return to_train_batch(groups)
 
 

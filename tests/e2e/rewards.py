@@ -38,3 +38,25 @@ async def stall_once(ctx, sample, sampling_params):
         marker.write_text("stalled")
         await asyncio.sleep(4)
     return await generate_sample(ctx, sample, sampling_params)
+
+
+async def drops_rollout_logprobs(ctx, sample, sampling_params):
+    """Loses the engine's log-probs of each group's second sample, as a generate function that builds its own
+    responses might; appends the uids it hit to the marker file."""
+    from miles_async.rollout.generate import generate_sample
+
+    sample = await generate_sample(ctx, sample, sampling_params)
+    if sample.index == 1 and sample.response_tokens:
+        sample.rollout_logprobs = []
+        _append_line(Path(os.environ["MILES_ASYNC_TEST_MARKER"]), sample.uid)
+    return sample
+
+
+def _append_line(path: Path, line: str) -> None:
+    with path.open("a") as fh:
+        fh.write(line + "\n")
+
+
+def always_zero(sample) -> float:
+    """A verifier that never accepts anything: every group has zero reward variance."""
+    return 0.0

@@ -1,9 +1,11 @@
-"""Each advantage estimator learns the tiny task end to end; stale data keeps its importance weights clipped.
+"""Each advantage estimator learns the tiny task end to end; stale data is trained with truncated importance weights.
 
 GRPO's learning run is test_train_async.py::test_reward_increases.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -57,24 +59,54 @@ def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task
     assert resumed.metrics[0]["critic/vf_loss"] < m[0]["critic/vf_loss"]
 
 
-@pytest.mark.parametrize("old_policy", [[], ["--keep-old-actor"]], ids=["recomputed", "kept"])
-def test_stale_data_keeps_importance_weights_within_the_clip(old_policy, tiny_model, tiny_task, tmp_path):
-    """Staleness up to 3; with --keep-old-actor every stale version must still be kept when its data trains."""
+@pytest.mark.parametrize("old_policy", [[], ["--keep-old-actor", "--pause-generation-mode", "abort"]],
+                         ids=["recomputed", "kept"])
+def test_stale_data_is_trained_with_truncated_importance_weights(old_policy, tiny_model, tiny_task, tmp_path):
+    """Staleness up to 3 with --use-tis (clip [0.5, 1.5]). Recomputed: the trainer's old policy drifts from the
+    engine's as the data ages, and TIS measures that gap and truncates it. Kept (--keep-old-actor): every stale
+    version is still kept when its data trains, so the ratio to the engine stays 1. A run where TIS did not
+    act has no tis_* metrics, or ratios that do not follow the staleness."""
     run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "10", "--fully-async",
                           "--max-staleness-steps", "3", "--tis-clip", "1.5", "--tis-clip-low", "0.5", *old_policy),
                     tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
-    assert max(r["async/staleness_max"] for r in m) >= 2
-    for r in m:
-        assert 0.5 - 1e-6 <= r["train/tis_weight_mean"] and r["train/tis_weight_max"] <= 1.5 + 1e-6, r
-        assert "train/train_rollout_kl" in r and "train/tis_clipfrac" in r
+    assert len(m) == 10 and max(r["async/staleness_max"] for r in m) >= 2
+    stale = [r for r in m if r["async/staleness_min"] >= 1]
+    assert len(stale) >= 5, [r["async/staleness_min"] for r in m]
     if old_policy:
         # The kept copy *is* the generating policy (fp32 engine): the ratio to the engine is 1, and the
         # staleness shows up in PPO's ratio to the current weights instead.
         assert all(abs(r["train/tis_max"] - 1) < 1e-3 and r["train/tis_clipfrac"] == 0 for r in m)
-        assert max(r["train/ratio_max"] for r in m) > 1.01
-    else:
-        # The weights really were stale: some raw ratio left the band and was truncated.
-        assert max(r["train/tis_max"] for r in m) > 1.5 or min(r["train/tis_mean"] for r in m) < 0.5 or \
-            max(r["train/tis_clipfrac"] for r in m) > 0
+        assert max(r["train/ratio_max"] for r in stale) > 1.01
+        return
+    # Step 1 trains fresh data: engine and trainer score it alike, so the ratio is measured against the
+    # engine's own log-probs (zeros in their place would put it far from 1).
+    assert m[0]["async/staleness_max"] == 0 and abs(m[0]["train/tis_mean"] - 1) < 1e-3, m[0]
+    assert m[0]["train/train_rollout_logprob_abs_diff"] < 1e-3 and m[0]["train/tis_clipfrac"] == 0
+    # Stale data: the engine's log-probs lag the recomputed old policy, and TIS truncates what leaves the band.
+    assert all(r["train/train_rollout_logprob_abs_diff"] > 1e-2 for r in stale), stale
+    assert max(r["train/tis_clipfrac"] for r in stale) > 0.2
+    for r in m:
+        if r["train/tis_clipfrac"] > 0:  # the applied weights are not the raw ratios ...
+            assert abs(r["train/tis_weight_mean"] - r["train/tis_mean"]) > 1e-4, r
+            if r["train/tis_max"] > 1.5:
+                assert r["train/tis_weight_max"] == pytest.approx(1.5), r
+        else:  # ... and are exactly them where nothing left the band
+            assert r["train/tis_weight_mean"] == pytest.approx(r["train/tis_mean"], abs=1e-6), r
+            assert r["train/tis_weight_max"] == pytest.approx(r["train/tis_max"], abs=1e-6), r
+
+
+def test_a_sample_without_rollout_logprobs_fails_the_run_naming_it(tiny_model, tiny_task, tmp_path):
+    """A generate function that loses the engine's log-probs: --use-tis used to switch itself off for that
+    micro-batch; now the run stops at the first step with the sample's uid."""
+    marker = tmp_path / "stripped_uids"
+    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "3", "--custom-generate-function-path",
+                          "tests.e2e.rewards:drops_rollout_logprobs"), tmp_path,
+                    extra_env={"MILES_ASYNC_TEST_MARKER": str(marker)})
+    assert run.returncode != 0
+    named = re.search(r"--use-tis: sample uid=(\S+) \(index \d+ of the rollout\) has 0 rollout log-probs for "
+                      r"\d+ response tokens", run.output)
+    assert named, run.output[-3000:]
+    assert named.group(1) in marker.read_text().split()
+    assert run.metrics == []  # no step was trained

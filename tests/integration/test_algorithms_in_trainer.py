@@ -120,7 +120,8 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
 
 @pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate")])
 def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tiny_model, tiny_task, tmp_path):
-    """Rollout log-probs 2 nats off the trainer's, alternating in sign: applied weights stay within the clip."""
+    """Rollout log-probs 2 nats off the trainer's, alternating in sign: the ratios are truncated (or masked) to the
+    clip, and the applied weights, not the raw ratios, reach the loss."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5",
                "--tis-level", level, "--tis-mode", mode, "--global-batch-size", "8")
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
@@ -130,7 +131,17 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
                                  for i in range(16)]
     m = actor.train(0, batch)
     assert m["train/optimizer_steps"] == 2
-    assert m["train/tis_weight_max"] <= 1.5 + 1e-6
+    # Truncation lands exactly on the upper bound; masking (token level, every ratio outside) leaves no weight.
+    masked_out = level == "token" and mode == "mask"
+    assert m["train/tis_weight_max"] == (0.0 if masked_out else pytest.approx(1.5))
+    if masked_out:  # nothing is left to train on: the weights reached the gradient
+        assert m["train/pg_loss"] == 0 and m["train/grad_norm"] == 0
+    else:  # the same batch without the gap (every weight 1) gives another loss
+        plain = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
+        batch["rollout_logprobs"] = [trainer_lp[i] for i in range(16)]
+        unweighted = plain.train(0, batch)
+        assert unweighted["train/tis_clipfrac"] == 0
+        assert abs(unweighted["train/pg_loss"] - m["train/pg_loss"]) > 1e-3, (unweighted, m)
     # Old log-probs are recomputed once before both steps, so the logged gap is exactly the one planted.
     assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(2.0, abs=1e-3)
     if level == "token":
@@ -144,3 +155,31 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
         assert 0 < m["train/tis_clipfrac"] < 1 and odd > 0
         assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
         assert m["train/tis_mean"] < math.exp(2) - 1e-3
+
+
+@pytest.mark.parametrize("flag", ["--use-tis", "--use-rollout-logprobs"])
+def test_a_trained_token_without_a_rollout_logprob_fails_the_step_naming_the_sample(flag, tiny_model, tiny_task,
+                                                                                   tmp_path):
+    """Missing engine log-probs used to switch TIS off for the micro-batch (--use-tis) or read as log-prob 0
+    (--use-rollout-logprobs); now the step fails before any weight moves, naming the sample."""
+    actor = FSDPTrainActor(_cfg(tiny_model, tiny_task, tmp_path, flag).train, 0, 1, total_optimizer_steps=10)
+    before = actor.state_checksum()
+    short = _batch()
+    short["rollout_logprobs"][5] = short["rollout_logprobs"][5][:-1]  # e.g. a custom generate function's tail
+    with pytest.raises(ValueError, match=rf"{flag}: sample uid=1-1 \(index 5 of the rollout\) has "
+                                         rf"{short['response_lengths'][5] - 1} rollout log-probs for "
+                                         rf"{short['response_lengths'][5]} response tokens"):
+        actor.train(0, short)
+    nan = _batch()
+    nan["rollout_logprobs"][5][0] = float("nan")
+    with pytest.raises(ValueError, match=r"sample uid=1-1 .* has rollout log-prob nan at trained response token 0"):
+        actor.train(0, nan)
+    assert actor.optimizer_steps == 0 and actor.state_checksum() == before
+    # Only trained tokens need one: a sample that trains nothing, or a NaN under a loss-mask 0, is fine.
+    untrained = _batch()
+    untrained["rollout_logprobs"][5], untrained["loss_masks"][5] = [], [0] * untrained["response_lengths"][5]
+    masked = _batch()
+    masked["rollout_logprobs"][6][0], masked["loss_masks"][6][0] = float("nan"), 0
+    for ok in (untrained, masked):
+        assert math.isfinite(actor.train(0, ok)["train/pg_loss"])
+    assert actor.optimizer_steps == 2

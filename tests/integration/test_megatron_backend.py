@@ -55,6 +55,11 @@ def _batch(seed: int = 0) -> dict:
         groups.append([Sample(uid=f"{seed}-{g}", group_index=g, index=i, prompt="", prompt_tokens=prompt,
                               response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
                               reward=float(rng.random() < 0.5)) for i in range(4)])
+    # --use-tis needs the engine's log-prob of every trained token. These lie far below the model's, so every
+    # ratio is truncated to --tis-clip: a constant weight, which keeps the old log-probs' rounding (TP 1 and
+    # TP 2 round differently) out of the losses compared below.
+    for s in (s for g in groups for s in g):
+        s.rollout_logprobs = [-30.0] * s.response_length
     return to_train_batch(groups)
 
 
