@@ -6,7 +6,7 @@ only the piece they need, never the argparse namespace.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
@@ -268,4 +268,3 @@ class Config:
     tracking: TrackingConfig
     loop: LoopConfig
     critic: TrainConfig | None = None
-    extra: dict = field(default_factory=dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from miles_async.rollout.sample import OFFPOLICY_MASKED_TOKENS, Sample, SampleStatus
+from miles_async.rollout.sample import Sample, SampleStatus
 
 
 def to_train_batch(groups: list[list[Sample]]) -> dict:
@@ -40,7 +40,7 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/started_at": min(s.started_at for s in samples),
         f"{prefix}/finished_at": max(s.finished_at for s in samples),
         f"{prefix}/partial_resumed_samples": sum(s.partial_resumes > 0 for s in samples),
-        f"{prefix}/offpolicy_masked_tokens": sum(int(s.metadata.get(OFFPOLICY_MASKED_TOKENS, 0)) for s in samples),
+        f"{prefix}/offpolicy_masked_tokens": sum(s.offpolicy_masked_tokens for s in samples),
     }
     if versions:
         out[f"{prefix}/weight_version_min"] = min(versions)

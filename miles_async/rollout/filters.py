@@ -40,7 +40,8 @@ class BatchAssembler:
 
     ``add`` classifies each group as ``"kept"`` or ``"dropped"``; a dropped group is gone and
     the caller accounts for it (``on_filtered``, mark its uid filtered). ``take`` hands out the
-    oldest ``batch_size`` kept groups. Counters ``kept``/``dropped``/``evicted`` are cumulative.
+    oldest ``batch_size`` kept groups. Counters ``kept``/``dropped`` are cumulative;
+    ``dropped_in_a_row`` counts the drops since the last kept group.
     """
 
     def __init__(self, batch_size: int, tol: float | None = 0.0):
@@ -54,7 +55,7 @@ class BatchAssembler:
         self._ready: deque[Group] = deque()
         self.kept = 0
         self.dropped = 0
-        self.evicted = 0
+        self.dropped_in_a_row = 0
 
     @staticmethod
     def _validate(group: Group) -> list[float]:
@@ -75,9 +76,11 @@ class BatchAssembler:
         # "filter" would drop every group and training would never get a batch.
         if self.tol is not None and len(group) > 1 and zero_variance_groups([rewards], self.tol)[0]:
             self.dropped += 1
+            self.dropped_in_a_row += 1
             return "dropped"
         self._ready.append(group)
         self.kept += 1
+        self.dropped_in_a_row = 0
         return "kept"
 
     def num_ready(self) -> int:
@@ -102,15 +105,16 @@ class BatchAssembler:
         out = [g for g in self._ready if predicate(g)]
         if out:
             self._ready = deque(g for g in self._ready if not predicate(g))
-            self.evicted += len(out)
         return out
 
-    def flush_partial(self) -> list[Group]:
-        """Everything kept and not taken, possibly fewer than ``batch_size``, for an epoch's end.
 
-        The caller decides what to do with a short batch (log it, ``on_filtered`` each group,
-        mark the uids filtered) rather than waiting for groups the exhausted data cannot supply.
-        """
-        out = list(self._ready)
-        self._ready.clear()
-        return out
+def starved_by_filter(dropped_in_a_row: int, num_prompts: int) -> bool:
+    """Whether the zero-variance filter has dropped, in a row, as many groups as the data has prompts.
+
+    Nothing kept over a full pass's worth of groups means the reward gives every sample of a
+    group the same value (a broken verifier, a label key that matches nothing, a task already
+    mastered): waiting for a batch would only burn compute until ``--rollout-timeout``. The
+    bound grows with the data, so a dataset whose informative prompts are rare is not stopped
+    early, and it never costs more generation than one epoch.
+    """
+    return dropped_in_a_row >= num_prompts

@@ -13,19 +13,36 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 from miles_async.rollout.data_source import PromptItem
-from miles_async.rollout.filters import BatchAssembler
+from miles_async.rollout.filters import BatchAssembler, starved_by_filter
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.rollout.sample import Sample
-from miles_async.rollout.staleness import StalenessManager
+from miles_async.rollout.staleness import StalenessManager, staleness_of
 
 logger = logging.getLogger(__name__)
 
 
 class ProducerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class _Ticket:
+    """The producer's record of one submitted group. It stays off the samples: their metadata
+    belongs to the dataset, whatever keys it uses."""
+
+    epoch: int  # the data source's epoch the prompt was drawn in
+    item: PromptItem
+    submitted_at_step: int
+
+
+class ProducedBatch(NamedTuple):
+    groups: list[list[Sample]]
+    epochs: list[int]  # per group, the epoch its prompt was drawn in
+    metrics: dict[str, float]
 
 
 class FullyAsyncProducer:
@@ -51,9 +68,11 @@ class FullyAsyncProducer:
         self.completion_seconds: list[float] = []
         # Groups that finished (or waited) past the staleness bound are not trained; their
         # prompts are generated again so nothing is lost.
-        self._retry: deque[tuple[int, PromptItem]] = deque()
-        # (epoch, uid) -> prompt, for every group drawn but not yet trained or filtered.
-        self._open: dict[tuple[int, str], PromptItem] = {}
+        self._retry: deque[_Ticket] = deque()
+        # (epoch, uid) of every prompt drawn but not yet trained or filtered.
+        self._open: set[tuple[int, str]] = set()
+        # Kept groups waiting in the assembler, by their group index (unique to the producer).
+        self._buffered: dict[int, _Ticket] = {}
         # (epoch -> uids) trained or filtered: never drawn again in that epoch, also after a resume.
         self.consumed: dict[int, set[str]] = {}
         self.stale_regenerated = 0
@@ -68,42 +87,59 @@ class FullyAsyncProducer:
         if self._task is None:
             self._task = asyncio.create_task(self._produce(), name="fully-async-producer")
 
-    async def _one_group(self, epoch: int, item: PromptItem, step: int) -> None:
+    async def _one_group(self, ticket: _Ticket) -> None:
         t0 = self.clock()
         self._group_counter += 1
-        group = await generate_group(self.ctx, item, self._group_counter, self.ctx.n_samples_per_prompt,
+        group_index = self._group_counter
+        group = await generate_group(self.ctx, ticket.item, group_index, self.ctx.n_samples_per_prompt,
                                      self.ctx.sampling_params)
-        for s in group:
-            s.metadata["submitted_at_step"] = step
-            s.metadata["epoch"] = epoch
         self.completion_seconds.append(self.clock() - t0)
         self.last_completion = self.clock()
         self.staleness.on_accepted()
-        if not self.staleness.is_fresh(step):
-            self._regenerate(epoch, item)
-        elif self.assembler.add(group) == "dropped":
+        if self._too_stale(group, ticket):
+            self._regenerate(ticket)
+        elif self.assembler.add(group) == "kept":
+            self._buffered[group_index] = ticket
+        else:
             self.staleness.on_filtered()
-            self._consume(epoch, item.uid)
+            self._consume(ticket.epoch, ticket.item.uid)
+            self._check_filter_not_starving(group)
         self._notify()
 
+    def _ages(self, group: list[Sample], ticket: _Ticket) -> list[int]:
+        return [staleness_of(s, self.current_step, ticket.submitted_at_step) for s in group]
+
+    def _too_stale(self, group: list[Sample], ticket: _Ticket) -> bool:
+        return max(self._ages(group, ticket)) > self.staleness.max_staleness_steps
+
+    def _check_filter_not_starving(self, group: list[Sample]) -> None:
+        in_a_row, prompts = self.assembler.dropped_in_a_row, len(self.data_source.items)
+        if starved_by_filter(in_a_row, prompts):
+            raise ProducerError(
+                f"--zero-variance-filter dropped {in_a_row} groups in a row, a full pass over the {prompts} prompts "
+                f"of the data: every sample of each group got the same reward (the last group: "
+                f"{[s.reward for s in group]}), so no batch can be trained. Check the reward (--rm-type, "
+                f"--custom-rm-path, --label-key) or run without --zero-variance-filter.")
+
     def _consume(self, epoch: int, uid: str) -> None:
-        self._open.pop((epoch, uid), None)
+        self._open.discard((epoch, uid))
         self.consumed.setdefault(epoch, set()).add(uid)
 
-    def _regenerate(self, epoch: int, item: PromptItem) -> None:
+    def _regenerate(self, ticket: _Ticket) -> None:
         self.staleness.on_filtered()
-        self._retry.append((epoch, item))
+        self._retry.append(ticket)
         self.stale_regenerated += 1
 
-    def _draw(self) -> tuple[int, PromptItem]:
+    def _draw(self) -> _Ticket:
         if self._retry:
-            return self._retry.popleft()
+            old = self._retry.popleft()
+            return _Ticket(old.epoch, old.item, self.current_step)
         while True:
             item = self.data_source.next_item()
             epoch = self.data_source.epoch
             if item.uid not in self.consumed.get(epoch, ()) and (epoch, item.uid) not in self._open:
-                self._open[(epoch, item.uid)] = item
-                return epoch, item
+                self._open.add((epoch, item.uid))
+                return _Ticket(epoch, item, self.current_step)
 
     async def _produce(self) -> None:
         in_flight: set[asyncio.Task] = set()
@@ -113,7 +149,7 @@ class FullyAsyncProducer:
                     if self._idle_since is not None:
                         self._idle_total += self.clock() - self._idle_since
                         self._idle_since = None
-                    in_flight.add(asyncio.create_task(self._one_group(*self._draw(), self.current_step)))
+                    in_flight.add(asyncio.create_task(self._one_group(self._draw())))
                 if not in_flight and self._idle_since is None:
                     self._idle_since = self.clock()  # generation idle: the staleness bound holds it back
                 wake = asyncio.create_task(self._producer_wake.wait())
@@ -131,13 +167,12 @@ class FullyAsyncProducer:
         """Training finished ``step`` steps (and the engines hold those weights): more capacity."""
         self.current_step = step
         self.staleness.on_step(step)
-        for group in self.assembler.evict(lambda g: not self.staleness.is_fresh(g[0].metadata["submitted_at_step"])):
-            epoch = group[0].metadata["epoch"]
-            self._regenerate(epoch, self._open[(epoch, group[0].uid)])
+        for group in self.assembler.evict(lambda g: self._too_stale(g, self._buffered[g[0].group_index])):
+            self._regenerate(self._buffered.pop(group[0].group_index))
         self._notify()
 
     # -- consumer ----------------------------------------------------------------------
-    async def get_batch(self) -> tuple[list[list[Sample]], dict[str, Any]]:
+    async def get_batch(self) -> ProducedBatch:
         self.start()
         buffered_at_start = self.assembler.num_ready()
         t_start = self.clock()
@@ -160,13 +195,16 @@ class FullyAsyncProducer:
                 if self.clock() - t_start > self.timeout:
                     raise ProducerError(f"no training batch after {self.timeout:.0f}s (--rollout-timeout)")
         groups = self.assembler.take()
-        for g in groups:  # handed to the trainer: consumed for this epoch
-            self._consume(g[0].metadata["epoch"], g[0].uid)
+        tickets = [self._buffered.pop(g[0].group_index) for g in groups]
+        for t in tickets:  # handed to the trainer: consumed for this epoch
+            self._consume(t.epoch, t.item.uid)
         self._notify()  # taking a batch may free capacity
-        return groups, self._metrics(groups, buffered_at_start, self.clock() - t_start)
+        metrics = self._metrics(groups, tickets, buffered_at_start, self.clock() - t_start)
+        return ProducedBatch(groups, [t.epoch for t in tickets], metrics)
 
-    def _metrics(self, groups: list[list[Sample]], buffered: int, waited: float) -> dict[str, float]:
-        ages = [self.current_step - min(s.weight_versions or [self.current_step]) for g in groups for s in g]
+    def _metrics(self, groups: list[list[Sample]], tickets: list[_Ticket], buffered: int,
+                 waited: float) -> dict[str, float]:
+        ages = [age for g, t in zip(groups, tickets) for age in self._ages(g, t)]
         now = self.clock()
         window = max(now - self._window_start, 1e-9)
         idle = self._idle_total + (now - self._idle_since if self._idle_since is not None else 0.0)
@@ -191,7 +229,7 @@ class FullyAsyncProducer:
     def state_dict(self, trained_steps: int) -> dict:
         """Consumed uids of every epoch that still has prompts to give; in-flight and buffered
         groups are not saved: a resumed run draws their prompts again."""
-        oldest = min([self.data_source.epoch, *(e for e, _ in self._open), *(e for e, _ in self._retry)])
+        oldest = min([self.data_source.epoch, *(e for e, _ in self._open)])  # _open includes the retries
         return {"epoch": oldest, "step": trained_steps,
                 "consumed": {str(e): sorted(u) for e, u in self.consumed.items() if e >= oldest}}
 

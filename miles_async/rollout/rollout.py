@@ -14,7 +14,7 @@ from typing import Any
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_prompt
 from miles_async.rollout.rewards import RewardModel
-from miles_async.rollout.sample import OFFPOLICY_MASKED_TOKENS, PARTIAL_RESUMES, Sample, SampleStatus
+from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.utils.async_utils import gather_fail_fast
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ async def _generate_until_done(ctx: RolloutContext, sample: Sample, sampling_par
                 raise RuntimeError(f"sample uid={sample.uid} was aborted {aborts_without_progress} times in a row "
                                    f"without generating a token")
             if sample.response_tokens:  # with nothing kept, going again is a plain retry, not a resume
-                sample.metadata[PARTIAL_RESUMES] = sample.partial_resumes + 1
+                sample.partial_resumes += 1
         else:
             restarts += 1
             if restarts > MAX_ABORT_RETRIES:
@@ -76,7 +76,7 @@ async def generate_one(ctx: RolloutContext, sample: Sample, sampling_params: dic
     async with ctx.semaphore:
         sample = await _generate_until_done(ctx, sample, sampling_params)
     if ctx.mask_offpolicy_in_partial_rollout:
-        sample.metadata[OFFPOLICY_MASKED_TOKENS] = sample.mask_offpolicy_tokens()
+        sample.offpolicy_masked_tokens = sample.mask_offpolicy_tokens()
     sample.reward = await ctx.reward.score(sample)
     return sample
 

@@ -7,11 +7,6 @@ from enum import Enum
 from typing import Any
 
 
-# Metadata keys written by the rollout driver and read by the rollout metrics.
-PARTIAL_RESUMES = "partial_resumes"
-OFFPOLICY_MASKED_TOKENS = "offpolicy_masked_tokens"
-
-
 class SampleStatus(str, Enum):
     PENDING = "pending"
     COMPLETED = "completed"  # stopped on EOS / a stop token
@@ -36,7 +31,7 @@ class Sample:
     index: int  # position of the sample inside its group
     prompt: str | list[dict[str, str]]
     label: Any = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the dataset's; the framework never writes it
     prompt_tokens: list[int] = field(default_factory=list)
     response_tokens: list[int] = field(default_factory=list)
     response: str = ""
@@ -48,6 +43,9 @@ class Sample:
     # Wall-clock seconds (time.time()) the generation started / finished; used to show overlap.
     started_at: float = 0.0
     finished_at: float = 0.0
+    # Set by the rollout driver, read by the rollout metrics.
+    partial_resumes: int = 0  # times an aborted generation was continued from its tokens
+    offpolicy_masked_tokens: int = 0  # tokens --mask-offpolicy-in-partial-rollout took out of the loss
 
     @property
     def tokens(self) -> list[int]:
@@ -59,10 +57,6 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length
-
-    @property
-    def partial_resumes(self) -> int:
-        return int(self.metadata.get(PARTIAL_RESUMES, 0))
 
     def remaining_budget(self, max_new_tokens: int) -> int:
         """Response tokens still allowed when ``max_new_tokens`` bounds the whole response."""

@@ -17,32 +17,26 @@ Conventions used throughout (all counts are in *groups*, one group = one prompt'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable
-
 from miles_async.rollout.sample import Sample
-
-_STATE_FORMAT = 1
 
 
 class StalenessManager:
     """Synchronous bookkeeping behind the fully-async producer's submission gate.
 
     Lifecycle of one group: ``try_submit()`` reserves a slot (``submitted`` and ``running`` +1);
-    then exactly one of ``on_accepted()`` (generation finished; it may now be trained) or
-    ``on_rejected()`` (generation failed or was abandoned). An accepted group that is then not
-    trained (zero-variance filter, too stale, end-of-epoch leftover) is reclassified by
+    then ``on_accepted()`` once generation finished and it may be trained. An accepted group
+    that is then not trained (zero-variance filter, too stale) is reclassified by
     ``on_filtered()``. Hence, at every point::
 
-        submitted == accepted + filtered + running + rejected
+        submitted == accepted + filtered + running
 
-    Rejected and filtered groups hold no capacity, which is what keeps filtering from deadlocking
-    the producer: a dropped group is replaced rather than counted against the step's budget.
+    Filtered groups hold no capacity, which is what keeps filtering from deadlocking the
+    producer: a dropped group is replaced rather than counted against the step's budget.
 
     The manager bounds the *aggregate* number of groups ahead of training. A per-group bound
-    additionally needs the consumer to discard groups older than ``min_trainable_step()``
-    (see ``is_fresh``): a straggler can otherwise outlive ``max_staleness_steps`` steps while
-    faster groups fill the batches in front of it.
+    additionally needs the consumer to discard groups that became too stale (``staleness_of``):
+    a straggler can otherwise outlive ``max_staleness_steps`` steps while faster groups fill the
+    batches in front of it.
     """
 
     def __init__(self, max_concurrent_groups: int, batch_size: int, max_staleness_steps: int):
@@ -62,7 +56,6 @@ class StalenessManager:
         self.accepted = 0
         self.running = 0
         self.filtered = 0
-        self.rejected = 0
 
     # -- derived quantities -------------------------------------------------------------
     @property
@@ -84,12 +77,12 @@ class StalenessManager:
         at step ``c + s`` at the latest. Steps ``c .. c + s`` are ``s + 1`` batches, so the groups
         ever usable by the end of step ``c + s`` number ``(c + s + 1) * B``. Every group that
         is accepted (trained or pending) or still running will claim one of those places;
-        filtered and rejected groups claim none. Hence the producer may hold at most
+        filtered groups claim none. Hence the producer may hold at most
         ``(c + s + 1) * B - (accepted + running)`` more.
 
         With ``s = 0`` this is ``(c + 1) * B - accepted - running``: after ``c`` steps it admits
-        exactly the ``B`` groups of step ``c`` (plus replacements for any filtered or rejected),
-        and nothing of step ``c + 1`` until ``on_step(c + 1)`` — synchronous on-policy RL.
+        exactly the ``B`` groups of step ``c`` (plus replacements for any filtered), and nothing
+        of step ``c + 1`` until ``on_step(c + 1)`` — synchronous on-policy RL.
         """
         return (self.max_staleness_steps + self.current_step + 1) * self.batch_size
 
@@ -97,23 +90,7 @@ class StalenessManager:
         """Groups that may be submitted now: the staleness room capped by free concurrency."""
         staleness_room = self.staleness_limit() - (self.accepted + self.running)
         concurrency_room = self.max_concurrent_groups - self.running
-        # Both terms are >= 0 while the invariants hold; clamping keeps callers' loops simple
-        # if max_concurrent_groups was lowered by a resume.
         return max(0, min(concurrency_room, staleness_room))
-
-    def min_trainable_step(self) -> int:
-        """Oldest submission step (equivalently, weight version) trainable at ``current_step``.
-
-        Anything older can never be trained within budget again, since steps only move forward:
-        the consumer should drop it (``on_filtered``) and a producer may abort it early
-        (``on_rejected``).
-        """
-        return self.current_step - self.max_staleness_steps
-
-    def is_fresh(self, submitted_step: int, trained_step: int | None = None) -> bool:
-        """Whether a group submitted at ``submitted_step`` is within budget at ``trained_step``."""
-        step = self.current_step if trained_step is None else trained_step
-        return step - submitted_step <= self.max_staleness_steps
 
     # -- events -------------------------------------------------------------------------
     def try_submit(self) -> bool:
@@ -140,18 +117,6 @@ class StalenessManager:
         self.accepted -= 1
         self.filtered += 1
 
-    def on_rejected(self) -> None:
-        """A running group failed or was abandoned: it leaves ``running`` for ``rejected``.
-
-        ``submitted`` is a lifetime count and is not decremented; the ``rejected`` counter is what
-        keeps ``submitted == accepted + filtered + running + rejected`` true. Its slot is free
-        again, so the prompt can be regenerated.
-        """
-        if self.running <= 0:
-            raise RuntimeError(f"StalenessManager.on_rejected() with no running group ({self._counts()})")
-        self.running -= 1
-        self.rejected += 1
-
     def on_step(self, new_step: int) -> None:
         """``new_step`` training steps are now done and their weights are served.
 
@@ -169,142 +134,43 @@ class StalenessManager:
                              f"were ever accepted ({self._counts()})")
         self.current_step = new_step
 
-    # -- checking and checkpointing --------------------------------------------------------
-    def _counts(self) -> str:
-        return (f"step={self.current_step} submitted={self.submitted} accepted={self.accepted} "
-                f"running={self.running} filtered={self.filtered} rejected={self.rejected} "
-                f"batch_size={self.batch_size} max_staleness_steps={self.max_staleness_steps} "
-                f"max_concurrent_groups={self.max_concurrent_groups}")
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError, naming every count, if the bookkeeping is inconsistent."""
-        problems = []
-        for name in ("current_step", "submitted", "accepted", "running", "filtered", "rejected"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} is negative")
-        if self.submitted != self.accepted + self.filtered + self.running + self.rejected:
-            problems.append("submitted != accepted + filtered + running + rejected")
-        if self.running > self.max_concurrent_groups:
-            problems.append("running exceeds max_concurrent_groups")
-        if self.accepted < self.trained:
-            problems.append("fewer accepted groups than the finished steps trained on")
-        if self.accepted + self.running > self.staleness_limit():
-            problems.append("accepted + running exceeds (max_staleness_steps + current_step + 1) * batch_size")
-        if problems:
-            # Not `assert`: these checks must survive `python -O`.
-            raise AssertionError(f"StalenessManager invariant violated: {'; '.join(problems)} ({self._counts()})")
-
-    def metrics(self, prefix: str = "async") -> dict[str, int]:
-        return {f"{prefix}/{name}": getattr(self, name)
-                for name in ("current_step", "submitted", "accepted", "running", "filtered", "rejected",
-                             "pending")} | {f"{prefix}/capacity": self.capacity()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The durable part of the state, as a checkpoint taken now will see it on resume.
-
-        Only trained groups survive a restart: running groups and accepted-but-untrained groups
-        live in memory and will be regenerated (their uids were never marked consumed), so they
-        are left out, and ``submitted`` is recomputed on load.
-        """
-        return {
-            "format": _STATE_FORMAT,
-            "current_step": self.current_step,
-            "batch_size": self.batch_size,
-            "accepted": self.trained,
-            "filtered": self.filtered,
-            "rejected": self.rejected,
-        }
-
     def resume_at_step(self, step: int) -> None:
-        """Start a fresh manager at ``step`` finished steps, for a resume without a saved state.
+        """Start a fresh manager at ``step`` finished steps (a resumed run).
 
         ``on_step(step)`` alone would refuse, since this manager never saw those groups accepted.
-        Filtered/rejected history is lost, which only affects metrics.
+        Groups in flight or buffered at the checkpoint are regenerated, so only the trained ones
+        count.
         """
         if self.submitted:
             raise RuntimeError(f"StalenessManager.resume_at_step: the manager is already in use ({self._counts()})")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"StalenessManager.resume_at_step: step must be an int >= 0, got {step!r}")
-        self.load_state_dict({"current_step": step, "batch_size": self.batch_size,
-                              "accepted": step * self.batch_size, "filtered": 0, "rejected": 0})
+        self.current_step = step
+        self.submitted = self.accepted = step * self.batch_size
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"current_step", "batch_size", "accepted", "filtered", "rejected"} - set(state)
-        if missing:
-            raise ValueError(f"StalenessManager.load_state_dict: missing keys {sorted(missing)}")
-        if state.get("format", _STATE_FORMAT) != _STATE_FORMAT:
-            raise ValueError(f"StalenessManager.load_state_dict: unknown format {state.get('format')!r}")
-        values = {k: state[k] for k in ("current_step", "batch_size", "accepted", "filtered", "rejected")}
-        for k, v in values.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"StalenessManager.load_state_dict: {k} must be a non-negative int, got {v!r}")
-        if values["batch_size"] != self.batch_size:
-            # Counts are in units of batches of the old size; reinterpreting them would silently
-            # shift the staleness budget.
-            raise ValueError(f"StalenessManager.load_state_dict: the checkpoint used batch_size "
-                             f"{values['batch_size']}, this run uses {self.batch_size}")
-        if values["accepted"] != values["current_step"] * self.batch_size:
-            raise ValueError(f"StalenessManager.load_state_dict: accepted={values['accepted']} is not "
-                             f"current_step * batch_size = {values['current_step'] * self.batch_size}")
-        self.current_step = values["current_step"]
-        self.accepted = values["accepted"]
-        self.filtered = values["filtered"]
-        self.rejected = values["rejected"]
-        self.running = 0
-        self.submitted = self.accepted + self.filtered + self.rejected
+    def _counts(self) -> str:
+        return (f"step={self.current_step} submitted={self.submitted} accepted={self.accepted} "
+                f"running={self.running} filtered={self.filtered} batch_size={self.batch_size} "
+                f"max_staleness_steps={self.max_staleness_steps} max_concurrent_groups={self.max_concurrent_groups}")
 
 
-def _trained_versions(weight_versions: list[int], loss_mask: list[int] | None) -> list[int]:
-    if loss_mask is not None and len(loss_mask) != len(weight_versions):
-        raise ValueError(f"staleness_of: {len(weight_versions)} weight versions but a loss mask of "
-                         f"{len(loss_mask)} tokens")
-    return list(weight_versions) if loss_mask is None else [v for v, m in zip(weight_versions, loss_mask) if m]
+def staleness_of(sample: Sample, trained_step: int, unrecorded_version: int) -> int:
+    """How many steps the weights of the sample's oldest *trained* token lag ``trained_step``.
 
-
-def staleness_of(trained_step: int, weight_versions: list[int], loss_mask: list[int] | None = None) -> int:
-    """How many steps behind the trained policy the oldest token is: ``max(trained_step - v)``.
-
-    ``weight_versions[i]`` is the version (training steps applied) of the weights that produced
-    response token ``i``; with partial rollouts one response can mix versions, and the oldest
-    token is the one the off-policy correction has to cover. Tokens with ``loss_mask`` 0 are not
-    trained (e.g. tool output) and are ignored. No trained token means no staleness: 0.
+    The one definition of staleness: the producer bounds it and reports it. ``weight_versions[i]``
+    is the version (training steps applied) of the weights that produced response token ``i``;
+    with partial rollouts or in-place weight updates one response mixes versions, and the oldest
+    token is the one the off-policy correction has to cover. Tokens with loss mask 0 (tool
+    output, the older prefix under ``--mask-offpolicy-in-partial-rollout``) are not trained and
+    do not count; a sample without a trained token has staleness 0. A generate function that
+    records no versions leaves every token dated ``unrecorded_version`` (the caller passes the
+    step the group was submitted at: the oldest weights that can have served it). Weights newer
+    than ``trained_step`` (served before the trainer's step counter caught up) are 0 steps old.
     """
-    versions = _trained_versions(weight_versions, loss_mask)
-    if not versions:
-        return 0
-    oldest, newest = min(versions), max(versions)
-    if oldest < 0:
-        raise ValueError(f"staleness_of: negative weight version {oldest}")
-    if newest > trained_step:
-        # A token from weights newer than the policy being trained means the step counter and
-        # the engines' versions disagree; a negative staleness would hide that.
-        raise ValueError(f"staleness_of: weight version {newest} is newer than the trained step {trained_step}")
-    return trained_step - oldest
-
-
-@dataclass(frozen=True)
-class StalenessStats:
-    """Per-sample staleness (``staleness_of``) over one training batch."""
-
-    count: int  # samples with at least one trained token
-    min: int
-    mean: float
-    max: int
-    over_budget: int  # samples staler than the budget passed to ``from_samples``
-
-    @classmethod
-    def from_samples(cls, trained_step: int, samples: Iterable[Sample],
-                     max_staleness_steps: int | None = None) -> StalenessStats:
-        # Samples without trained tokens (e.g. aborted with an empty response) carry no policy
-        # and would pull the mean towards 0, so they are not counted.
-        values = [staleness_of(trained_step, s.weight_versions, s.loss_mask)
-                  for s in samples if _trained_versions(s.weight_versions, s.loss_mask)]
-        if not values:
-            return cls(count=0, min=0, mean=0.0, max=0, over_budget=0)
-        over = 0 if max_staleness_steps is None else sum(v > max_staleness_steps for v in values)
-        return cls(count=len(values), min=min(values), mean=sum(values) / len(values), max=max(values),
-                   over_budget=over)
-
-    def as_metrics(self, prefix: str = "async/staleness") -> dict[str, float]:
-        return {f"{prefix}_min": self.min, f"{prefix}_mean": self.mean, f"{prefix}_max": self.max,
-                f"{prefix}_count": self.count, f"{prefix}_over_budget": self.over_budget}
+    versions = sample.weight_versions or [unrecorded_version] * sample.response_length
+    mask = sample.effective_loss_mask()
+    if len(mask) != len(versions):
+        raise ValueError(f"sample uid={sample.uid}: {len(versions)} weight versions but a loss mask of "
+                         f"{len(mask)} tokens")
+    trained = [v for v, m in zip(versions, mask) if m]
+    return max(0, trained_step - min(trained)) if trained else 0

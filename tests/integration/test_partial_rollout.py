@@ -15,7 +15,7 @@ from miles_async.inference.router import Router
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, generate_sample
 from miles_async.rollout.rollout import RolloutContext, generate_group
-from miles_async.rollout.sample import PARTIAL_RESUMES, Sample, SampleStatus
+from miles_async.rollout.sample import Sample, SampleStatus
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -131,7 +131,7 @@ def test_resumed_samples_continue_under_the_new_weights(engine, tokenizer, tiny_
         _check_complete(s, tokenizer)
         (old, n_old), (new, n_new) = _blocks(s.weight_versions)
         assert new == old + 1 and 0 < n_old < MAX_NEW and n_old + n_new == MAX_NEW
-        assert s.metadata[PARTIAL_RESUMES] == 1
+        assert s.partial_resumes == 1
         assert s.loss_mask == [0] * n_old + [1] * n_new  # only the newest policy's tokens are trained
 
 
@@ -142,7 +142,7 @@ def test_a_sample_can_be_resumed_several_times(engine, tokenizer, tiny_model, se
         _check_complete(s, tokenizer)
         blocks = _blocks(s.weight_versions)
         assert [v for v, _ in blocks] == [blocks[0][0] + i for i in range(3)]
-        assert s.metadata[PARTIAL_RESUMES] == 2
+        assert s.partial_resumes == 2
         assert s.loss_mask is None
 
 
@@ -151,4 +151,4 @@ def test_without_partial_rollout_aborted_samples_start_over(engine, tokenizer, t
     for s in group:
         _check_complete(s, tokenizer)
         assert len(_blocks(s.weight_versions)) == 1  # every token from the weights after the update
-        assert PARTIAL_RESUMES not in s.metadata
+        assert s.partial_resumes == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
@@ -16,7 +15,8 @@ from miles_async.rollout.generate import (
     generate_sample,
 )
 from miles_async.rollout.rollout import MAX_ABORT_RETRIES, RolloutContext, generate_one
-from miles_async.rollout.sample import OFFPOLICY_MASKED_TOKENS, PARTIAL_RESUMES, Sample, SampleStatus
+from miles_async.rollout.sample import Sample, SampleStatus
+from tests.flag_helpers import minimal_flags
 
 PROMPT = [1, 2, 3]
 
@@ -158,7 +158,7 @@ def test_partial_rollout_resumes_across_several_aborts():
     assert [c[1]["max_new_tokens"] for c in router.calls] == [6, 4, 3, 3]
     assert router.calls[-1][0] == PROMPT + [10, 11, 12]
     assert s.response_tokens == [10, 11, 12, 13, 14, 15] and s.weight_versions == [0, 0, 1, 2, 2, 2]
-    assert s.status == SampleStatus.TRUNCATED and s.metadata[PARTIAL_RESUMES] == 3
+    assert s.status == SampleStatus.TRUNCATED and s.partial_resumes == 3
     assert s.loss_mask is None and s.reward == 0.0  # no masking asked for
 
 
@@ -175,10 +175,21 @@ def test_partial_rollout_fails_after_aborts_without_progress():
         asyncio.run(generate_one(rollout_ctx(router, partial=True), new_sample(), {"max_new_tokens": 100}))
 
 
+def test_the_drivers_counters_leave_the_datasets_metadata_alone():
+    user = {"partial_resumes": "the dataset's", "offpolicy_masked_tokens": ["also", "the dataset's"]}
+    s = new_sample()
+    s.metadata = dict(user)
+    router = ScriptedRouter([engine_output([10, 11], 0, "abort"), engine_output([12, 13], 1, "stop")])
+    s = asyncio.run(generate_one(rollout_ctx(router, partial=True, mask=True), s, {"max_new_tokens": 8}))
+    assert s.metadata == user
+    m = rollout_metrics([[s]])
+    assert (m["rollout/partial_resumed_samples"], m["rollout/offpolicy_masked_tokens"]) == (1, 2)
+
+
 def test_abort_before_any_token_is_a_retry_not_a_resume():
     router = ScriptedRouter([engine_output([], 0, "abort"), engine_output([10], 1, "stop")])
     s = asyncio.run(generate_one(rollout_ctx(router, partial=True), new_sample(), {"max_new_tokens": 4}))
-    assert s.response_tokens == [10] and PARTIAL_RESUMES not in s.metadata
+    assert s.response_tokens == [10] and s.partial_resumes == 0
 
 
 def test_without_partial_rollout_an_aborted_sample_is_regenerated():
@@ -186,7 +197,7 @@ def test_without_partial_rollout_an_aborted_sample_is_regenerated():
     s = asyncio.run(generate_one(rollout_ctx(router, partial=False), new_sample(), {"max_new_tokens": 8}))
     assert router.calls == [(PROMPT, {"max_new_tokens": 8})] * 2
     assert s.response_tokens == [20, 21, 22] and s.weight_versions == [1, 1, 1]
-    assert s.response == "uvw" and PARTIAL_RESUMES not in s.metadata
+    assert s.response == "uvw" and s.partial_resumes == 0
 
 
 def test_without_partial_rollout_retries_are_bounded():
@@ -198,7 +209,7 @@ def test_without_partial_rollout_retries_are_bounded():
 def test_driver_masks_offpolicy_tokens_when_asked():
     router = ScriptedRouter([engine_output([10, 11], 0, "abort"), engine_output([12, 13], 1, "stop")])
     s = asyncio.run(generate_one(rollout_ctx(router, partial=True, mask=True), new_sample(), {"max_new_tokens": 8}))
-    assert s.loss_mask == [0, 0, 1, 1] and s.metadata[OFFPOLICY_MASKED_TOKENS] == 2
+    assert s.loss_mask == [0, 0, 1, 1] and s.offpolicy_masked_tokens == 2
 
 
 # -- masking off-policy tokens ----------------------------------------------------------
@@ -236,8 +247,8 @@ def test_batch_and_metrics_carry_the_mask_and_the_counts():
     resumed = new_sample()
     resumed.response_tokens, resumed.weight_versions = [1, 2, 3], [0, 1, 1]
     resumed.rollout_logprobs, resumed.reward = [-1.0] * 3, 1.0
-    resumed.metadata[PARTIAL_RESUMES] = 2
-    resumed.metadata[OFFPOLICY_MASKED_TOKENS] = resumed.mask_offpolicy_tokens()
+    resumed.partial_resumes = 2
+    resumed.offpolicy_masked_tokens = resumed.mask_offpolicy_tokens()
     fresh = new_sample()
     fresh.response_tokens, fresh.weight_versions, fresh.rollout_logprobs, fresh.reward = [4], [1], [-1.0], 0.0
     groups = [[resumed, fresh]]
@@ -258,10 +269,7 @@ def test_metrics_are_zero_without_partial_rollouts():
 
 @pytest.fixture
 def base_args(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(8)))
-    return ["--use-tis", "--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--rollout-batch-size", "4",
-            "--num-rollout", "2", "--rm-type", "integer", "--output-dir", str(tmp_path / "out")]
+    return [*minimal_flags(tmp_path, n_prompts=8), "--num-rollout", "2"]
 
 
 def test_flags_default_off(base_args):

@@ -1,44 +1,372 @@
-"""Staleness manager, batch assembly and consumed-uid tracking for fully-async training.
+"""Staleness control for fully-async training, driven through the real ``FullyAsyncProducer``.
 
-The simulations are discrete-event models of the fully-async loop (a producer that submits
-whenever there is capacity, groups finishing after random durations, a trainer consuming one
-batch per step); they drive the real classes, so the properties below are about the code the
-producer uses, not about a model of it.
+The producer runs as in a run: the real data source, rollout driver, reward model, staleness
+manager and batch assembler. Two things stand in for what a unit test cannot hold:
+
+* the engine is a scripted generate function, plugged in where ``--custom-generate-function-path``
+  plugs one in: each request takes a scripted time, and its first token carries the weight
+  version the engine served when the request started, its last the version when it ended (an
+  in-place weight update in the middle of a request);
+* the event loop's clock is virtual: timers fire in order, but no real time passes, so the
+  straggler scenarios run in milliseconds and the same seed always gives the same run. A state
+  in which every task waits and no timer is due raises instead of hanging.
+
+The trainer is the loop's part: take a batch, train for a while, push the weights to the
+engine, and only then tell the producer (``on_step``), as ``ray/wiring.py`` does.
 """
 
 from __future__ import annotations
 
-import heapq
+import asyncio
 import json
 import random
-from dataclasses import dataclass, field
+import selectors
+from dataclasses import dataclass
+from functools import cache
+from typing import Callable
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from miles_async.rollout.filters import BatchAssembler, zero_variance_groups
+from miles_async.assets.tiny_model import build_tiny_tokenizer
+from miles_async.config import DataConfig, RewardConfig
+from miles_async.rollout.data_source import DataSource, PromptItem
+from miles_async.rollout.filters import BatchAssembler, starved_by_filter, zero_variance_groups
+from miles_async.rollout.fully_async import FullyAsyncProducer, ProducerError
+from miles_async.rollout.generate import GenerateContext
+from miles_async.rollout.rewards import RewardModel
+from miles_async.rollout.rollout import RolloutContext
 from miles_async.rollout.sample import Sample, SampleStatus
-from miles_async.rollout.staleness import StalenessManager, StalenessStats, staleness_of
-from miles_async.rollout.uid_tracker import ConsumedUids
+from miles_async.rollout.staleness import StalenessManager, staleness_of
 
-FAST = settings(max_examples=100, deadline=None)
+FAST = settings(max_examples=60, deadline=None)
+ROLLOUT_TIMEOUT = 3600.0  # virtual seconds; the loop waits for a batch this long, as train_async.py does
 
 
-def make_group(uid: str, rewards: list[float], version: int = 0, n_tokens: int = 3) -> list[Sample]:
-    return [Sample(uid=uid, group_index=0, index=i, prompt="p", response_tokens=[1] * n_tokens,
-                   weight_versions=[version] * n_tokens, reward=r, status=SampleStatus.COMPLETED,
-                   metadata={"submitted_at_step": version})
-            for i, r in enumerate(rewards)]
+# ---------------------------------------------------------------------------------------------
+# The harness: a virtual clock, a scripted engine, a trainer
+# ---------------------------------------------------------------------------------------------
 
+class _VirtualSelector(selectors.DefaultSelector):
+    """Never blocks: waiting for the next timer moves the virtual clock to it instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout=None):
+        ready = super().select(0)
+        if not ready:
+            if timeout is None:
+                raise RuntimeError("deadlock: every task waits and no timer is due")
+            self.now += timeout
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    def __init__(self):
+        self._virtual = _VirtualSelector()
+        super().__init__(self._virtual)
+
+    def time(self) -> float:
+        return self._virtual.now
+
+
+def run_virtual(coro):
+    # The Runner, like asyncio.run, cancels and awaits what is left before closing the loop.
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(coro)
+
+
+class ScriptedEngine:
+    """A generate function with scripted durations; the answer "1" scores 1 against the label "1".
+
+    Sample 0 of a group answers "1", the others "0", unless ``zero_variance(group_index)`` says
+    the whole group answers "1" (and the zero-variance filter drops it).
+    """
+
+    def __init__(self, duration: Callable[[Sample], float], zero_variance: Callable[[int], bool] = lambda g: False,
+                 record_versions: bool = True, mask_first_token: bool = False):
+        self.duration = duration
+        self.zero_variance = zero_variance
+        self.record_versions = record_versions
+        self.mask_first_token = mask_first_token
+        self.version = 0  # the weights the engine serves
+        self.in_flight = 0
+        self.started_at_version: dict[tuple[int, int], int] = {}  # (group index, sample index) -> version
+
+    async def generate(self, ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
+        first = self.version
+        self.started_at_version[(sample.group_index, sample.index)] = first
+        self.in_flight += 1
+        await asyncio.sleep(self.duration(sample))
+        self.in_flight -= 1
+        sample.response_tokens, sample.rollout_logprobs = [7, 8], [-1.0, -1.0]
+        sample.weight_versions = [first, self.version] if self.record_versions else []
+        if self.mask_first_token:
+            sample.loss_mask = [0, 1]
+        sample.response = "1" if sample.index == 0 or self.zero_variance(sample.group_index) else "0"
+        sample.status = SampleStatus.COMPLETED
+        return sample
+
+
+@cache
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def make_producer(engine: ScriptedEngine, *, batch: int, stale: int, conc: int, n_prompts: int = 64,
+                  n_samples: int = 2, seed: int = 0, metadata: dict | None = None) -> FullyAsyncProducer:
+    """Built as ``ray/rollout_executor.py`` builds it; call inside the running (virtual) loop."""
+    items = [PromptItem(f"p{i}", f"q{i}", "1", dict(metadata or {})) for i in range(n_prompts)]
+    data = DataSource(DataConfig("unused", "prompt", "label", "metadata", False, None, True, seed), batch, items)
+    ctx = RolloutContext(data, GenerateContext(None, tokenizer()), engine.generate,
+                         RewardModel(RewardConfig("exact", None, "raise")), False, n_samples,
+                         {"max_new_tokens": 2}, asyncio.Semaphore(1000))
+    return FullyAsyncProducer(ctx, data, StalenessManager(conc, batch, stale), BatchAssembler(batch, 0.0),
+                              60.0, ROLLOUT_TIMEOUT, clock=asyncio.get_running_loop().time)
+
+
+@dataclass
+class Step:
+    step: int
+    groups: list[list[Sample]]
+    epochs: list[int]
+    metrics: dict
+    in_flight_when_taken: int = 0
+    started_while_training: int = 0  # requests
+
+
+async def train(producer: FullyAsyncProducer, engine: ScriptedEngine, n_steps: int, train_time: float = 1.0,
+                update_time: float = 0.0) -> list[Step]:
+    steps = []
+    for step in range(producer.current_step, producer.current_step + n_steps):
+        batch = await asyncio.wait_for(producer.get_batch(), ROLLOUT_TIMEOUT)
+        record = Step(step, *batch, in_flight_when_taken=engine.in_flight)
+        started = len(engine.started_at_version)
+        await asyncio.sleep(train_time)
+        record.started_while_training = len(engine.started_at_version) - started
+        engine.version = step + 1  # the engines serve the new weights ...
+        await asyncio.sleep(update_time)  # ... a moment before the producer hears of it
+        producer.on_step(step + 1)
+        steps.append(record)
+    return steps
+
+
+def run_steps(engine: ScriptedEngine, n_steps: int, train_time: float = 1.0, update_time: float = 0.0,
+              **kw) -> tuple[list[Step], FullyAsyncProducer]:
+    async def main():
+        producer = make_producer(engine, **kw)
+        try:
+            return await train(producer, engine, n_steps, train_time, update_time), producer
+        finally:
+            await producer.stop()
+    return run_virtual(main())
+
+
+def oldest_token_age(step: Step) -> int:
+    """Measured from the recorded versions, independently of the producer's own arithmetic."""
+    return max(step.step - min(s.weight_versions) for g in step.groups for s in g)
+
+
+def seeded(seed: int, *key) -> random.Random:
+    return random.Random("/".join(map(str, (seed, *key))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The staleness bound, under random completion order
+# ---------------------------------------------------------------------------------------------
+
+sim_params = dict(conc=st.integers(1, 12), batch=st.integers(1, 4), stale=st.integers(0, 3),
+                  filter_p=st.sampled_from([0.0, 0.3, 0.7]), seed=st.integers(0, 2**32 - 1),
+                  train_time=st.sampled_from([0.1, 1.0, 5.0]), update_time=st.sampled_from([0.0, 0.5]))
+
+
+@FAST
+@given(**sim_params)
+def test_random_durations_never_train_a_token_beyond_the_staleness_bound(conc, batch, stale, filter_p, seed,
+                                                                         train_time, update_time):
+    engine = ScriptedEngine(
+        duration=lambda s: seeded(seed, s.group_index, s.index).expovariate(1.0) * seeded(seed, s.group_index).choice(
+            [0.2, 1.0, 10.0]),
+        zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p)
+    steps, producer = run_steps(engine, 8, train_time, update_time, batch=batch, stale=stale, conc=conc, seed=seed)
+    assert [len(s.groups) for s in steps] == [batch] * 8
+    for s in steps:
+        assert oldest_token_age(s) <= stale
+        assert s.metrics["async/staleness_max"] == oldest_token_age(s)
+
+
+@FAST
+@given(**sim_params)
+def test_in_order_completion_needs_no_regeneration(conc, batch, stale, filter_p, seed, train_time, update_time):
+    # Groups finishing in submission order: the capacity rule alone bounds staleness.
+    engine = ScriptedEngine(duration=lambda s: 1.0, zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p)
+    steps, producer = run_steps(engine, 8, train_time, update_time, batch=batch, stale=stale, conc=conc, seed=seed)
+    assert all(oldest_token_age(s) <= stale for s in steps)
+    assert producer.stale_regenerated == 0
+
+
+@FAST
+@given(conc=st.integers(1, 12), batch=st.integers(1, 4), filter_p=st.sampled_from([0.0, 0.5]),
+       seed=st.integers(0, 2**32 - 1), train_time=st.sampled_from([0.1, 5.0]))
+def test_zero_staleness_is_strictly_synchronous(conc, batch, filter_p, seed, train_time):
+    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index, s.index).expovariate(1.0) * 5,
+                            zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p)
+    steps, producer = run_steps(engine, 6, train_time, batch=batch, stale=0, conc=conc, seed=seed)
+    # Every trained token comes from the weights of the very step that trains it, nothing
+    # generates while the trainer works, and nothing ever had to be thrown away for staleness.
+    assert all(v == s.step for s in steps for g in s.groups for smp in g for v in smp.weight_versions)
+    assert all(s.in_flight_when_taken == 0 and s.started_while_training == 0 for s in steps)
+    assert producer.stale_regenerated == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(conc=st.integers(1, 8), batch=st.integers(1, 4), stale=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
+def test_heavy_filtering_still_makes_progress(conc, batch, stale, seed):
+    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 3.0),
+                            zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.9)
+    # 400 prompts: a full pass of drops in a row (the starvation rule) is out of reach at 90%.
+    steps, producer = run_steps(engine, 5, batch=batch, stale=stale, conc=conc, seed=seed, n_prompts=400)
+    assert [len(s.groups) for s in steps] == [batch] * 5
+    assert producer.assembler.dropped > 0
+
+
+def straggler_engine(**kw) -> ScriptedEngine:
+    """Group 1 takes 6.5 s, every other group 1 s, a step's training 1 s: with batch 1 the groups
+    after it fill steps 0, 1 and 2, and it finishes at step 3, with tokens of versions 0 and 3."""
+    return ScriptedEngine(duration=lambda s: 6.5 if s.group_index == 1 else 1.0, **kw)
+
+
+def test_a_straggler_past_the_bound_is_regenerated_not_trained():
+    engine = straggler_engine()
+    steps, producer = run_steps(engine, 6, batch=1, stale=1, conc=2)
+    assert producer.stale_regenerated >= 1
+    assert all(g[0].group_index != 1 for s in steps for g in s.groups)
+    assert all(oldest_token_age(s) <= 1 for s in steps)
+
+
+def test_tokens_out_of_the_loss_do_not_count_towards_staleness():
+    # The straggler's first token comes from version 0 and is masked out of the loss (as
+    # --mask-offpolicy-in-partial-rollout does); what is trained is from the newest weights.
+    engine = straggler_engine(mask_first_token=True)
+    steps, producer = run_steps(engine, 6, batch=1, stale=1, conc=2)
+    straggler = [(s, g) for s in steps for g in s.groups if g[0].group_index == 1]
+    assert len(straggler) == 1 and producer.stale_regenerated == 0
+    step, group = straggler[0]
+    assert step.step - group[0].weight_versions[0] > 1  # the masked token is older than the bound
+    assert step.metrics["async/staleness_max"] == 0  # and the metrics measure what is trained
+
+
+def test_a_generate_function_without_versions_is_bounded_by_the_submission_step():
+    engine = straggler_engine(record_versions=False)
+    steps, producer = run_steps(engine, 6, batch=1, stale=1, conc=2)
+    assert producer.stale_regenerated >= 1
+    for s in steps:
+        for g in s.groups:
+            assert s.step - engine.started_at_version[(g[0].group_index, 0)] <= 1
+            assert s.metrics["async/staleness_max"] <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The producer's own record, the zero-variance filter, resume
+# ---------------------------------------------------------------------------------------------
+
+def test_the_datasets_metadata_is_never_overwritten():
+    user = {"epoch": "from the dataset", "submitted_at_step": ["also", "the dataset's"]}
+    engine = straggler_engine()
+    # 8 prompts, batch 2: 12 steps cross into epoch 2, with a straggler regenerated on the way.
+    steps, producer = run_steps(engine, 12, batch=2, stale=1, conc=3, n_prompts=8, metadata=user)
+    assert producer.stale_regenerated >= 1
+    assert all(smp.metadata == user for s in steps for g in s.groups for smp in g)
+    assert {e for s in steps for e in s.epochs} == {0, 1, 2}
+    for epoch in (0, 1):
+        assert len([g for s in steps for g, e in zip(s.groups, s.epochs) if e == epoch]) == 8
+
+
+def test_starved_by_filter_is_a_full_pass_of_drops_in_a_row():
+    assert not starved_by_filter(63, 64) and starved_by_filter(64, 64)
+    asm = BatchAssembler(1, 0.0)
+    for rewards, in_a_row in (([1.0, 1.0], 1), ([0.0, 0.0], 2), ([0.0, 1.0], 0), ([1.0, 1.0], 1)):
+        asm.add([Sample("u", 0, i, "p", reward=r) for i, r in enumerate(rewards)])
+        assert asm.dropped_in_a_row == in_a_row
+
+
+def test_a_filter_that_keeps_nothing_fails_naming_it_instead_of_waiting_for_the_timeout():
+    async def main():
+        engine = ScriptedEngine(duration=lambda s: 1.0, zero_variance=lambda g: g > 6)
+        # One group at a time, so the drop that trips the rule is the last one counted.
+        producer = make_producer(engine, batch=2, stale=1, conc=1, n_prompts=16)
+        try:
+            trained = await train(producer, engine, 3)  # groups 1..6 are informative: 3 batches
+            with pytest.raises(ProducerError, match=r"--zero-variance-filter dropped 16 groups in a row, a full pass "
+                                                    r"over the 16 prompts.*\[1\.0, 1\.0\]"):
+                await asyncio.wait_for(producer.get_batch(), ROLLOUT_TIMEOUT)
+            return trained, producer, asyncio.get_running_loop().time()
+        finally:
+            await producer.stop()
+
+    trained, producer, elapsed = run_virtual(main())
+    assert len(trained) == 3 and producer.assembler.dropped == 16
+    assert elapsed < 60  # a minute of scripted generation, not the hour of the rollout timeout
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(6, 20), batch=st.integers(1, 3), stale=st.integers(0, 2), conc=st.integers(1, 6),
+       seed=st.integers(0, 2**32 - 1), crash=st.integers(1, 3))
+def test_a_resumed_producer_trains_every_prompt_of_an_epoch_once(n, batch, stale, conc, seed, crash):
+    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 5.0),
+                            zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.3)
+    common = dict(batch=batch, stale=stale, conc=conc, n_prompts=n, seed=seed)
+
+    async def main():
+        first = make_producer(engine, **common)
+        before = await train(first, engine, crash)
+        state = json.loads(json.dumps(first.state_dict(trained_steps=crash)))
+        await first.stop()  # killed: whatever was in flight or buffered is lost
+        resumed = make_producer(engine, **common)
+        resumed.load_state_dict(state)
+        try:
+            after = await train(resumed, engine, 2 * n // batch + 2)  # well into the third epoch
+        finally:
+            await resumed.stop()
+        return before, after, first.consumed.get(0, set()) | resumed.consumed.get(0, set())
+
+    before, after, consumed_in_epoch_0 = run_virtual(main())
+    trained = [(e, g[0].uid) for s in before + after for g, e in zip(s.groups, s.epochs)]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice in one epoch"
+    assert [s.step for s in after] == list(range(crash, crash + len(after)))
+    assert consumed_in_epoch_0 == {f"p{i}" for i in range(n)}  # every prompt trained or filtered
+
+
+# ---------------------------------------------------------------------------------------------
+# The one definition of staleness
+# ---------------------------------------------------------------------------------------------
+
+def sample(versions: list[int], mask: list[int] | None = None, n_tokens: int | None = None) -> Sample:
+    n = len(versions) if n_tokens is None else n_tokens
+    return Sample("u", 0, 0, "p", response_tokens=[1] * n, weight_versions=versions, loss_mask=mask)
+
+
+def test_staleness_of_counts_the_oldest_trained_token():
+    assert staleness_of(sample([5, 4, 3]), 5, unrecorded_version=0) == 2
+    assert staleness_of(sample([2, 5], mask=[0, 1]), 5, unrecorded_version=0) == 0  # not trained
+    assert staleness_of(sample([2, 5], mask=[0, 0]), 5, unrecorded_version=0) == 0  # nothing trained
+    assert staleness_of(sample([6]), 5, unrecorded_version=0) == 0  # served before on_step caught up
+    assert staleness_of(sample([], n_tokens=3), 5, unrecorded_version=2) == 3
+    assert staleness_of(sample([], n_tokens=0), 5, unrecorded_version=2) == 0
+    with pytest.raises(ValueError, match="uid=u: 1 weight versions but a loss mask of 2"):
+        staleness_of(sample([1], mask=[1, 1]), 3, unrecorded_version=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# StalenessManager
+# ---------------------------------------------------------------------------------------------
 
 def counts(m: StalenessManager) -> tuple[int, ...]:
-    return (m.current_step, m.submitted, m.accepted, m.running, m.filtered, m.rejected)
+    return (m.current_step, m.submitted, m.accepted, m.running, m.filtered)
 
-
-# ---------------------------------------------------------------------------------------------
-# StalenessManager: plain unit tests
-# ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args", [(0, 1, 0), (1, 0, 0), (1, 1, -1), (1.5, 1, 0), (True, 1, 0), (1, 1, None)])
 def test_constructor_rejects_bad_arguments(args):
@@ -61,7 +389,6 @@ def test_capacity_formula_and_synchronous_budget():
         m.on_step(2)  # only one batch exists
     m.on_step(1)
     assert m.capacity() == 4 and m.pending == 0
-    m.check_invariants()
 
 
 def test_capacity_is_capped_by_concurrency_and_runs_ahead_by_staleness():
@@ -79,14 +406,13 @@ def test_capacity_is_capped_by_concurrency_and_runs_ahead_by_staleness():
 def test_protocol_misuse_raises_and_changes_nothing():
     m = StalenessManager(2, 2, 1)
     before = counts(m)
-    for call in (m.on_accepted, m.on_rejected, m.on_filtered):
+    for call in (m.on_accepted, m.on_filtered):
         with pytest.raises(RuntimeError):
             call()
     assert counts(m) == before
-    m.try_submit()
-    m.on_accepted()
-    m.try_submit()
-    m.on_accepted()
+    for _ in range(2):
+        m.try_submit()
+        m.on_accepted()
     m.on_step(1)
     with pytest.raises(RuntimeError):
         m.on_filtered()  # both accepted groups were trained by step 0
@@ -95,50 +421,6 @@ def test_protocol_misuse_raises_and_changes_nothing():
     with pytest.raises(ValueError):
         m.on_step("2")  # type: ignore[arg-type]
     m.on_step(1)  # repeating the current step is harmless
-    m.check_invariants()
-
-
-def test_rejected_groups_keep_the_invariant_and_free_their_slot():
-    m = StalenessManager(1, 1, 0)
-    assert m.try_submit() and not m.try_submit()
-    m.on_rejected()
-    assert m.submitted == 1 and m.rejected == 1 and m.capacity() == 1
-    m.check_invariants()
-
-
-def test_check_invariants_names_the_counts():
-    m = StalenessManager(2, 2, 0)
-    m.try_submit()
-    m.running = 0  # simulate a lost update
-    with pytest.raises(AssertionError, match=r"submitted=1 accepted=0 running=0"):
-        m.check_invariants()
-
-
-def test_state_dict_drops_in_flight_work_and_survives_json():
-    m = StalenessManager(8, 2, 1)
-    for _ in range(4):
-        m.try_submit()
-    for _ in range(4):
-        m.on_accepted()
-    m.on_step(1)
-    m.try_submit()
-    m.on_accepted()
-    m.on_filtered()
-    m.try_submit()
-    m.try_submit()
-    m.on_rejected()  # one running, two pending, one filtered, one rejected
-    state = json.loads(json.dumps(m.state_dict()))
-    r = StalenessManager(3, 2, 0)  # concurrency and staleness may change on resume
-    r.load_state_dict(state)
-    r.check_invariants()
-    assert (r.current_step, r.accepted, r.running, r.filtered, r.rejected, r.submitted) == (1, 2, 0, 1, 1, 4)
-    assert r.capacity() == 2
-    with pytest.raises(ValueError, match="batch_size"):
-        StalenessManager(3, 4, 0).load_state_dict(state)
-    with pytest.raises(ValueError, match="missing"):
-        StalenessManager(3, 2, 0).load_state_dict({"current_step": 1})
-    with pytest.raises(ValueError):
-        StalenessManager(3, 2, 0).load_state_dict(state | {"accepted": 3})
 
 
 def test_resume_at_step_without_a_saved_state():
@@ -148,55 +430,19 @@ def test_resume_at_step_without_a_saved_state():
     m.resume_at_step(3)
     m.on_step(3)
     assert (m.current_step, m.accepted, m.pending, m.capacity()) == (3, 6, 0, 4)
-    m.check_invariants()
     with pytest.raises(RuntimeError):
         m.resume_at_step(4)
     with pytest.raises(ValueError):
         StalenessManager(4, 2, 1).resume_at_step(-1)
 
 
-def test_staleness_of_and_stats():
-    assert staleness_of(5, [5, 4, 3]) == 2
-    assert staleness_of(5, [2, 5], loss_mask=[0, 1]) == 0  # tool output is not trained
-    assert staleness_of(5, []) == 0
-    with pytest.raises(ValueError):
-        staleness_of(3, [4])  # newer than the trained policy: counters disagree
-    with pytest.raises(ValueError):
-        staleness_of(3, [1], loss_mask=[1, 1])
-    with pytest.raises(ValueError):
-        staleness_of(3, [-1])
-    samples = make_group("a", [0.0, 1.0], version=3) + make_group("b", [0.0], version=5)
-    samples.append(Sample(uid="c", group_index=0, index=0, prompt="p"))  # aborted, nothing to train
-    stats = StalenessStats.from_samples(5, samples, max_staleness_steps=1)
-    assert (stats.count, stats.min, stats.max, stats.over_budget) == (3, 0, 2, 2)
-    assert stats.mean == pytest.approx(4 / 3)
-    assert StalenessStats.from_samples(5, []).count == 0
-    assert set(stats.as_metrics()) >= {"async/staleness_max", "async/staleness_mean"}
-
-
-def test_capacity_alone_is_not_a_per_group_bound():
-    # A straggler keeps running while fast groups fill steps in front of it; only the consumer's
-    # freshness check (is_fresh / min_trainable_step) can keep it out of training.
-    m = StalenessManager(max_concurrent_groups=2, batch_size=1, max_staleness_steps=1)
-    assert m.try_submit() and m.try_submit()  # straggler and a fast group, both at step 0
-    straggler_step = 0
-    for step in range(1, 5):
-        m.on_accepted()  # the fast group finishes and is trained
-        m.on_step(step)
-        assert m.try_submit()
-    assert not m.is_fresh(straggler_step) and m.min_trainable_step() == 3
-    m.check_invariants()
-
-
-# ---------------------------------------------------------------------------------------------
-# StalenessManager: any interleaving of events
-# ---------------------------------------------------------------------------------------------
-
 class StalenessMachine(RuleBasedStateMachine):
+    """Any interleaving of the events the producer sends keeps the counts consistent."""
+
     @initialize(conc=st.integers(1, 8), batch=st.integers(1, 5), stale=st.integers(0, 3))
     def setup(self, conc, batch, stale):
         self.m = StalenessManager(conc, batch, stale)
-        self.model = dict(step=0, submitted=0, accepted=0, running=0, filtered=0, rejected=0)
+        self.model = dict(step=0, submitted=0, accepted=0, running=0, filtered=0)
 
     @rule()
     def submit(self):
@@ -212,13 +458,6 @@ class StalenessMachine(RuleBasedStateMachine):
         self.m.on_accepted()
         self.model["running"] -= 1
         self.model["accepted"] += 1
-
-    @precondition(lambda self: self.m.running > 0)
-    @rule()
-    def reject(self):
-        self.m.on_rejected()
-        self.model["running"] -= 1
-        self.model["rejected"] += 1
 
     @precondition(lambda self: self.m.pending > 0)
     @rule()
@@ -247,24 +486,13 @@ class StalenessMachine(RuleBasedStateMachine):
         with pytest.raises(ValueError):
             self.m.on_step(self.m.accepted // self.m.batch_size + 1)
 
-    @rule()
-    def checkpoint_round_trip(self):
-        m = self.m
-        r = StalenessManager(m.max_concurrent_groups, m.batch_size, m.max_staleness_steps)
-        r.load_state_dict(json.loads(json.dumps(m.state_dict())))
-        r.check_invariants()
-        assert (r.current_step, r.accepted, r.running, r.filtered, r.rejected) == (
-            m.current_step, m.trained, 0, m.filtered, m.rejected)
-        assert r.capacity() == min(m.max_concurrent_groups, (m.max_staleness_steps + 1) * m.batch_size)
-
     @invariant()
     def consistent(self):
         m = self.m
-        m.check_invariants()
-        assert (m.current_step, m.submitted, m.accepted, m.running, m.filtered, m.rejected) == tuple(
-            self.model.values())
-        assert min(counts(m)) >= 0
-        assert 0 <= m.capacity() <= m.max_concurrent_groups - m.running
+        assert counts(m) == tuple(self.model.values())
+        assert m.submitted == m.accepted + m.filtered + m.running
+        assert m.running <= m.max_concurrent_groups and m.accepted >= m.trained
+        assert m.accepted + m.running <= m.staleness_limit()
         assert m.capacity() == max(0, min(m.max_concurrent_groups - m.running,
                                           (m.max_staleness_steps + m.current_step + 1) * m.batch_size
                                           - (m.accepted + m.running)))
@@ -275,228 +503,12 @@ TestStalenessMachine.settings = settings(max_examples=150, stateful_step_count=5
 
 
 # ---------------------------------------------------------------------------------------------
-# Steady-state simulation of the fully-async loop
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class SimResult:
-    trained: list[tuple[int, int]] = field(default_factory=list)  # (trained_step, submitted_step)
-    submitted_steps: list[tuple[int, int]] = field(default_factory=list)  # (current_step, submitted_step)
-    running_while_training: list[int] = field(default_factory=list)
-    stale_dropped: int = 0
-    aborted: int = 0
-    zero_variance_dropped: int = 0
-    steps: int = 0
-
-
-def simulate(rng: random.Random, *, conc: int, batch: int, stale: int, n_steps: int, filter_p: float,
-             duration, train_time: float, evict_stale: bool = True, abort_doomed: bool = False,
-             max_events: int = 200_000) -> SimResult:
-    m = StalenessManager(conc, batch, stale)
-    asm = BatchAssembler(batch, tol=0.0)
-    res = SimResult()
-    events: list[tuple[float, int, str, int]] = []
-    running: dict[int, int] = {}  # group id -> submitted step
-    seq = 0
-    now = 0.0
-    training = False
-    in_training: list[list[Sample]] = []
-
-    def push(t: float, kind: str, gid: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, gid))
-
-    def act() -> None:
-        nonlocal training
-        while m.try_submit():
-            gid = seq
-            running[gid] = m.current_step
-            res.submitted_steps.append((m.current_step, m.current_step))
-            push(now + duration(rng), "finish", gid)
-        if not training and asm.ready():
-            in_training[:] = asm.take()
-            training = True
-            res.running_while_training.append(m.running)
-            push(now + train_time, "trained", -1)
-
-    act()
-    for _ in range(max_events):
-        if res.steps >= n_steps:
-            return res
-        assert events, f"deadlock at step {m.current_step}: {counts(m)}"
-        now, _, kind, gid = heapq.heappop(events)
-        if kind == "finish":
-            if gid in running:  # not aborted
-                submitted = running.pop(gid)
-                m.on_accepted()
-                if evict_stale and not m.is_fresh(submitted):
-                    m.on_filtered()
-                    res.stale_dropped += 1
-                else:
-                    rewards = [1.0, 1.0] if rng.random() < filter_p else [0.0, 1.0]
-                    if asm.add(make_group(f"g{gid}", rewards, version=submitted)) == "dropped":
-                        m.on_filtered()
-                        res.zero_variance_dropped += 1
-        else:
-            for g in in_training:
-                res.trained.append((m.current_step, g[0].metadata["submitted_at_step"]))
-            stats = StalenessStats.from_samples(m.current_step, [s for g in in_training for s in g],
-                                                max_staleness_steps=stale)
-            assert stats.count == 2 * batch and stats.max == max(m.current_step - v for v in (
-                g[0].metadata["submitted_at_step"] for g in in_training))
-            if evict_stale:
-                assert stats.over_budget == 0
-            training = False
-            res.steps += 1
-            m.on_step(m.current_step + 1)
-            if evict_stale:
-                for _g in asm.evict(lambda g: not m.is_fresh(g[0].metadata["submitted_at_step"])):
-                    m.on_filtered()
-                    res.stale_dropped += 1
-            if abort_doomed:
-                for doomed in [g for g, k in running.items() if k < m.min_trainable_step()]:
-                    del running[doomed]
-                    m.on_rejected()
-                    res.aborted += 1
-        m.check_invariants()
-        assert m.running == len(running) and m.pending == asm.num_ready() + (batch if training else 0)
-        assert m.capacity() <= conc - m.running
-        act()
-        m.check_invariants()
-    raise AssertionError(f"no progress after {max_events} events: {counts(m)}")
-
-
-sim_params = dict(conc=st.integers(1, 12), batch=st.integers(1, 4), stale=st.integers(0, 3),
-                  filter_p=st.sampled_from([0.0, 0.3, 0.7]), seed=st.integers(0, 2**32 - 1),
-                  train_time=st.sampled_from([0.1, 1.0, 5.0]), abort=st.booleans())
-
-
-@FAST
-@given(**sim_params)
-def test_random_durations_never_train_a_group_beyond_the_staleness_budget(conc, batch, stale, filter_p, seed,
-                                                                           train_time, abort):
-    res = simulate(random.Random(seed), conc=conc, batch=batch, stale=stale, n_steps=8, filter_p=filter_p,
-                   duration=lambda r: r.expovariate(1.0) * r.choice([0.2, 1.0, 10.0]), train_time=train_time,
-                   abort_doomed=abort)
-    assert len(res.trained) == 8 * batch
-    assert all(trained - submitted <= stale for trained, submitted in res.trained)
-
-
-@FAST
-@given(**sim_params)
-def test_in_order_completion_needs_no_eviction(conc, batch, stale, filter_p, seed, train_time, abort):
-    # Groups finishing in submission order: the capacity rule alone bounds staleness.
-    res = simulate(random.Random(seed), conc=conc, batch=batch, stale=stale, n_steps=8, filter_p=filter_p,
-                   duration=lambda r: 1.0, train_time=train_time, evict_stale=False)
-    assert all(trained - submitted <= stale for trained, submitted in res.trained)
-    assert res.stale_dropped == 0
-
-
-@FAST
-@given(conc=st.integers(1, 12), batch=st.integers(1, 4), filter_p=st.sampled_from([0.0, 0.5]),
-       seed=st.integers(0, 2**32 - 1), train_time=st.sampled_from([0.1, 5.0]))
-def test_zero_staleness_is_strictly_synchronous(conc, batch, filter_p, seed, train_time):
-    res = simulate(random.Random(seed), conc=conc, batch=batch, stale=0, n_steps=6, filter_p=filter_p,
-                   duration=lambda r: r.expovariate(1.0) * r.choice([0.2, 10.0]), train_time=train_time,
-                   evict_stale=False)
-    # Every trained group was generated for the very step that trains it, nothing generates
-    # while the trainer works, and nothing ever had to be thrown away for staleness.
-    assert all(trained == submitted for trained, submitted in res.trained)
-    assert res.running_while_training == [0] * len(res.running_while_training)
-    assert res.stale_dropped == 0
-
-
-@settings(max_examples=40, deadline=None)
-@given(conc=st.integers(1, 8), batch=st.integers(1, 4), stale=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
-def test_heavy_filtering_still_makes_progress(conc, batch, stale, seed):
-    res = simulate(random.Random(seed), conc=conc, batch=batch, stale=stale, n_steps=5, filter_p=0.9,
-                   duration=lambda r: r.uniform(0.1, 3.0), train_time=1.0)
-    assert res.steps == 5 and len(res.trained) == 5 * batch
-    assert res.zero_variance_dropped > 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Finite epochs: flush at the end, checkpoint and resume
-# ---------------------------------------------------------------------------------------------
-
-def run_epoch(uids: list[str], zero_var: set[str], m: StalenessManager, asm: BatchAssembler,
-              tracker: ConsumedUids, rng: random.Random, crash_after_step: int | None = None):
-    """One epoch with random completion order; returns (trained uids, checkpoint or None, leftover)."""
-    todo = [u for u in uids if not tracker.should_skip(u)]
-    running: list[str] = []
-    trained: list[str] = []
-    while True:
-        while todo and m.try_submit():
-            running.append(todo.pop(0))
-        if running and (not asm.ready() or rng.random() < 0.5):
-            uid = running.pop(rng.randrange(len(running)))
-            m.on_accepted()
-            if asm.add(make_group(uid, [1.0, 1.0] if uid in zero_var else [0.0, 1.0])) == "dropped":
-                m.on_filtered()
-                tracker.mark_filtered([uid])
-        elif asm.ready():
-            batch_uids = [g[0].uid for g in asm.take()]
-            tracker.mark_trained(batch_uids)
-            trained += batch_uids
-            m.on_step(m.current_step + 1)
-            if m.current_step == crash_after_step:
-                return trained, json.dumps({"staleness": m.state_dict(), "uids": tracker.state_dict()}), []
-        else:
-            leftover = asm.flush_partial()
-            for g in leftover:
-                m.on_filtered()
-            tracker.mark_filtered([g[0].uid for g in leftover])
-            assert m.running == 0 and m.pending == 0
-            assert m.submitted == m.accepted + m.filtered + m.rejected
-            return trained, None, [g[0].uid for g in leftover]
-        m.check_invariants()
-
-
-@FAST
-@given(n=st.integers(1, 30), batch=st.integers(1, 4), stale=st.integers(0, 2), conc=st.integers(1, 6),
-       zero_frac=st.sampled_from([0.0, 0.5, 1.0]), seed=st.integers(0, 2**32 - 1))
-def test_epoch_end_flushes_a_partial_batch_instead_of_hanging(n, batch, stale, conc, zero_frac, seed):
-    rng = random.Random(seed)
-    uids = [f"u{i}" for i in range(n)]
-    zero_var = {u for u in uids if rng.random() < zero_frac}
-    m, tracker = StalenessManager(conc, batch, stale), ConsumedUids()
-    asm = BatchAssembler(batch)
-    trained, _, leftover = run_epoch(uids, zero_var, m, asm, tracker, rng)
-    assert len(trained) % batch == 0 and len(trained) == m.current_step * batch
-    assert len(leftover) < batch
-    assert sorted(tracker.trained_uids() + tracker.filtered_uids()) == sorted(uids)
-    assert asm.dropped == len(zero_var)
-    tracker.new_epoch(1)
-    assert not any(tracker.should_skip(u) for u in uids)
-
-
-@FAST
-@given(n=st.integers(4, 30), batch=st.integers(1, 3), stale=st.integers(0, 2), conc=st.integers(1, 6),
-       seed=st.integers(0, 2**32 - 1), crash=st.integers(1, 3))
-def test_resume_skips_consumed_uids(n, batch, stale, conc, seed, crash):
-    rng = random.Random(seed)
-    uids = [f"u{i}" for i in range(n)]
-    zero_var = {u for u in uids if rng.random() < 0.3}
-    m, tracker = StalenessManager(conc, batch, stale), ConsumedUids()
-    first, ckpt, _ = run_epoch(uids, zero_var, m, BatchAssembler(batch), tracker, rng, crash_after_step=crash)
-    if ckpt is None:
-        return  # the epoch ended before the crash point
-    state = json.loads(ckpt)
-    m2, tracker2 = StalenessManager(conc, batch, stale), ConsumedUids()
-    m2.load_state_dict(state["staleness"])
-    tracker2.load_state_dict(state["uids"])
-    assert m2.current_step == crash and tracker2.num_trained == crash * batch
-    before = set(tracker2.trained_uids()) | set(tracker2.filtered_uids())
-    second, _, _ = run_epoch(uids, zero_var, m2, BatchAssembler(batch), tracker2, rng)
-    assert not before & set(second)  # nothing consumed before the checkpoint is trained again
-    assert set(first) == set(state["uids"]["trained"])
-    assert sorted(tracker2.trained_uids() + tracker2.filtered_uids()) == sorted(uids)
-
-
-# ---------------------------------------------------------------------------------------------
 # filters.py
 # ---------------------------------------------------------------------------------------------
+
+def make_group(uid: str, rewards: list[float]) -> list[Sample]:
+    return [Sample(uid=uid, group_index=0, index=i, prompt="p", reward=r) for i, r in enumerate(rewards)]
+
 
 def test_zero_variance_groups():
     assert zero_variance_groups([[1.0, 1.0], [0.0, 1.0], [0.5, 0.5 + 1e-9], [], [3.0]], tol=1e-6) == [
@@ -519,18 +531,15 @@ def test_batch_assembler_counts_drops_and_keeps_completion_order():
     assert asm.add(make_group("d", [0.0, 0.5])) == "kept"
     assert asm.ready() and asm.num_ready() == 3
     assert [g[0].uid for g in asm.take()] == ["b", "c"]
-    assert (asm.kept, asm.dropped) == (3, 1)
-    assert [g[0].uid for g in asm.flush_partial()] == ["d"]
-    assert asm.flush_partial() == [] and asm.num_ready() == 0
+    assert (asm.kept, asm.dropped, asm.num_ready()) == (3, 1, 1)
 
 
 def test_batch_assembler_without_filter_and_eviction():
     asm = BatchAssembler(3, None)
-    for uid, version in (("a", 0), ("b", 2), ("c", 1), ("d", 3)):
-        assert asm.add(make_group(uid, [1.0, 1.0], version=version)) == "kept"
-    evicted = asm.evict(lambda g: g[0].metadata["submitted_at_step"] < 2)
-    assert [g[0].uid for g in evicted] == ["a", "c"] and asm.evicted == 2
-    assert [g[0].uid for g in asm.flush_partial()] == ["b", "d"]
+    for uid in "abcd":
+        assert asm.add(make_group(uid, [1.0, 1.0])) == "kept"
+    assert [g[0].uid for g in asm.evict(lambda g: g[0].uid in "ac")] == ["a", "c"]
+    assert [g[0].uid for g in asm.evict(lambda g: True)] == ["b", "d"]
 
 
 def test_batch_assembler_validates_groups():
@@ -549,44 +558,3 @@ def test_batch_assembler_validates_groups():
     with pytest.raises(ValueError):
         BatchAssembler(2, -0.1)
     assert (asm.kept, asm.dropped) == (0, 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# uid_tracker.py
-# ---------------------------------------------------------------------------------------------
-
-def test_consumed_uids_rejects_duplicates_within_an_epoch():
-    t = ConsumedUids()
-    t.mark_trained(["a", "b"])
-    t.mark_filtered(["c"])
-    assert t.should_skip("a") and t.should_skip("c") and not t.should_skip("d")
-    for call, uids in ((t.mark_trained, ["a"]), (t.mark_filtered, ["b"]), (t.mark_trained, ["c"]),
-                       (t.mark_trained, ["d", "d"])):
-        with pytest.raises(ValueError):
-            call(uids)
-    assert not t.should_skip("d")  # a rejected call records nothing
-    assert (t.num_trained, t.num_filtered) == (2, 1)
-    t.new_epoch(1)
-    assert not t.should_skip("a")
-    t.mark_trained(["a"])  # a new epoch may reuse every prompt
-    for bad in (1, 0, -1):
-        with pytest.raises(ValueError):
-            t.new_epoch(bad)
-
-
-def test_consumed_uids_state_round_trip():
-    t = ConsumedUids(epoch=3)
-    t.mark_trained(["x", "a"])
-    t.mark_filtered(["m"])
-    state = json.loads(json.dumps(t.state_dict()))
-    assert state["trained"] == ["x", "a"]  # order kept, lists not sets
-    r = ConsumedUids()
-    r.load_state_dict(state)
-    assert (r.epoch, r.trained_uids(), r.filtered_uids()) == (3, ["x", "a"], ["m"])
-    assert r.should_skip("x") and r.should_skip("m")
-    with pytest.raises(ValueError):
-        ConsumedUids().load_state_dict(state | {"filtered": ["x"]})
-    with pytest.raises(ValueError):
-        ConsumedUids().load_state_dict({"epoch": 0, "trained": "abc", "filtered": []})
-    with pytest.raises(ValueError):
-        ConsumedUids().load_state_dict({"epoch": 0})
