@@ -117,7 +117,7 @@ async def main(cfg: Config) -> None:
     # which sets its own SIGTERM handler (a bare sys.exit).
     init_ray(cfg.cluster)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    tracker = Tracker(cfg.tracking)
+    tracker = Tracker(cfg)
     comps = Components()
     try:
         await train(cfg, comps, tracker)

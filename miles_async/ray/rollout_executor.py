@@ -104,21 +104,23 @@ class RolloutExecutor:
     async def generate(self, rollout_id: int) -> dict:
         """Generate one rollout; the batch stays in the object store, only a ref travels back."""
         t0 = time.time()
-        errors_before = self.reward.errors
+        errors_before, timeouts_before = self.reward.errors, self.reward.timeouts
         self._state_before[rollout_id] = self.data_source.state_dict()
         for old in [k for k in self._state_before if k < rollout_id - 2]:
             del self._state_before[old]
         if self.producer is not None:
-            groups, async_metrics = await self.producer.get_batch()
+            groups, epochs, async_metrics = await self.producer.get_batch()
         else:
             groups, async_metrics = await self.rollout_fn(self.ctx, rollout_id), {}
+            epochs = [None] * len(groups)
         metrics = {**rollout_metrics(groups), **async_metrics}
         metrics["rollout/reward_errors"] = self.reward.errors - errors_before
+        metrics["rollout/reward_timeouts"] = self.reward.timeouts - timeouts_before
         metrics["rollout/generate_seconds"] = time.time() - t0
         if self.rollout_log is not None:
             with self.rollout_log.open("a") as fh:
                 fh.write(json.dumps({"rollout_id": rollout_id, "uids": [g[0].uid for g in groups],
-                                     "epochs": [g[0].metadata.get("epoch") for g in groups],
+                                     "epochs": epochs,
                                      "rewards": [[s.reward for s in g] for g in groups]}) + "\n")
         return {"data": [ray.put(to_train_batch(groups))], "metrics": metrics}
 

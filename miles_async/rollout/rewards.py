@@ -7,18 +7,23 @@ raises fails the rollout with ``RewardError`` naming the sample's uid and the or
 traceback; the run then shuts down cleanly instead of training on a silently wrong reward.
 With ``zero`` the sample gets reward 0.0 and the failure is counted in the rollout
 metrics (``rollout/reward_errors``) and logged once per rollout.
+
+``--rm-type math`` runs math-verify in worker processes (``verifier_pool``): an answer whose check
+takes longer than ``MATH_VERIFY_DEADLINE_S`` scores 0, is logged, and is counted in
+``rollout/reward_timeouts`` whatever the error policy, and its worker is replaced.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
-import threading
 from typing import Any, Awaitable, Callable
 
 from miles_async.config import RewardConfig
 from miles_async.rollout.sample import Sample
+from miles_async.rollout.verifier_pool import VerifierPool, VerifierTimeout
 from miles_async.utils.plugins import PluginError, load_function
 
 logger = logging.getLogger(__name__)
@@ -57,19 +62,22 @@ def exact_reward(sample: Sample) -> float:
     return float(sample.response.strip() == str(sample.label).strip())
 
 
+MATH_VERIFY_DEADLINE_S = 10.0
+
+
 def math_reward(sample: Sample) -> float:
-    """math-verify: parse the label and the response and compare them symbolically."""
+    """math-verify: parse the label and the response and compare them symbolically.
+
+    RewardModel runs this in a verifier worker whose deadline (``MATH_VERIFY_DEADLINE_S`` for the
+    whole check) is its one timeout, so math-verify's own per-step alarms are off.
+    """
     from math_verify import parse, verify
 
-    # math-verify's timeouts use SIGALRM, which only works on the main thread; Ray runs
-    # actor code elsewhere, so there the timeouts are disabled.
-    on_main = threading.current_thread() is threading.main_thread()
-    kw = {} if on_main else {"parsing_timeout": None}
-    gold = parse(str(sample.label), **kw)
-    pred = parse(sample.response, **kw)
+    gold = parse(str(sample.label), parsing_timeout=None)
+    pred = parse(sample.response, parsing_timeout=None)
     if not gold or not pred:
         return 0.0
-    return float(verify(gold, pred, **({} if on_main else {"timeout_seconds": None})))
+    return float(verify(gold, pred, timeout_seconds=None))
 
 
 BUILTIN: dict[str, Callable[[Sample], float]] = {
@@ -102,13 +110,23 @@ class RewardModel:
         self.cfg = cfg
         self.fn = resolve_reward_fn(cfg)
         self.errors = 0
+        self.timeouts = 0
+        self._pool = (VerifierPool(min(4, os.cpu_count() or 1), MATH_VERIFY_DEADLINE_S, preload=("math_verify",))
+                      if self.fn is math_reward else None)
 
     async def score(self, sample: Sample) -> float:
         try:
+            if self._pool is not None:
+                return float(await self._pool.run(self.fn, sample))
             value = self.fn(sample)
             if inspect.isawaitable(value):
                 value = await value
             return float(value)
+        except VerifierTimeout as e:
+            self.timeouts += 1
+            logger.warning("reward of sample uid=%s index=%s scored 0: %s (its worker was replaced)",
+                           sample.uid, sample.index, e)
+            return 0.0
         except Exception as e:
             if self.cfg.on_error == "raise":
                 raise RewardError(f"reward function failed on sample uid={sample.uid} index={sample.index}: "
