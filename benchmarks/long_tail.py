@@ -15,6 +15,12 @@ from pathlib import Path
 from benchmarks.common import run_train_async, table, tiny_setup
 
 
+def staleness_max(rows: list[dict]) -> int:
+    """The most steps a trained token's weights lagged the weights it was trained on, from the versions
+    the engines recorded: the row of step s trains weights version s - 1 on tokens whose oldest version is
+    ``rollout/weight_version_min`` (here every response token is trained: no partial rollouts, no masks)."""
+    return max(r["step"] - 1 - r["rollout/weight_version_min"] for r in rows)
+
 
 def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout: int) -> dict:
     rows = run_train_async(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template",
@@ -34,7 +40,7 @@ def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout:
     return {"samples_per_second": samples / (end - start), "response_tokens_per_second": tokens / (end - start),
             "engine_idle_frac": idle,
             "step_seconds_mean": statistics.fmean(step_s),
-            "staleness_max": max(r.get("async/staleness_max", 1) for r in steady),
+            "staleness_max": staleness_max(steady),
             "response_len_mean": statistics.fmean(r["rollout/response_len_mean"] for r in steady)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -45,6 +46,20 @@ def test_zero_variance_filter_keeps_pulling_and_never_hangs(tiny_model, tiny_tas
     assert len(m) == 6
     assert m[-1]["async/groups_dropped"] > 0
     assert all(r["rollout/zero_variance_group_frac"] == 0 for r in m)
+
+
+def test_a_filter_that_keeps_nothing_fails_naming_it(tiny_model, tiny_task, tmp_path):
+    # Every reward 0: each group is dropped. After a full pass over the 64 prompts the run stops,
+    # long before the --rollout-timeout it used to wait for (run_train gives up at 300 s).
+    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "4", "--zero-variance-filter",
+                                     "--rollout-timeout", "600", *ASYNC))
+    args[args.index("tests.e2e.rewards:starts_with_digit")] = "tests.e2e.rewards:always_zero"
+    run = run_train(args, tmp_path)
+    assert run.returncode != 0
+    assert re.search(r"--zero-variance-filter dropped \d+ groups in a row, a full pass over the 64 prompts", run.output), \
+        run.output[-3000:]
+    assert run.metrics == []
+    assert wait_all_dead(all_pids(run.processes())) == []
 
 
 def test_producer_failure_surfaces_fast(tiny_model, tiny_task, tmp_path):
@@ -108,16 +123,22 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
 
 def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_model, tiny_task, tmp_path):
     """Heavy-tailed lengths, weight updates that abort in-flight requests: partial samples resume and are
-    trained, and no trained token is older than the staleness bound (from the recorded versions)."""
+    trained, and no trained token is older than the staleness bound (from the recorded versions).
+
+    Whether an abort finds a request mid-generation is a race on a fast tiny model, so the engine is a
+    double (tests/e2e/engine_doubles.py) that holds one request a token short of its end until an abort:
+    the first weight update aborts it, and it resumes and finishes ahead of every newer group."""
     args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8", "--max-staleness-steps", "1",
                             "--pause-generation-mode", "abort", "--partial-rollout",
                             "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
                             *ASYNC, "--rollout-max-response-len", "128"))  # the last value wins
-    run = run_train(args, tmp_path)
+    run = run_train(args, tmp_path,
+                    extra_env={"MILES_ASYNC_TEST_ENGINE_CLASS": "tests.e2e.engine_doubles:HoldOneRequestUntilAbort"})
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert max(r["async/staleness_max"] for r in m) <= 1
     assert sum(r["rollout/partial_resumed_samples"] for r in m) > 0
+    assert m[1]["rollout/partial_resumed_samples"] >= 1  # the held request, trained the step after its abort
     assert max(r["rollout/response_len_max"] for r in m) > 32  # the tail was really there
 
 

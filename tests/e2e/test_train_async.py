@@ -77,6 +77,8 @@ def test_sentinel_and_interval_saves(main_run):
 
 
 def test_evals_ran_in_background(main_run):
+    """An eval at steps 0, 4, 8 and 12, each generated on the weights of its step while training went on,
+    each scoring every held-out prompt; the trained weights score better than the initial ones."""
     evals = main_run.evals
     assert [e["step"] for e in evals] == [0, 4, 8, 12]
     train = [(m["train/started_at"], m["train/finished_at"]) for m in main_run.metrics]
@@ -84,17 +86,42 @@ def test_evals_ran_in_background(main_run):
     overlapped = [e["step"] for e in evals
                   if any(e["eval/started_at"] < start < e["eval/started_at"] + e["eval/seconds"] for start, _ in train)]
     assert overlapped, evals
-    assert evals[-1]["eval/tiny/accuracy"] >= 0  # present and numeric
+    for e in evals:
+        assert e["eval/tiny/weight_version_min"] == e["step"], e  # started on the weights of its step
+        assert e["eval/tiny/num_samples"] == 16 * 16, e  # the 16 held-out prompts, 16 samples each
+        correct = e["eval/tiny/accuracy"] * 16 * 16
+        assert abs(correct - round(correct)) < 1e-9, e  # a count of rewarded samples out of 256
+    accuracy = {e["step"]: e["eval/tiny/accuracy"] for e in evals}
+    assert accuracy[12] > accuracy[0] + 0.2, accuracy
 
 
-def test_outputs_a_user_sees(main_run):
-    assert "[miles-async] done." in main_run.output
-    assert (main_run.out_dir / "reward_and_accuracy.png").stat().st_size > 1000
+def test_outputs_a_user_sees(main_run, tiny_model):
+    """What the last line points to: the metrics and eval files, a plot, the checkpoint, and a --save-hf export
+    that loads and holds the trained weights (those of the last checkpoint, not the base model's)."""
+    import matplotlib.image
+    import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(main_run.out_dir / "hf")
-    AutoTokenizer.from_pretrained(main_run.out_dir / "hf")
-    assert model.config.vocab_size > 0
+    out = main_run.out_dir
+    assert (f"[miles-async] done. metrics: {out / 'metrics.jsonl'} eval: {out / 'eval.jsonl'} "
+            f"plot: {out / 'reward_and_accuracy.png'} checkpoint: {out / 'ckpt'} hf: {out / 'hf'}") in main_run.output
+    assert [m["step"] for m in main_run.metrics] == list(range(1, 13))
+    evals = {e["step"]: e["eval/tiny/accuracy"] for e in main_run.evals}
+    # each train line repeats the latest eval finished by then, with the step it measured
+    assert all(evals[m["eval/step"]] == m["eval/tiny/accuracy"] for m in main_run.metrics if "eval/step" in m)
+    image = matplotlib.image.imread(out / "reward_and_accuracy.png")
+    assert image.shape[:2] == (400, 700) and image[..., :3].std() > 0.05  # a drawn figure, not a blank canvas
+
+    final = load_file(out / "ckpt" / "iter_0000011" / "actor" / "model.safetensors")
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+    assert exported.keys() == base.keys() and set(final) <= set(exported)
+    assert all(torch.equal(exported[k], final[k].float()) for k in final)  # the export is the trained model
+    changed = [k for k in base if not torch.equal(exported[k], base[k])]
+    assert len(changed) > len(base) // 2, changed  # training moved the weights
+    vocab = AutoTokenizer.from_pretrained(out / "hf").get_vocab()
+    assert vocab == AutoTokenizer.from_pretrained(tiny_model).get_vocab()
 
 
 def test_no_process_left_after_the_run(main_run):

@@ -56,10 +56,15 @@ from miles_async.inference.embedded.engine import (
     SamplingParams,
     UnknownParameterError,
 )
+from miles_async.utils.plugins import load_function
 
 logger = logging.getLogger("miles_async.inference.embedded.server")
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+
+# End-to-end tests run an engine double (an Engine subclass under tests/, given as module:Class) to
+# make a timing they check happen by construction; unset, the server runs Engine itself.
+ENGINE_CLASS_ENV = "MILES_ASYNC_TEST_ENGINE_CLASS"
 
 # Weight buckets can be large; aiohttp's 1 MiB default would reject them.
 MAX_BODY_BYTES = 64 * 1024**3
@@ -476,7 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    engine = Engine(
+    engine_cls = load_function(os.environ[ENGINE_CLASS_ENV], ENGINE_CLASS_ENV) if os.environ.get(ENGINE_CLASS_ENV) \
+        else Engine
+    engine = engine_cls(
         args.model_path,
         dtype=dtype,
         max_running_requests=args.max_running_requests,
