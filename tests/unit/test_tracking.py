@@ -41,6 +41,25 @@ def _wandb_records(run_dir):
             yield record
 
 
+def _finished_wandb_records(run_dir, timeout: float = 120.0) -> list:
+    """The run's records once wandb's writer has written its exit record: ``finish()`` can return while
+    wandb's service process is still flushing the file, and a read then sees a truncated run record."""
+    import time
+
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = list(_wandb_records(run_dir))
+        except DecodeError:
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"wandb wrote no exit record to {run_dir} within {timeout} s"
+        time.sleep(0.2)
+
+
 def test_jsonl_tensorboard_and_plot(tiny_model, tiny_task, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -81,7 +100,7 @@ def test_wandb_offline_run_keeps_config_and_late_evals_on_their_own_step(tiny_mo
     t.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    records = list(_wandb_records(runs[0]))
+    records = _finished_wandb_records(runs[0])
 
     logged_config = {item.key: json.loads(item.value_json)
                      for r in records if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
