@@ -1,45 +1,85 @@
-"""Parsed flags (defined in ``miles_async.flags``) -> validated, typed ``Config``.
+"""The command line (and --config YAML) -> validated, typed ``Config``.
 
-Every error raised here happens before any Ray worker or engine starts and names the
-flag, file or line at fault.
+The flags are declared by the component modules of ``miles_async.config``; here they become one argparse
+parser, and a parsed namespace is checked in a fixed order: each flag's own value, the backend x feature
+table, the flags each flag needs, then each component's cross-flag checks. ``build_config`` then only
+assembles. Every error happens before any Ray worker or engine starts and names the flag, file or line at
+fault; a flag given where it has no effect is named in a warning.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import dataclasses
+import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
 from miles_async.config import (
-    AlgorithmConfig,
-    CheckpointConfig,
-    ClusterConfig,
     Config,
-    DataConfig,
-    EngineConfig,
-    EvalConfig,
-    FaultToleranceConfig,
-    FullyAsyncConfig,
-    LoopConfig,
-    MegatronConfig,
-    OptimizerConfig,
-    RewardConfig,
-    RolloutConfig,
-    SamplingConfig,
-    TrackingConfig,
-    TrainConfig,
+    algorithm,
+    checkpoint,
+    cluster,
+    compat,
+    engine,
+    evaluation,
+    loop,
+    megatron,
+    model,
+    report,
+    rollout,
+    tracking,
+    train,
 )
-from miles_async.flags import build_parser
+from miles_async.config.capabilities import check_capabilities
+from miles_async.config.declare import ConfigError, Flag, check_needs, check_values, without_effect
+from miles_async.config.machine import Machine
+
+__all__ = ["ConfigError", "build_config", "build_parser", "parse_args"]
+
+logger = logging.getLogger(__name__)
+
+# --help's headings, in order; each component adds its flags under its headings.
+SECTIONS = ("cluster", "model and checkpoints", model.GROUPS[0].title, "rollout data", "fully async",
+            "rewards and plugins", "inference engines", "eval", "training", "megatron (--train-backend megatron)",
+            "critic (--advantage-estimator ppo)", "optimizer", "algorithm", "logging and debugging",
+            compat.GROUPS[-1].title)
+COMPONENTS = (tracking, cluster, train, checkpoint, model, rollout, loop, engine, evaluation, megatron, algorithm,
+              compat, report)
+GROUPS = tuple(g for component in COMPONENTS for g in component.GROUPS)
+FLAGS: tuple[Flag, ...] = tuple(f for title in SECTIONS for g in GROUPS if g.title == title for f in g.flags)
+assert len(FLAGS) == sum(len(g.flags) for g in GROUPS), "a flag group's title is missing from SECTIONS"
+# What the capability table's rows name: every declared flag, and the engines' passthrough flags.
+FEATURES = {**{f.name: f for f in FLAGS}, **engine.PASSTHROUGH}
 
 
-class ConfigError(ValueError):
-    """A flag, file or combination of flags is invalid."""
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train_async.py",
+        description="Asynchronous RL post-training: rollout N+1 is generated while step N trains.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="YAML file of flag values (keys use - or _); command-line flags win")
+    for title in SECTIONS:
+        section = p.add_argument_group(title)
+        for g in GROUPS:
+            if g.title == title:
+                for f in g.flags:
+                    section.add_argument(*f.names, **f.options)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    _apply_yaml_config(parser, argv)
+    ns, unknown = parser.parse_known_args(argv)
+    passthrough = _engine_passthrough(parser, unknown)
+    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
+    return build_config(ns)
 
 
 def _apply_yaml_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
@@ -68,514 +108,67 @@ def _apply_yaml_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
     parser.set_defaults(**defaults)
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def _require_hf_folder(flag: str, path: str | None) -> None:
-    """An HF model folder, checked before anything starts: without config.json the workers would fail
-    only after Ray is up, with a transformers traceback."""
-    if path is None:
-        return
-    _require(Path(path).is_dir(), f"{flag}: not a folder: {path}")
-    config = Path(path) / "config.json"
-    _require(config.is_file(), f"{flag}: {path} has no config.json (an HF model folder holds config.json, "
-                               f"the weights and the tokenizer)")
-    try:
-        parsed = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag}: {config} is not valid JSON: {e}") from None
-    _require(isinstance(parsed, dict) and "model_type" in parsed, f"{flag}: {config} names no model_type")
-
-
-def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
-    """Every step here trains on samples from an older policy (one-step-off: 1 version behind;
-    --fully-async: up to --max-staleness-steps + 1). Which corrections are sound:
-
-    * --use-tis: PPO's old policy is the trainer's weights before the step (recomputed), and
-      the engine-to-trainer gap (staleness and numerics) is reweighted by a truncated or
-      masked importance ratio (decoupled PPO). Safe at any staleness.
-    * --use-rollout-logprobs: the engine's own log-probs are PPO's old policy, so the clip
-      bounds the whole gap. Safe; TIS is then the identity and is refused as a no-op.
-    * --keep-old-actor: the trainer recomputes log-probs under its kept copy of the weights
-      that generated each sample; needs one weight version per trained token of a sample.
-      --fully-async generates across weight updates, and an in-place pause carries a request
-      on under the new weights, so it needs abort pauses (an aborted sample is regenerated,
-      or with --partial-rollout resumed with its off-policy prefix masked).
-    Without any of them the update is silently biased, so the run is refused."""
-    on_policy = ns.synchronous and ns.update_weights_interval == 1
-    if not (ns.use_tis or ns.use_rollout_logprobs or ns.keep_old_actor or on_policy):
-        mode = "--fully-async" if ns.fully_async else "--synchronous with --update-weights-interval > 1" \
-            if ns.synchronous else "the one-step-off loop"
-        raise ConfigError(f"{mode} trains on samples generated by an older policy: add --use-tis (truncated "
-                          "importance sampling against the rollout log-probs), --use-rollout-logprobs or "
-                          "--keep-old-actor")
-    _require(not (ns.use_rollout_logprobs and ns.use_tis),
-             "--use-tis has no effect with --use-rollout-logprobs (the old policy is then the rollout policy, "
-             "so every importance weight is 1): drop one")
-    _require(not (ns.use_rollout_logprobs and ns.keep_old_actor),
-             "--keep-old-actor and --use-rollout-logprobs both choose PPO's old policy: drop one")
-    _require(not (ns.keep_old_actor and ns.partial_rollout and not ns.mask_offpolicy_in_partial_rollout),
-             "--keep-old-actor recomputes each sample under the one weight version that generated it, but "
-             "--partial-rollout mixes versions within a sample: add --mask-offpolicy-in-partial-rollout")
-    _require(not (ns.keep_old_actor and ns.fully_async and ns.pause_generation_mode == "in_place"),
-             "--fully-async --keep-old-actor needs --pause-generation-mode abort: the default in-place pause "
-             "continues a request under the new weights, so one sample holds tokens of two weight versions and "
-             "no kept copy generated it. With abort an interrupted sample is generated again (or, with "
-             "--partial-rollout --mask-offpolicy-in-partial-rollout, resumed with its older tokens masked); "
-             "or use --use-tis instead of --keep-old-actor")
-
-
-def _validate_algorithm(ns: argparse.Namespace) -> None:
-    uses_critic = ns.advantage_estimator == "ppo"
-    _require(0 <= ns.gamma <= 1, "--gamma must lie in [0, 1]")
-    _require(0 <= ns.lambd <= 1, "--lambd must lie in [0, 1]")
-    _require(ns.value_clip >= 0, "--value-clip must be >= 0 (0 turns it off)")
-    _require(ns.kl_coef >= 0, "--kl-coef must be >= 0")
-    _require(ns.kl_coef == 0 or ns.advantage_estimator in ("ppo", "reinforce_plus_plus"),
-             f"--kl-coef puts the KL into per-token rewards, which only ppo and reinforce_plus_plus use; "
-             f"with --advantage-estimator {ns.advantage_estimator} use --use-kl-loss")
-    _require(ns.kl_coef == 0 or ns.ref_load is not None, "--kl-coef > 0 needs --ref-load (the reference model)")
-    _require(ns.advantage_estimator != "gspo" or ns.policy_loss_type in (None, "gspo"),
-             f"--advantage-estimator gspo is the sequence-level ratio loss; --policy-loss-type "
-             f"{ns.policy_loss_type} contradicts it")
-    _require(not ns.normalize_advantages or uses_critic,
-             "--normalize-advantages applies to ppo's GAE (the other estimators normalise on their own)")
-    for flag in ("critic_load", "critic_num_nodes", "critic_num_gpus_per_node", "critic_lr", "critic_lr_warmup_iters"):
-        _require(getattr(ns, flag) is None or uses_critic,
-                 f"--{flag.replace('_', '-')} needs --advantage-estimator ppo (the only estimator with a critic)")
-    _require(ns.num_critic_only_steps == 0 or uses_critic, "--num-critic-only-steps needs --advantage-estimator ppo")
-    _require(ns.num_critic_only_steps >= 0, "--num-critic-only-steps must be >= 0")
-    _require_hf_folder("--critic-load", ns.critic_load)
-    _require(ns.critic_lr is None or ns.critic_lr > 0, "--critic-lr must be positive")
-
-
-def _validate_megatron(ns: argparse.Namespace, num_workers: int) -> MegatronConfig:
-    """The Megatron flags: refused with the torch backend, checked against the model and the workers."""
-    mcfg = MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size,
-                          ns.sequence_parallel, ns.use_distributed_optimizer)
-    if ns.train_backend != "megatron":
-        _require(mcfg == MegatronConfig(), "--tensor-model-parallel-size, --pipeline-model-parallel-size, "
-                                           "--context-parallel-size, --sequence-parallel and "
-                                           "--use-distributed-optimizer need --train-backend megatron")
-        return mcfg
-    import importlib.util
-    import json
-
-    _require(importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None,
-             "--train-backend megatron needs megatron-core: pip install -r requirements-megatron.txt")
-    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    _require(min(tp, pp, cp) >= 1, "Megatron parallel sizes must be >= 1")
-    _require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by the megatron backend yet (weight "
-                      "export and the micro-batch path assume one pipeline stage)")
-    _require(cp == 1, "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
-                      "gathered from whole sequences)")
-    _require(num_workers % mcfg.model_parallel_size == 0,
-             f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups")
-    _require(not ns.sequence_parallel or tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-    _require(not ns.sequence_parallel or importlib.util.find_spec("transformer_engine") is not None,
-             "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, which "
-             "refuse sequence parallelism)")
-    config = json.loads((Path(ns.hf_checkpoint) / "config.json").read_text())
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads") or heads
-    _require(heads % tp == 0 and kv_heads % tp == 0,
-             f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
-             f"{kv_heads} key/value heads")
-    _require(ns.advantage_estimator != "ppo", "--advantage-estimator ppo needs a critic, which the megatron backend "
-                                              "does not have yet: use --train-backend fsdp")
-    _require(not ns.keep_old_actor, "--keep-old-actor is not supported by the megatron backend yet: use --use-tis "
-                                    "or --use-rollout-logprobs")
-    _require(not ns.gradient_checkpointing, "--gradient-checkpointing is not mapped to Megatron's recompute yet")
-    return mcfg
-
-
-def _parse_eval_datasets(values: list[str] | None) -> tuple[tuple[str, str], ...]:
-    if not values:
-        return ()
-    if len(values) == 1:
-        return (("eval", values[0]),)
-    _require(len(values) % 2 == 0, "--eval-prompt-data takes NAME PATH pairs (or a single PATH)")
-    return tuple((values[i], values[i + 1]) for i in range(0, len(values), 2))
-
-
-def _default_threads() -> int:
-    return max(1, (os.cpu_count() or 2) // 2)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> Config:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    _apply_yaml_config(parser, argv)
-    ns, unknown = parser.parse_known_args(argv)
-    passthrough = _engine_passthrough(parser, unknown)
-    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
-    return build_config(ns)
-
-
-PASSTHROUGH_ENGINES = ("sglang", "vllm")
-
-
 def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> dict[str, tuple[str, ...]]:
     """``--sglang-<flag> [value]`` / ``--vllm-<flag> [value]`` not declared here becomes that engine server's
     ``--<flag> [value]``; anything else unknown is an error, as with ``parse_args``."""
-    out: dict[str, list[str]] = {engine: [] for engine in PASSTHROUGH_ENGINES}
+    out: dict[str, list[str]] = {e: [] for e in engine.PASSTHROUGH_ENGINES}
     i = 0
     while i < len(unknown):
         arg = unknown[i]
-        engine = next((e for e in PASSTHROUGH_ENGINES if arg.startswith(f"--{e}-")), None)
-        if engine is None:
+        name = next((e for e in engine.PASSTHROUGH_ENGINES if arg.startswith(f"--{e}-")), None)
+        if name is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown[i:])}")
-        name, eq, value = arg.partition("=")
-        out[engine].append("--" + name[len(f"--{engine}-"):])
+        flag, eq, value = arg.partition("=")
+        out[name].append("--" + flag[len(f"--{name}-"):])
         if eq:
-            out[engine].append(value)
+            out[name].append(value)
         elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
-            out[engine].append(unknown[i + 1])
+            out[name].append(unknown[i + 1])
             i += 1
         i += 1
-    return {engine: tuple(args) for engine, args in out.items()}
+    return {e: tuple(args) for e, args in out.items()}
+
+
+def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str]:
+    """Every check, cheapest first; the warnings for flags given without effect."""
+    check_values(ns, FLAGS, machine)
+    check_capabilities(ns, FEATURES)
+    check_needs(ns, FLAGS)
+    for component in (engine, rollout, loop, algorithm, megatron, model):
+        component.validate(ns)
+    return without_effect(ns, FLAGS)
 
 
 def build_config(ns: argparse.Namespace) -> Config:
-    """Validate the namespace and split it into per-component configs."""
-    # Imported here so parsing flags stays cheap for --help.
-    from miles_async.rollout.data_source import count_and_validate_prompts
-    from miles_async.rollout.rewards import validate_reward_flags
-    from miles_async.utils.checkpoint import latest_checkpointed_iteration
-    from miles_async.utils.plugins import load_function
-
-    _require(ns.hf_checkpoint is not None, "--hf-checkpoint is required (an HF model folder)")
-    _require_hf_folder("--hf-checkpoint", ns.hf_checkpoint)
-    _require(ns.prompt_data is not None, "--prompt-data is required")
-    _require(ns.rollout_batch_size is not None and ns.rollout_batch_size > 0,
-             "--rollout-batch-size must be given and positive")
-    _require(ns.n_samples_per_prompt >= 1, "--n-samples-per-prompt must be >= 1")
-    _require(ns.rollout_max_response_len >= 1, "--rollout-max-response-len must be >= 1")
-    _require(ns.rollout_temperature >= 0, "--rollout-temperature must be >= 0")
-    _require(0 < ns.rollout_top_p <= 1, "--rollout-top-p must be in (0, 1]")
-    _require(ns.update_weights_interval >= 1, "--update-weights-interval must be >= 1")
-    _require(ns.max_tokens_per_gpu >= 1, "--max-tokens-per-gpu must be >= 1")
-    _require(ns.lr > 0, "--lr must be positive")
-    _require(ns.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping)")
-    _require(ns.eps_clip > 0, "--eps-clip must be positive")
-    _require(ns.eps_clip_c is None or ns.eps_clip_c > 1, "--eps-clip-c (dual clip) must be > 1")
-    _require(ns.tis_clip > ns.tis_clip_low >= 0, "--tis-clip must be > --tis-clip-low >= 0")
-    _require(ns.update_weight_buffer_size > 0, "--update-weight-buffer-size must be positive")
-    _require(ns.rollout_num_gpus_per_engine >= 1, "--rollout-num-gpus-per-engine must be >= 1")
-    _require(ns.rollout_num_gpus >= ns.rollout_num_gpus_per_engine,
-             "--rollout-num-gpus must be >= --rollout-num-gpus-per-engine")
-    _require(ns.save_interval is None or ns.save_interval >= 1, "--save-interval must be >= 1")
-    _require(ns.save_interval is None or ns.save is not None, "--save-interval needs --save")
-    _require(ns.save_trigger_sentinel is None or ns.save is not None, "--save-trigger-sentinel needs --save")
-    _require(ns.eval_interval is None or ns.eval_interval >= 1, "--eval-interval must be >= 1")
-    _require(ns.eval_interval is None or ns.eval_prompt_data, "--eval-interval needs --eval-prompt-data")
-    _require(ns.max_in_flight_evals >= 1, "--max-in-flight-evals must be >= 1")
-    _require(not (ns.use_kl_loss and ns.ref_load is None and ns.kl_loss_coef > 0),
-             "--use-kl-loss with --kl-loss-coef > 0 needs --ref-load (the reference model)")
-    _require_hf_folder("--ref-load", ns.ref_load)
-    _require(ns.debug_exit_after_rollout is None or ns.debug_exit_after_rollout >= 1,
-             "--debug-exit-after-rollout must be >= 1")
-    _require((ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
-             "give exactly one of --rm-type and --custom-rm-path")
-    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
-    import importlib.util
-
-    _require(not ns.use_wandb or importlib.util.find_spec("wandb") is not None,
-             "--use-wandb needs the wandb package: pip install 'miles_async[wandb]'")
-    for flag in ("custom_generate_function_path", "rollout_function_path", "data_source_path"):
-        value = getattr(ns, flag)
-        if value is not None:
-            load_function(value, flag="--" + flag.replace("_", "-"))
-
-    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
-    _require(num_prompts >= ns.rollout_batch_size,
-             f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}")
-    eval_datasets = _parse_eval_datasets(ns.eval_prompt_data)
-    for name, path in eval_datasets:
-        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
-
-    _require(ns.partial_rollout or not ns.mask_offpolicy_in_partial_rollout,
-             "--mask-offpolicy-in-partial-rollout needs --partial-rollout (without it no sample mixes weight "
-             "versions across an abort)")
-    fully_async = None
-    _require(not (ns.synchronous and ns.fully_async), "--synchronous and --fully-async exclude each other")
-    _require(ns.debug_train_seconds is None or ns.debug_train_seconds >= 0, "--debug-train-seconds must be >= 0")
-    _require(ns.debug_engine_step_seconds >= 0, "--debug-engine-step-seconds must be >= 0")
-    validate_async_off_policy_correction(ns)
-    _validate_algorithm(ns)
-    if ns.fully_async:
-        _require(ns.update_weights_interval == 1, "--fully-async needs --update-weights-interval 1 (the staleness "
-                                                  "bound counts weight versions)")
-        _require(ns.max_staleness_steps >= 0, "--max-staleness-steps must be >= 0")
-        _require(ns.rollout_function_path is None, "--rollout-function-path cannot be used with --fully-async "
-                                                   "(the producer generates group by group)")
-        concurrent = ns.async_max_concurrent_groups or ns.rollout_batch_size * (ns.max_staleness_steps + 1)
-        _require(ns.rollout_batch_size <= concurrent <= ns.rollout_batch_size * (ns.max_staleness_steps + 1),
-                 f"--async-max-concurrent-groups {concurrent} must lie between --rollout-batch-size "
-                 f"{ns.rollout_batch_size} and rollout-batch-size * (max-staleness-steps + 1)")
-        fully_async = FullyAsyncConfig(ns.max_staleness_steps, concurrent, ns.zero_variance_filter,
-                                       ns.zero_variance_tol, ns.rollout_watchdog_seconds)
-    else:
-        _require(not ns.zero_variance_filter, "--zero-variance-filter needs --fully-async for now")
-
-    samples_per_rollout = ns.rollout_batch_size * ns.n_samples_per_prompt
-    if ns.global_batch_size is None and ns.num_steps_per_rollout is None:
-        num_steps, global_batch = 1, samples_per_rollout
-    elif ns.global_batch_size is None:
-        num_steps = ns.num_steps_per_rollout
-        _require(num_steps >= 1 and samples_per_rollout % num_steps == 0,
-                 f"--num-steps-per-rollout {num_steps} must divide rollout-batch-size * n-samples-per-prompt "
-                 f"= {samples_per_rollout}")
-        global_batch = samples_per_rollout // num_steps
-    else:
-        global_batch = ns.global_batch_size
-        _require(global_batch >= 1, "--global-batch-size must be >= 1")
-        _require(global_batch <= samples_per_rollout,
-                 f"--global-batch-size {global_batch} is larger than one rollout "
-                 f"(--rollout-batch-size * --n-samples-per-prompt = {samples_per_rollout})")
-        _require(samples_per_rollout % global_batch == 0,
-                 f"--global-batch-size {global_batch} must divide rollout-batch-size * n-samples-per-prompt "
-                 f"= {samples_per_rollout}")
-        num_steps = samples_per_rollout // global_batch
-        _require(ns.num_steps_per_rollout is None or ns.num_steps_per_rollout == num_steps,
-                 f"--num-steps-per-rollout {ns.num_steps_per_rollout} contradicts --global-batch-size "
-                 f"{global_batch} (which gives {num_steps})")
-
-    num_rollout_per_epoch = num_prompts // ns.rollout_batch_size
-    if ns.num_rollout is None:
-        _require(ns.num_epoch is not None, "give --num-rollout or --num-epoch")
-        _require(ns.num_epoch >= 1, "--num-epoch must be >= 1")
-        num_rollout = ns.num_epoch * num_rollout_per_epoch
-    else:
-        _require(ns.num_epoch is None, "give only one of --num-rollout and --num-epoch")
-        num_rollout = ns.num_rollout
-    _require(num_rollout >= 1, "--num-rollout must be >= 1")
-
-    start_rollout_id = 0
-    if ns.load is not None:
-        _require(Path(ns.load).is_dir(), f"--load: not a folder: {ns.load}")
-        last = latest_checkpointed_iteration(ns.load)
-        _require(last is not None, f"--load: no complete checkpoint in {ns.load}")
-        start_rollout_id = last + 1
-    _require(start_rollout_id < num_rollout,
-             f"--load: the checkpoint already reached rollout {start_rollout_id - 1} of --num-rollout {num_rollout}")
-
-    num_workers = ns.actor_num_nodes * ns.actor_num_gpus_per_node
-    _require(num_workers >= 1, "--actor-num-nodes * --actor-num-gpus-per-node must be >= 1")
-    megatron = _validate_megatron(ns, num_workers)
-    data_parallel = num_workers // megatron.model_parallel_size
-    _require(global_batch % data_parallel == 0,
-             f"the global batch ({global_batch} samples) must split evenly over {data_parallel} data-parallel "
-             f"training workers")
-    num_critic_workers = 0
-    if ns.advantage_estimator == "ppo":
-        num_critic_workers = (ns.critic_num_nodes or ns.actor_num_nodes) * \
-            (ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node)
-        _require(num_critic_workers >= 1, "--critic-num-nodes * --critic-num-gpus-per-node must be >= 1")
-        _require(global_batch % num_critic_workers == 0,
-                 f"the global batch ({global_batch} samples) must split evenly over {num_critic_workers} critic "
-                 f"workers")
-        _require(ns.num_critic_only_steps < num_rollout,
-                 f"--num-critic-only-steps {ns.num_critic_only_steps} leaves no rollout of --num-rollout "
-                 f"{num_rollout} for the actor")
-    use_gpu = _cuda_available()
-    threads = _default_threads()
-
-    engine = EngineConfig(
-        backend=ns.rollout_backend,
-        model_path=ns.hf_checkpoint,
-        num_engines=ns.rollout_num_gpus // ns.rollout_num_gpus_per_engine,
-        dtype=ns.rollout_dtype,
-        max_running_requests=ns.sglang_server_concurrency,
-        num_threads=ns.rollout_num_threads or threads,
-        host=ns.engine_host,
-        startup_timeout=ns.engine_startup_timeout,
-        request_timeout=ns.engine_request_timeout,
-        seed=ns.seed,
-        debug_step_seconds=ns.debug_engine_step_seconds,
-        fault_tolerance=_fault_tolerance_config(ns),
-        check_weight_update_equal=ns.check_weight_update_equal,
-        router=ns.rollout_router,
-        sglang_python=ns.sglang_python,
-        sglang_args=tuple(getattr(ns, "sglang_args", ())),
-        vllm_python=ns.vllm_python,
-        vllm_args=tuple(getattr(ns, "vllm_args", ())),
-        num_gpus_per_engine=ns.rollout_num_gpus_per_engine,
-        use_gpu=use_gpu,
-        weight_update_dir=ns.weight_update_dir,
-        weight_update_method=_weight_update_method(ns),
-    )
-    rollout_sampling = SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
-                                      ns.rollout_max_response_len)
-    rollout = RolloutConfig(
-        data=DataConfig(ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
-                        ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed),
-        reward=RewardConfig(ns.rm_type, ns.custom_rm_path, ns.reward_on_error),
-        sampling=rollout_sampling,
-        tokenizer_path=ns.hf_checkpoint,
-        rollout_batch_size=ns.rollout_batch_size,
-        n_samples_per_prompt=ns.n_samples_per_prompt,
-        max_concurrent_requests=ns.rollout_max_concurrent_requests,
-        custom_generate_function_path=ns.custom_generate_function_path,
-        rollout_function_path=ns.rollout_function_path,
-        data_source_path=ns.data_source_path,
-        fully_async=fully_async,
-        timeout=ns.rollout_timeout,
-        partial_rollout=ns.partial_rollout,
-        mask_offpolicy_in_partial_rollout=ns.mask_offpolicy_in_partial_rollout,
-    )
-    eval_cfg = EvalConfig(
-        datasets=eval_datasets,
-        interval=ns.eval_interval,
-        n_samples_per_prompt=ns.n_samples_per_eval_prompt,
-        sampling=SamplingConfig(ns.eval_temperature, ns.eval_top_p, -1,
-                                ns.eval_max_response_len or ns.rollout_max_response_len),
-        skip_before_train=ns.skip_eval_before_train,
-        max_in_flight=ns.max_in_flight_evals,
-        input_key=ns.input_key,
-        label_key=ns.label_key,
-    )
-    algorithm = AlgorithmConfig(
-        advantage_estimator=ns.advantage_estimator,
-        normalize_std=not ns.disable_grpo_std_normalization,
-        eps_clip=ns.eps_clip,
-        eps_clip_high=ns.eps_clip_high if ns.eps_clip_high is not None else ns.eps_clip,
-        eps_clip_c=ns.eps_clip_c,
-        loss_type=ns.policy_loss_type or ("gspo" if ns.advantage_estimator == "gspo" else "ppo"),
-        loss_agg_mode=ns.loss_agg_mode,
-        use_kl_loss=ns.use_kl_loss,
-        kl_loss_coef=ns.kl_loss_coef,
-        kl_loss_type=ns.kl_loss_type,
-        entropy_coef=ns.entropy_coef,
-        use_tis=ns.use_tis,
-        tis_clip=ns.tis_clip,
-        tis_clip_low=ns.tis_clip_low,
-        use_rollout_logprobs=ns.use_rollout_logprobs,
-        tis_level=ns.tis_level,
-        tis_mode=ns.tis_mode,
-        kl_coef=ns.kl_coef,
-        gamma=ns.gamma,
-        lambd=ns.lambd,
-        value_clip=ns.value_clip or None,
-        normalize_advantages=ns.normalize_advantages,
-        keep_old_actor=ns.keep_old_actor,
-    )
-    optimizer = OptimizerConfig(ns.lr, ns.min_lr, ns.lr_warmup_iters, ns.lr_decay_style, ns.weight_decay,
-                                ns.adam_beta1, ns.adam_beta2, ns.adam_eps, ns.clip_grad)
-    train = TrainConfig(
-        backend=ns.train_backend,
-        model_path=ns.hf_checkpoint,
-        ref_model_path=ns.ref_load,
-        dtype="bfloat16" if ns.bf16 else "float32",
-        global_batch_size=global_batch,
-        num_steps_per_rollout=num_steps,
-        max_tokens_per_gpu=ns.max_tokens_per_gpu,
-        algorithm=algorithm,
-        optimizer=optimizer,
-        update_weight_buffer_size=ns.update_weight_buffer_size,
-        gradient_checkpointing=ns.gradient_checkpointing,
-        seed=ns.seed,
-        num_threads=ns.train_num_threads or threads,
-        debug_train_seconds=ns.debug_train_seconds,
-        max_kept_weight_versions=(ns.max_staleness_steps if ns.fully_async else 1) + 2,
-        megatron=megatron,
-    )
-    critic = None
-    if algorithm.uses_critic:
-        critic = dataclasses.replace(
-            train, role="critic", model_path=ns.critic_load or ns.hf_checkpoint, ref_model_path=None,
-            optimizer=dataclasses.replace(optimizer, lr=ns.critic_lr or ns.lr,
-                                          min_lr=min(ns.min_lr, ns.critic_lr or ns.lr),
-                                          lr_warmup_iters=ns.lr_warmup_iters if ns.critic_lr_warmup_iters is None
-                                          else ns.critic_lr_warmup_iters))
-    output_dir = ns.output_dir or os.path.join("outputs", _timestamp())
+    """Validate the namespace, then assemble the per-component configs. What only the machine that runs the job
+    can tell goes through one ``Machine``: an error, or under --check-config a warning."""
+    machine = Machine(check_config=ns.check_config)
+    warnings = validate(ns, machine)
+    num_prompts = rollout.count_prompts(ns)
+    eval_datasets = evaluation.datasets(ns)
+    global_batch, num_steps = train.batch_split(ns)
+    num_rollout, per_epoch = loop.num_rollout(ns, num_prompts)
+    start_rollout_id = checkpoint.start_rollout_id(ns, num_rollout)
+    num_workers = cluster.num_train_workers(ns)
+    megatron_cfg = megatron.build(ns, num_workers, machine)
+    engine.check_machine(ns, machine)
+    train.check_data_parallel(global_batch, num_workers // megatron_cfg.model_parallel_size,
+                              cluster.num_critic_workers(ns))
+    warnings += machine.warnings
+    for message in warnings:
+        logger.warning(message)
+    use_gpu, threads = machine.cuda_devices() > 0, max(1, (os.cpu_count() or 2) // 2)
+    actor = train.build(ns, algorithm.build(ns), megatron_cfg, global_batch, num_steps, threads)
     return Config(
-        cluster=ClusterConfig(ns.ray_address, num_workers, train.num_threads, engine.num_threads, use_gpu,
-                              num_critic_workers),
-        engine=engine,
-        rollout=rollout,
-        eval=eval_cfg,
-        train=train,
-        checkpoint=CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.save_hf, ns.save_trigger_sentinel,
-                                    ns.no_save_optim),
-        tracking=TrackingConfig(output_dir, ns.use_wandb, ns.wandb_project, ns.wandb_group, ns.wandb_run_name,
-                                ns.use_tensorboard, ns.tensorboard_dir, not ns.no_plot),
-        loop=LoopConfig(
-            num_rollout=num_rollout,
-            num_rollout_per_epoch=num_rollout_per_epoch,
-            start_rollout_id=start_rollout_id,
-            update_weights_interval=ns.update_weights_interval,
-            eval_interval=ns.eval_interval,
-            save_interval=ns.save_interval,
-            debug_exit_after_rollout=ns.debug_exit_after_rollout,
-            rollout_timeout=ns.rollout_timeout,
-            fully_async=ns.fully_async,
-            pause_generation_mode=ns.pause_generation_mode,
-            num_critic_only_steps=ns.num_critic_only_steps,
-            synchronous=ns.synchronous,
-        ),
-        critic=critic,
+        cluster=cluster.build(ns, use_gpu),
+        engine=engine.build(ns, threads, use_gpu),
+        rollout=rollout.build(ns, loop.fully_async_config(ns)),
+        eval=evaluation.build(ns, eval_datasets),
+        train=actor,
+        checkpoint=checkpoint.build(ns),
+        tracking=tracking.build(ns),
+        loop=loop.build(ns, num_rollout, per_epoch, start_rollout_id),
+        critic=train.build_critic(ns, actor),
+        check_config=ns.check_config,
+        warnings=tuple(warnings),
     )
-
-
-WEIGHT_UPDATE_METHODS = {"embedded": ("tensor",), "sglang": ("distributed", "disk", "tensor"), "vllm": ("disk",)}
-
-
-def _weight_update_method(ns: argparse.Namespace) -> str:
-    """--weight-update-method resolved for --rollout-backend (auto: the first the engine supports)."""
-    supported = WEIGHT_UPDATE_METHODS[ns.rollout_backend]
-    if ns.weight_update_method == "auto":
-        return supported[0]
-    _require(ns.weight_update_method in supported,
-             f"--weight-update-method {ns.weight_update_method} is not available with --rollout-backend "
-             f"{ns.rollout_backend} (it supports: {', '.join(supported)})")
-    return ns.weight_update_method
-
-
-def _fault_tolerance_config(ns: argparse.Namespace) -> FaultToleranceConfig | None:
-    import importlib.util
-
-    _require(ns.rollout_health_check_interval > 0, "--rollout-health-check-interval must be positive")
-    _require(ns.rollout_health_check_timeout > 0, "--rollout-health-check-timeout must be positive")
-    _require(ns.max_engine_restarts >= 0, "--max-engine-restarts must be >= 0")
-    _require(not ns.check_weight_update_equal or ns.train_backend == "fsdp",
-             "--check-weight-update-equal is implemented for --train-backend fsdp only")
-    _require(ns.rollout_router != "sglang" or importlib.util.find_spec("sglang_router") is not None,
-             "--rollout-router sglang needs the sglang_router package: pip install sglang-router")
-    _require(not (ns.use_fault_tolerance and ns.rollout_router == "sglang"),
-             "--use-fault-tolerance works with --rollout-router builtin only for now")
-    _require(ns.rollout_router != "sglang" or ns.rollout_backend != "vllm",
-             "--rollout-router sglang speaks SGLang's API; with --rollout-backend vllm use --rollout-router builtin")
-    for engine in PASSTHROUGH_ENGINES:
-        stray = getattr(ns, f"{engine}_args", ())
-        _require(not stray or ns.rollout_backend == engine,
-                 f"{' '.join(stray)} came from --{engine}-* flags, which only apply to --rollout-backend {engine} "
-                 f"(this run uses --rollout-backend {ns.rollout_backend})")
-    if ns.rollout_backend in PASSTHROUGH_ENGINES:
-        _require(not ns.use_fault_tolerance, f"--use-fault-tolerance works with --rollout-backend embedded only for "
-                                             f"now (a restarted engine is seeded through /get_weights); not with "
-                                             f"--rollout-backend {ns.rollout_backend}")
-        _require(not ns.check_weight_update_equal, f"--check-weight-update-equal needs the embedded engine's "
-                                                   f"/weights_checksum; not available with --rollout-backend "
-                                                   f"{ns.rollout_backend}")
-    if not ns.use_fault_tolerance:
-        return None
-    return FaultToleranceConfig(ns.rollout_health_check_interval, ns.rollout_health_check_timeout,
-                                ns.max_engine_restarts)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def _timestamp() -> str:
-    import time
-
-    return time.strftime("%Y%m%d-%H%M%S")

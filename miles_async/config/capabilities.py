@@ -1,0 +1,112 @@
+"""What each backend can do: one table of backend x feature, one check that reads it.
+
+A row says which values of a backend flag (``--rollout-backend``, ``--train-backend``, ``--rollout-router``)
+support a feature: a flag being given at all, or one value of a choice flag. A run that asks for a feature
+its backend lacks is refused with one message naming the feature's flag and the backend, and what would work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from miles_async.config.declare import ConfigError
+from miles_async.inference.engines import ENGINES
+
+# Which weight route (--weight-update-method) each engine takes, as each engine declares it; "auto" picks the first.
+WEIGHT_UPDATE_METHODS = {name: spec.weight_routes for name, spec in ENGINES.items()}
+
+
+@dataclass(frozen=True)
+class Axis:
+    flag: str  # the flag choosing the backend
+    noun: str  # what its values are called in messages
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+ROLLOUT_BACKEND = Axis("--rollout-backend", "backend")
+TRAIN_BACKEND = Axis("--train-backend", "backend")
+ROUTER = Axis("--rollout-router", "router")
+
+
+@dataclass(frozen=True)
+class Capability:
+    feature: str  # the flag asking for the feature
+    axis: Axis
+    supported_by: tuple[str, ...]  # the values of axis.flag that have it
+    value: str | None = None  # a choice of the feature's flag; None: the flag given at all
+    why: str = ""
+
+
+class Feature(Protocol):
+    """What the check reads of a feature's flag (``declare.Flag``, or an engine's passthrough flags)."""
+    dest: str
+    choices: tuple
+
+    def is_set(self, ns: argparse.Namespace) -> bool: ...
+
+    def shown(self, ns: argparse.Namespace) -> str: ...
+
+
+_MEGATRON_ONLY = "a Megatron parallel layout"
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability("--use-fault-tolerance", ROLLOUT_BACKEND, ("embedded",),
+               why="a restarted engine is seeded through the embedded engine's /get_weights"),
+    Capability("--use-fault-tolerance", ROUTER, ("builtin",),
+               why="retries and engine set changes are the builtin router's"),
+    Capability("--check-weight-update-equal", ROLLOUT_BACKEND, ("embedded",),
+               why="it compares the engines' /weights_checksum, which only the embedded engine serves"),
+    Capability("--check-weight-update-equal", TRAIN_BACKEND, ("fsdp",),
+               why="the megatron actor computes no weights_checksum yet"),
+    Capability("--rollout-router", ROLLOUT_BACKEND, ("embedded", "sglang"), value="sglang",
+               why="SGLang's router speaks SGLang's API"),
+    Capability("--sglang-*", ROLLOUT_BACKEND, ("sglang",), why="--sglang-<flag> goes to SGLang's server as --<flag>"),
+    Capability("--vllm-*", ROLLOUT_BACKEND, ("vllm",), why="--vllm-<flag> goes to vLLM's server as --<flag>"),
+    *(Capability("--weight-update-method", ROLLOUT_BACKEND,
+                 tuple(b for b, methods in WEIGHT_UPDATE_METHODS.items() if method in methods), value=method)
+      for method in ("tensor", "disk", "distributed")),
+    Capability("--advantage-estimator", TRAIN_BACKEND, ("fsdp",), value="ppo",
+               why="it needs a critic, which the megatron backend does not have yet"),
+    Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",),
+               why="use --use-tis or --use-rollout-logprobs instead"),
+    *(Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
+      for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                   "--sequence-parallel", "--use-distributed-optimizer")),
+)
+
+
+def resolve_weight_update_method(ns: argparse.Namespace) -> str:
+    """--weight-update-method for --rollout-backend (auto: the first the engine supports); an unsupported
+    choice is the capability check's to refuse."""
+    return WEIGHT_UPDATE_METHODS[ns.rollout_backend][0] if ns.weight_update_method == "auto" \
+        else ns.weight_update_method
+
+
+def check_capabilities(ns: argparse.Namespace, features: Mapping[str, Feature],
+                       table: tuple[Capability, ...] = CAPABILITIES) -> None:
+    """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name)."""
+    for row in table:
+        current = getattr(ns, row.axis.dest)
+        feature = features[row.feature]
+        asked = getattr(ns, feature.dest) == row.value if row.value is not None else feature.is_set(ns)
+        if asked and current not in row.supported_by:
+            raise ConfigError(_refusal(row, current, feature, ns, table))
+
+
+def _refusal(row: Capability, current: Any, feature: Feature, ns: argparse.Namespace,
+             table: tuple[Capability, ...]) -> str:
+    axis = row.axis
+    why = f" ({row.why})" if row.why else ""
+    usable = ""
+    if row.value is not None:
+        refused = {r.value for r in table if r.feature == row.feature and r.axis == axis and r.value is not None
+                   and current not in r.supported_by}
+        ok = [str(c) for c in feature.choices if c not in refused]
+        usable = f", which supports {row.feature} {', '.join(ok)}" if ok else ""
+    return (f"{feature.shown(ns)} is not supported by the {current} {axis.noun}{why}: runs with it need {axis.flag} "
+            f"{' or '.join(row.supported_by)} (this run uses {axis.flag} {current}{usable})")

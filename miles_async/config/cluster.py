@@ -1,0 +1,50 @@
+"""Where the run's processes go: flags, checks and the typed ``ClusterConfig``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from miles_async.config.algorithm import CRITIC
+from miles_async.config.declare import at_least, flag, group
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ray_address: str | None
+    num_train_workers: int
+    use_gpu: bool
+    num_critic_workers: int = 0
+
+
+GROUPS = (
+    group(
+        "cluster",
+        flag("--ray-address", default=None, help="join an existing Ray cluster instead of starting a local one"),
+        flag("--actor-num-nodes", type=int, default=1, check=at_least(1)),
+        flag("--actor-num-gpus-per-node", type=int, default=1, check=at_least(1),
+             help="training workers per node (CPU processes when no GPU is present)"),
+    ),
+    group(
+        "critic (--advantage-estimator ppo)",
+        flag("--critic-num-nodes", type=int, default=None, check=at_least(1), needs=CRITIC,
+             help="default: --actor-num-nodes"),
+        flag("--critic-num-gpus-per-node", type=int, default=None, check=at_least(1), needs=CRITIC,
+             help="default: --actor-num-gpus-per-node"),
+    ),
+)
+
+
+def num_train_workers(ns: argparse.Namespace) -> int:
+    return ns.actor_num_nodes * ns.actor_num_gpus_per_node
+
+
+def num_critic_workers(ns: argparse.Namespace) -> int:
+    if ns.advantage_estimator != "ppo":
+        return 0
+    return (ns.critic_num_nodes or ns.actor_num_nodes) * (ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node)
+
+
+def build(ns: argparse.Namespace, use_gpu: bool) -> ClusterConfig:
+    return ClusterConfig(ray_address=ns.ray_address, num_train_workers=num_train_workers(ns), use_gpu=use_gpu,
+                         num_critic_workers=num_critic_workers(ns))

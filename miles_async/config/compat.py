@@ -1,0 +1,96 @@
+"""Flags that Miles', slime's and Megatron-LM's published launchers pass and that have no effect here.
+
+Each is accepted, so a launcher runs as written, and each one given is named once in a warning that says why it
+does nothing (``declare.flag(..., ignored=...)``). ``--colocate`` is the exception: asynchronous training cannot
+share GPUs between the trainer and the engines, so it is refused, as Miles' train_async.py refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_async.config.declare import flag, group
+
+MOE = "MoE layers are not built by the megatron backend yet; the torch backend runs the HF model's own MoE"
+OFFLOAD = "Miles' colocated-mode memory management; here the trainer and the engines never share a GPU"
+PACKING = "micro-batches are packed to --max-tokens-per-gpu tokens (Miles' --use-dynamic-batch-size)"
+FUSION = "a Megatron-LM kernel-fusion switch; the backend sets its own fusions"
+WANDB = "log in with `wandb login` or WANDB_API_KEY / WANDB_BASE_URL / WANDB_ENTITY"
+
+
+def _refuse_colocate(name: str, value: bool) -> str | None:
+    return (f"{name} is not supported for asynchronous training: the engines generate rollout N+1 while the trainer "
+            f"trains on rollout N, so they cannot share GPUs (Miles' train_async.py refuses it too). Drop {name} "
+            f"and give the engines their own GPUs (--rollout-num-gpus)") if value else None
+
+
+def _switch(name: str, why: str):
+    return flag(name, action="store_true", ignored=why)
+
+
+def _value(name: str, why: str, type_: Any = str, nargs: str | None = None):
+    options: dict[str, Any] = {"type": type_, "default": None}
+    if nargs:
+        options["nargs"] = nargs
+    return flag(name, ignored=why, **options)
+
+
+GROUPS = (
+    group(
+        "cluster",
+        flag("--colocate", action="store_true", check=_refuse_colocate,
+             help="refused: asynchronous training keeps the trainer and the engines on separate GPUs"),
+        _value("--num-gpus-per-node", "the GPUs of each group are --actor-num-gpus-per-node and --rollout-num-gpus",
+               int),
+        _value("--train-memory-margin-bytes", OFFLOAD, int),
+        _switch("--offload-train", OFFLOAD),
+        _switch("--no-offload-train", OFFLOAD),
+        _switch("--offload-rollout", OFFLOAD),
+        _switch("--no-offload-rollout", OFFLOAD),
+    ),
+    group(
+        "accepted from Miles, slime and Megatron-LM launchers (no effect here)",
+        _switch("--balance-data", "each optimizer step's samples are dealt to the data-parallel ranks in turn; "
+                                  "micro-batches are then packed by tokens"),
+        _value("--micro-batch-size", PACKING, int),
+        _value("--seq-length", PACKING + "; each sample keeps its own length", int),
+        _value("--log-probs-chunk-size", "log-probs are computed per packed micro-batch", int),
+        _switch("--calculate-per-token-loss", "the loss is aggregated by --loss-agg-mode (token_mean by default: per "
+                                              "token over the whole step)"),
+        _value("--loss-mask-type", "the loss mask comes with each sample from its generation"),
+        _switch("--optimizer-cpu-offload", "the optimizer state stays on the training GPU"),
+        _switch("--overlap-cpu-optimizer-d2h-h2d", "the optimizer state stays on the training GPU"),
+        _switch("--use-precision-aware-optimizer", "the optimizer keeps fp32 master weights and fp32 state"),
+        _switch("--no-check-for-nan-in-loss-and-grad", "a non-finite loss is not checked separately here"),
+        _switch("--no-gradient-accumulation-fusion", FUSION),
+        _switch("--no-rope-fusion", FUSION),
+        _switch("--no-masked-softmax-fusion", FUSION),
+        _value("--spec", "the layer spec is Transformer Engine's when it is installed, else Megatron's local one",
+               nargs="+"),
+        _value("--transformer-impl", "the layer spec is Transformer Engine's when it is installed, else Megatron's "
+                                     "local one"),
+        _value("--rotary-scaling-factor", "it scales YaRN RoPE (Megatron's MLA models); llama3-style scaling is "
+                                          "--use-rope-scaling --rope-scaling-factor", float),
+        _value("--decoder-last-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
+        _value("--decoder-first-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
+        _value("--wandb-key", WANDB),
+        _value("--wandb-host", WANDB),
+        _value("--wandb-team", WANDB),
+        _value("--wandb-run-id", "the run's name is --wandb-run-name"),
+        _switch("--moe-grouped-gemm", MOE),
+        _switch("--moe-permute-fusion", MOE),
+        _switch("--moe-router-pre-softmax", MOE),
+        _switch("--moe-router-enable-expert-bias", MOE),
+        _switch("--moe-enable-deepep", MOE),
+        _switch("--moe-shared-expert-gate", MOE),
+        _value("--moe-token-dispatcher-type", MOE),
+        _value("--moe-token-drop-policy", MOE),
+        _value("--moe-router-dtype", MOE),
+        _value("--moe-router-load-balancing-type", MOE),
+        _value("--moe-aux-loss-coeff", MOE, float),
+        _value("--moe-router-bias-update-rate", MOE, float),
+        _value("--moe-router-topk-scaling-factor", MOE, float),
+        _value("--moe-router-num-groups", MOE, int),
+        _value("--moe-router-group-topk", MOE, int),
+    ),
+)

@@ -1,0 +1,70 @@
+"""Evaluation on held-out prompt sets: flags, checks and the typed ``EvalConfig``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from miles_async.config.declare import at_least, flag, group, when_flag, within
+from miles_async.config.rollout import SamplingConfig
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    datasets: tuple[tuple[str, str], ...]  # (name, path)
+    n_samples_per_prompt: int
+    sampling: SamplingConfig
+    skip_before_train: bool
+    max_in_flight: int
+    input_key: str
+    label_key: str
+
+
+def _pairs(name: str, values: list[str] | None) -> str | None:
+    if values and len(values) > 1 and len(values) % 2:
+        return f"{name} takes NAME PATH pairs (or a single PATH)"
+    return None
+
+
+# Evals run every --eval-interval rollouts; without it nothing evaluates.
+EVALS = when_flag("--eval-interval")
+
+GROUPS = (
+    group(
+        "eval",
+        flag("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH", check=_pairs, effect_needs=EVALS,
+             help="pairs of name and file (a single PATH is named 'eval')"),
+        flag("--eval-interval", type=int, default=None, check=at_least(1),
+             needs=when_flag("--eval-prompt-data")),
+        flag("--n-samples-per-eval-prompt", type=int, default=1, check=at_least(1), effect_needs=EVALS),
+        flag("--eval-temperature", type=float, default=0.0, check=at_least(0), effect_needs=EVALS),
+        flag("--eval-top-p", type=float, default=1.0, check=within(0, 1, low_open=True), effect_needs=EVALS),
+        flag("--eval-max-response-len", type=int, default=None, check=at_least(1), effect_needs=EVALS),
+        flag("--skip-eval-before-train", action="store_true", effect_needs=EVALS),
+        flag("--max-in-flight-evals", type=int, default=1, check=at_least(1), effect_needs=EVALS),
+    ),
+)
+
+
+def datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--eval-prompt-data as (name, path) pairs, each file read and checked (naming file and line)."""
+    from miles_async.rollout.data_source import count_and_validate_prompts
+
+    values = ns.eval_prompt_data or []
+    pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
+    for name, path in pairs:
+        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
+    return pairs
+
+
+def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) -> EvalConfig:
+    return EvalConfig(
+        datasets=eval_datasets,
+        n_samples_per_prompt=ns.n_samples_per_eval_prompt,
+        sampling=SamplingConfig(ns.eval_temperature, ns.eval_top_p, -1,
+                                ns.eval_max_response_len or ns.rollout_max_response_len),
+        skip_before_train=ns.skip_eval_before_train,
+        max_in_flight=ns.max_in_flight_evals,
+        input_key=ns.input_key,
+        label_key=ns.label_key,
+    )

@@ -1,0 +1,357 @@
+"""The model's architecture in Megatron-LM's flags (a launcher's ``MODEL_ARGS``), checked against the HF
+``config.json`` of --hf-checkpoint.
+
+Both backends build the policy from config.json, so these flags never choose the architecture: they are accepted
+so that Miles and slime launchers run as written, and when a launcher describes the model (gives any of the
+value flags below), the description must be the checkpoint's. Each flag is compared in the value Megatron-LM would
+use: the one given, or Megatron-LM's default when it is not (e.g. no --swiglu means a GELU MLP, no --kv-channels
+means hidden-size / heads). A mismatch fails before anything starts, naming the flag, its value and the config's.
+
+``megatron_args(hf)`` is the one mapping, config.json -> the value of each flag, pure and unit-tested for the
+llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe and mixtral families.
+
+--vocab-size is the vocabulary before Megatron-LM pads it to a multiple of --make-vocab-size-divisible-by (x TP).
+A launcher may give config.json's vocab_size, or that size already padded to a multiple of
+--make-vocab-size-divisible-by: both describe the same checkpoint. Anything else is a mismatch. (The backends pad
+config.json's vocab_size to a multiple of TP themselves and cut the logits back to it, so the padding is never
+trained or sampled.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from miles_async.config.declare import ConfigError, at_least, flag, group
+
+# Families whose layout is known: which have q/k norms, and which put a bias on q/k/v only.
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+QK_NORM = ("qwen3", "qwen3_moe")
+QKV_BIAS = ("qwen2", "qwen2_moe")
+
+
+# -- config.json -> Megatron-LM flags (pure) ------------------------------------------------------
+def _rope(hf: Mapping[str, Any]) -> dict:
+    """RoPE settings from either config.json (rope_theta + rope_scaling) or transformers 5 (rope_parameters)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        rope = {**hf["rope_scaling"], **rope}
+    if "rope_theta" not in rope and hf.get("rope_theta") is not None:
+        rope["rope_theta"] = hf["rope_theta"]
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _num_experts(hf: Mapping[str, Any]) -> int | None:
+    return hf.get("num_experts") or hf.get("num_local_experts") or None
+
+
+def _moe_layers(hf: Mapping[str, Any]) -> list[int] | None:
+    """Which layers are MoE (1) or dense (0), as --moe-layer-freq lists them."""
+    if _num_experts(hf) is None:
+        return None
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    return [0 if i in dense or (i + 1) % step else 1 for i in range(hf["num_hidden_layers"])]
+
+
+def _known(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in DENSE + MOE
+
+
+def _is_moe(hf: Mapping[str, Any]) -> bool:
+    return _num_experts(hf) is not None
+
+
+def _llama3_rope(hf: Mapping[str, Any]) -> bool:
+    return _rope(hf)["rope_type"] == "llama3"
+
+
+def _always(hf: Mapping[str, Any]) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Row:
+    """One Megatron-LM flag: the config.json keys it is read from, its value, and for which configs it applies."""
+    flag: str
+    keys: tuple[str, ...]
+    value: Callable[[Mapping[str, Any]], Any]
+    applies: Callable[[Mapping[str, Any]], bool] = _always
+
+
+def _bias_linear(hf: Mapping[str, Any]) -> bool:
+    # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear; Qwen2's
+    # q/k/v biases are --add-qkv-bias alone.
+    o_proj_bias = bool(hf.get("attention_bias")) and hf["model_type"] not in QKV_BIAS
+    return not (o_proj_bias or hf.get("mlp_bias", False))
+
+
+TABLE: tuple[Row, ...] = (
+    Row("--num-layers", ("num_hidden_layers",), lambda hf: hf["num_hidden_layers"]),
+    Row("--hidden-size", ("hidden_size",), lambda hf: hf["hidden_size"]),
+    Row("--ffn-hidden-size", ("intermediate_size",), lambda hf: hf["intermediate_size"]),
+    Row("--num-attention-heads", ("num_attention_heads",), lambda hf: hf["num_attention_heads"]),
+    Row("--num-query-groups", ("num_key_value_heads",),
+        lambda hf: hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+    Row("--kv-channels", ("head_dim",),
+        lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+    Row("--swiglu", ("hidden_act",), lambda hf: hf.get("hidden_act", "silu") == "silu"),
+    Row("--normalization", ("model_type",), lambda hf: "RMSNorm", _known),
+    Row("--norm-epsilon", ("rms_norm_eps",), lambda hf: hf.get("rms_norm_eps")),
+    Row("--position-embedding-type", ("model_type",), lambda hf: "rope", _known),
+    Row("--rotary-base", ("rope_theta",), lambda hf: float(_rope(hf).get("rope_theta", 10000.0))),
+    Row("--rotary-percent", ("partial_rotary_factor",), lambda hf: hf.get("partial_rotary_factor") or 1.0),
+    Row("--use-rope-scaling", ("rope_type",), _llama3_rope),
+    Row("--rope-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), _llama3_rope),
+    Row("--max-position-embeddings", ("max_position_embeddings",), lambda hf: hf.get("max_position_embeddings")),
+    Row("--vocab-size", ("vocab_size",), lambda hf: hf["vocab_size"]),
+    Row("--untie-embeddings-and-output-weights", ("tie_word_embeddings",),
+        lambda hf: not hf.get("tie_word_embeddings", False)),
+    Row("--qk-layernorm", ("model_type",), lambda hf: hf["model_type"] in QK_NORM, _known),
+    Row("--add-qkv-bias", ("model_type", "attention_bias"),
+        lambda hf: hf["model_type"] in QKV_BIAS or bool(hf.get("attention_bias")), _known),
+    Row("--disable-bias-linear", ("attention_bias", "mlp_bias"), _bias_linear, _known),
+    Row("--num-experts", ("num_experts",), _num_experts),
+    Row("--moe-router-topk", ("num_experts_per_tok",), lambda hf: hf.get("num_experts_per_tok"), _is_moe),
+    Row("--moe-ffn-hidden-size", ("moe_intermediate_size",),
+        lambda hf: hf.get("moe_intermediate_size") or hf["intermediate_size"], _is_moe),
+    Row("--moe-layer-freq", ("decoder_sparse_step", "mlp_only_layers"), _moe_layers, _is_moe),
+    Row("--moe-shared-expert-intermediate-size", ("shared_expert_intermediate_size",),
+        lambda hf: hf.get("shared_expert_intermediate_size"),
+        lambda hf: _is_moe(hf) and bool(hf.get("shared_expert_intermediate_size"))),
+    Row("--moe-router-score-function", ("model_type",), lambda hf: "softmax", lambda hf: _is_moe(hf) and _known(hf)),
+)
+ROWS = {row.flag: row for row in TABLE}
+
+
+def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The Megatron-LM flags (by name; switches True/False) that build the model config.json describes. A flag
+    whose value the config does not determine (an unknown family's norms or biases, a dense model's MoE flags)
+    is left out; --num-experts is None for a dense model."""
+    out = {row.flag: row.value(hf) for row in TABLE if row.applies(hf)}
+    return {k: v for k, v in out.items() if v is not None or k == "--num-experts"}
+
+
+def _source(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The config.json keys a row reads, with their values, for messages."""
+    rope = _rope(hf)
+    special = {"rope_theta": rope.get("rope_theta"), "rope_type": rope["rope_type"], "factor": rope.get("factor"),
+               "num_experts": _num_experts(hf)}
+    return ", ".join(f"{k} {special[k] if k in special else hf.get(k)}" for k in keys)
+
+
+# -- the flags, and the value Megatron-LM uses for each (given, or its default) ----------------------
+@dataclass(frozen=True)
+class Effective:
+    """A flag's value as Megatron-LM would use it, and how to say so when it was not given."""
+    value: Any
+    given: bool
+    default_note: str = ""
+
+
+def _moe_freq(text: str | None, num_layers: int | None) -> list[int] | None:
+    """--moe-layer-freq as a list of 0 (dense) / 1 (MoE) per layer: an int N (every N-th layer, from the first)
+    or a Python list expression of 0s and 1s such as "[0]*3+[1]*45"."""
+    if text is None:
+        return None
+    if text.strip().isdigit():
+        n = int(text)
+        return None if num_layers is None else [1 if i % n == 0 else 0 for i in range(num_layers)]
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise ConfigError(f"--moe-layer-freq {text}: not an integer or a list expression such as [0]*3+[1]*45") \
+            from e
+    allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Mult, ast.List, ast.Tuple, ast.Constant, ast.Load)
+    if not all(isinstance(node, allowed) for node in ast.walk(tree)):
+        raise ConfigError(f"--moe-layer-freq {text}: not an integer or a list expression such as [0]*3+[1]*45")
+    return [int(x) for x in eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}})]
+
+
+def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
+    """Each architecture flag as Megatron-LM would read this command line."""
+    heads, hidden = ns.num_attention_heads, ns.hidden_size
+
+    def value(name: str, default: Any = None, note: str = "") -> Effective:
+        v = getattr(ns, _dest(name))
+        return Effective(v, True) if v is not None else Effective(default, False, note)
+
+    def switch(name: str) -> Effective:
+        return Effective(bool(getattr(ns, _dest(name))), bool(getattr(ns, _dest(name))))
+
+    groups = value("--num-query-groups", heads, "every head its own group")
+    if not ns.group_query_attention:
+        groups = Effective(heads, False, "no --group-query-attention: every head its own group")
+    position = value("--position-embedding-type", "learned_absolute")
+    if ns.use_rotary_position_embeddings and not position.given:
+        position = Effective("rope", True)
+    experts = value("--num-experts", None, "a dense model")
+    out = {
+        "--num-layers": value("--num-layers"),
+        "--hidden-size": value("--hidden-size"),
+        "--ffn-hidden-size": value("--ffn-hidden-size", 4 * hidden if hidden else None, "4 x --hidden-size"),
+        "--num-attention-heads": value("--num-attention-heads"),
+        "--num-query-groups": groups,
+        "--kv-channels": value("--kv-channels", hidden // heads if hidden and heads else None,
+                               "--hidden-size / --num-attention-heads"),
+        "--swiglu": switch("--swiglu"),
+        "--normalization": value("--normalization", "LayerNorm"),
+        "--norm-epsilon": value("--norm-epsilon", 1e-5),
+        "--position-embedding-type": position,
+        "--rotary-base": value("--rotary-base", 10000.0),
+        "--rotary-percent": value("--rotary-percent", 1.0),
+        "--max-position-embeddings": value("--max-position-embeddings"),
+        "--vocab-size": value("--vocab-size"),
+        "--untie-embeddings-and-output-weights": switch("--untie-embeddings-and-output-weights"),
+        "--use-rope-scaling": switch("--use-rope-scaling"),
+        "--rope-scaling-factor": value("--rope-scaling-factor", 8.0),
+        "--qk-layernorm": switch("--qk-layernorm"),
+        "--add-qkv-bias": switch("--add-qkv-bias"),
+        "--disable-bias-linear": switch("--disable-bias-linear"),
+        "--num-experts": experts,
+    }
+    if experts.value is not None:
+        ffn = out["--ffn-hidden-size"].value
+        out.update({
+            "--moe-router-topk": value("--moe-router-topk", 2),
+            "--moe-ffn-hidden-size": value("--moe-ffn-hidden-size", ffn, "--ffn-hidden-size"),
+            "--moe-layer-freq": Effective(_moe_freq(ns.moe_layer_freq or "1", ns.num_layers),
+                                          ns.moe_layer_freq is not None, "every layer"),
+            "--moe-shared-expert-intermediate-size": value("--moe-shared-expert-intermediate-size", None,
+                                                           "no shared expert"),
+            "--moe-router-score-function": value("--moe-router-score-function", "softmax"),
+        })
+    return out
+
+
+# Megatron-LM's None for these means "no such part" (a dense model, no shared expert), which config.json may
+# contradict; for every other flag a None default (--vocab-size, --max-position-embeddings, ...) means "taken from
+# elsewhere", and the flag is compared only when given.
+NONE_MEANS_ABSENT = ("--num-experts", "--moe-shared-expert-intermediate-size")
+
+
+def _dest(name: str) -> str:
+    return name.lstrip("-").replace("-", "_")
+
+
+def _same(name: str, ours: Any, theirs: Any, ns: argparse.Namespace) -> bool:
+    if name == "--vocab-size":
+        multiple = ns.make_vocab_size_divisible_by
+        return ours in (theirs, math.ceil(theirs / multiple) * multiple)
+    if isinstance(theirs, float) or isinstance(ours, float):
+        return ours is not None and math.isclose(float(ours), float(theirs), rel_tol=1e-9)
+    return ours == theirs
+
+
+def _shown(name: str, eff: Effective) -> str:
+    if isinstance(eff.value, bool):
+        return name if eff.value else f"no {name}"
+    if eff.given:
+        return f"{name} {eff.value}"
+    note = f": {eff.default_note}" if eff.default_note else ""
+    return f"{name} not given (Megatron-LM then uses {eff.value}{note})"
+
+
+def _wanted(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return name if value else f"no {name}"
+    return f"{name} {value}"
+
+
+def mismatches(ns: argparse.Namespace, hf: Mapping[str, Any], where: str) -> list[str]:
+    """Every architecture flag whose value (given, or Megatron-LM's default) contradicts config.json."""
+    wanted = megatron_args(hf)
+    problems = []
+    for name, eff in effective_args(ns).items():
+        if name not in wanted or (eff.value is None and not eff.given and name not in NONE_MEANS_ABSENT):
+            continue
+        if not _same(name, eff.value, wanted[name], ns):
+            problems.append(f"{_shown(name, eff)} does not match {where}: {_source(hf, ROWS[name].keys)} "
+                            f"(that is {_wanted(name, wanted[name])})")
+    return problems
+
+
+# -- the flags and the check ------------------------------------------------------------------------
+def _archflag(name: str, type_: Callable | None = None, **options: Any):
+    """An architecture flag: no default of its own (None, "not given"), so a launcher's value is told apart from
+    Megatron-LM's default in messages."""
+    if type_ is None:
+        return flag(name, action="store_true", **options)
+    return flag(name, type=type_, default=None, **options)
+
+
+VALUE_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+               "--kv-channels", "--norm-epsilon", "--rotary-base", "--max-position-embeddings", "--vocab-size",
+               "--num-experts")
+
+GROUPS = (
+    group(
+        "model architecture (Megatron-LM's flags, checked against --hf-checkpoint's config.json)",
+        _archflag("--num-layers", int, check=at_least(1)),
+        _archflag("--hidden-size", int, check=at_least(1)),
+        _archflag("--ffn-hidden-size", int, check=at_least(1), help="Megatron-LM's default: 4 x --hidden-size"),
+        _archflag("--num-attention-heads", int, check=at_least(1)),
+        _archflag("--group-query-attention"),
+        _archflag("--num-query-groups", int, check=at_least(1), help="with --group-query-attention"),
+        _archflag("--kv-channels", int, check=at_least(1),
+                  help="head dimension; Megatron-LM's default: --hidden-size / --num-attention-heads"),
+        _archflag("--swiglu", help="gated SiLU MLP (without it Megatron-LM builds a GELU MLP)"),
+        _archflag("--qk-layernorm"),
+        _archflag("--disable-bias-linear"),
+        _archflag("--add-qkv-bias"),
+        _archflag("--normalization", str, choices=("LayerNorm", "RMSNorm"), help="Megatron-LM's default: LayerNorm"),
+        _archflag("--norm-epsilon", float, help="Megatron-LM's default: 1e-5"),
+        _archflag("--position-embedding-type", str,
+                  choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
+                  help="Megatron-LM's default: learned_absolute"),
+        _archflag("--use-rotary-position-embeddings", help="Megatron-LM's older spelling of "
+                                                           "--position-embedding-type rope"),
+        _archflag("--rotary-base", float, help="RoPE theta; Megatron-LM's default: 10000"),
+        _archflag("--rotary-percent", float, help="Megatron-LM's default: 1.0"),
+        _archflag("--use-rope-scaling", help="llama3-style RoPE frequency scaling"),
+        _archflag("--rope-scaling-factor", float, help="with --use-rope-scaling; Megatron-LM's default: 8.0"),
+        _archflag("--max-position-embeddings", int, check=at_least(1)),
+        _archflag("--vocab-size", int, check=at_least(1),
+                  help="config.json's vocab_size, or that padded to --make-vocab-size-divisible-by"),
+        flag("--make-vocab-size-divisible-by", type=int, default=128, check=at_least(1),
+             help="Megatron-LM's vocabulary padding, used to compare --vocab-size with config.json (the backends "
+                  "pad the embedding to a multiple of TP and never train or sample the padding)"),
+        _archflag("--untie-embeddings-and-output-weights"),
+        _archflag("--num-experts", int, check=at_least(1), help="MoE: experts per MoE layer"),
+        _archflag("--moe-router-topk", int, check=at_least(1), help="MoE; Megatron-LM's default: 2"),
+        _archflag("--moe-ffn-hidden-size", int, check=at_least(1), help="MoE; default: --ffn-hidden-size"),
+        _archflag("--moe-shared-expert-intermediate-size", int, check=at_least(1)),
+        _archflag("--moe-layer-freq", str, help="MoE: an int N (every N-th layer) or a list such as [0]*3+[1]*45"),
+        _archflag("--moe-router-score-function", str, choices=("softmax", "sigmoid")),
+    ),
+)
+
+
+def describes_model(ns: argparse.Namespace) -> bool:
+    """The launcher gave a model description (MODEL_ARGS): then every architecture flag is compared."""
+    return any(getattr(ns, _dest(name)) is not None for name in VALUE_FLAGS)
+
+
+def load_hf_config(path: str) -> dict[str, Any]:
+    """config.json with every default transformers fills in, as the backends will read it."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path).to_dict()
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"--hf-checkpoint: transformers cannot read {path}/config.json: {e}") from e
+
+
+def validate(ns: argparse.Namespace) -> None:
+    """A model description (MODEL_ARGS) that is not --hf-checkpoint's model fails here, naming each flag."""
+    if not describes_model(ns):
+        return
+    where = f"{ns.hf_checkpoint}/config.json"
+    problems = mismatches(ns, load_hf_config(ns.hf_checkpoint), where)
+    if problems:
+        raise ConfigError("the model flags do not describe --hf-checkpoint's model:\n  " + "\n  ".join(problems))

@@ -1,0 +1,207 @@
+"""Training (the policy's and the critic's trainers, their optimizer and batch split): flags, checks and the
+typed ``TrainConfig`` and ``OptimizerConfig``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from miles_async.config.algorithm import CRITIC, AlgorithmConfig
+from miles_async.config.capabilities import resolve_weight_update_method
+from miles_async.config.declare import (
+    When,
+    at_least,
+    flag,
+    given,
+    group,
+    hf_folder,
+    importable,
+    positive,
+    require,
+    when_value,
+    within,
+)
+from miles_async.config.megatron import MegatronConfig
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    optimizer: str  # "adam" (AdamW: decoupled weight decay, as Megatron's) or "sgd"
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_style: str
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    sgd_momentum: float = 0.9
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    backend: str
+    model_path: str  # HF folder the policy starts from
+    ref_model_path: str | None
+    dtype: str
+    global_batch_size: int  # samples per optimizer step
+    num_steps_per_rollout: int
+    max_tokens_per_gpu: int
+    algorithm: AlgorithmConfig
+    optimizer: OptimizerConfig
+    update_weight_buffer_size: int
+    gradient_checkpointing: bool
+    seed: int
+    num_threads: int
+    role: str = "actor"  # "actor" or "critic": also the checkpoint sub-folder
+    max_kept_weight_versions: int = 2  # --keep-old-actor: weight versions still in flight
+    megatron: MegatronConfig = MegatronConfig()
+    attention_dropout: float = 0.0  # dropout in training passes only; log-probs are computed without it
+    hidden_dropout: float = 0.0  # megatron only: the HF models of the torch backend have no hidden dropout
+
+
+ADAM = when_value("--optimizer", "adam")
+SGD = when_value("--optimizer", "sgd")
+
+GROUPS = (
+    group(
+        "cluster",
+        flag("--train-num-threads", type=int, default=None, check=at_least(1),
+             help="torch threads per training worker (default: half the cores)"),
+    ),
+    group(
+        "model and checkpoints",
+        flag("--hf-checkpoint", required=False, default=None, check=(given(" (an HF model folder)"), hf_folder),
+             help="HF model folder the policy starts from"),
+        flag("--ref-load", default=None, check=hf_folder, help="HF folder of the reference model for the KL loss"),
+    ),
+    group(
+        "inference engines",
+        flag("--update-weight-buffer-size", type=int, default=512 * 1024**2, check=positive(),
+             effect_needs=When("--weight-update-method tensor or distributed",
+                               lambda ns: resolve_weight_update_method(ns) != "disk"),
+             help="bytes per weight bucket"),
+    ),
+    group(
+        "training",
+        flag("--train-backend", default="fsdp", choices=("fsdp", "megatron"),
+             check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
+             help="fsdp: HF transformers models under torch DDP; megatron: Megatron-core GPTModel "
+                  "(pip install -r requirements-megatron.txt)"),
+        flag("--bf16", action="store_true",
+             help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
+        flag("--global-batch-size", type=int, default=None, check=at_least(1), help="samples per optimizer step"),
+        flag("--num-steps-per-rollout", type=int, default=None, check=at_least(1)),
+        flag("--max-tokens-per-gpu", type=int, default=8192, check=at_least(1),
+             help="token budget of one micro-batch: samples are packed in order while (longest sample x samples) "
+                  "fits, a longer sample gets a micro-batch of its own"),
+        flag("--use-dynamic-batch-size", action="store_true",
+             help="always on: micro-batches are packed to --max-tokens-per-gpu (Miles' dynamic batch size), "
+                  "counting padded tokens"),
+        flag("--gradient-checkpointing", action="store_true",
+             help="recompute activations in backward: HF gradient checkpointing (fsdp); Megatron's full recompute "
+                  "of every layer (megatron), as --recompute-granularity full --recompute-method uniform "
+                  "--recompute-num-layers 1"),
+        flag("--attention-dropout", type=float, default=0.0, check=within(0, 1),
+             help="RL trains without dropout (the engines sample without it; Megatron-LM's default is 0.1). "
+                  "Applied in training passes on both backends"),
+        flag("--hidden-dropout", type=float, default=0.0, check=within(0, 1),
+             effect_needs=when_value("--train-backend", "megatron",
+                                     why="the HF models of the torch backend have no hidden dropout"),
+             help="as --attention-dropout, for Megatron's residual dropout"),
+        flag("--seed", type=int, default=1234),
+    ),
+    group(
+        "critic (--advantage-estimator ppo)",
+        flag("--critic-load", default=None, check=hf_folder, needs=CRITIC,
+             help="HF folder the critic starts from (default: --hf-checkpoint; its value head starts random)"),
+        flag("--critic-lr", type=float, default=None, check=positive(), needs=CRITIC, help="default: --lr"),
+        flag("--critic-lr-warmup-iters", type=int, default=None, check=at_least(0), needs=CRITIC,
+             help="default: --lr-warmup-iters"),
+    ),
+    group(
+        "optimizer",
+        flag("--optimizer", default="adam", choices=("adam", "sgd"),
+             help="adam: AdamW (decoupled weight decay, as Megatron's); sgd: SGD with --sgd-momentum, weight "
+                  "decay as L2"),
+        flag("--sgd-momentum", type=float, default=0.9, check=within(0, 1), effect_needs=SGD),
+        flag("--lr", type=float, default=1e-6, check=positive()),
+        flag("--min-lr", type=float, default=0.0, check=at_least(0),
+             effect_needs=when_value("--lr-decay-style", "linear", "cosine")),
+        flag("--lr-warmup-iters", type=int, default=0, check=at_least(0)),
+        flag("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine")),
+        flag("--weight-decay", type=float, default=0.0),
+        flag("--adam-beta1", type=float, default=0.9, check=within(0, 1), effect_needs=ADAM),
+        flag("--adam-beta2", type=float, default=0.98, check=within(0, 1), effect_needs=ADAM),
+        flag("--adam-eps", type=float, default=1e-8, check=positive(), effect_needs=ADAM),
+        flag("--clip-grad", type=float, default=1.0, check=at_least(0, " (0 disables clipping)")),
+    ),
+)
+
+
+def batch_split(ns: argparse.Namespace) -> tuple[int, int]:
+    """(samples per optimizer step, optimizer steps per rollout) from --global-batch-size or
+    --num-steps-per-rollout; one step over the whole rollout when neither is given."""
+    samples = ns.rollout_batch_size * ns.n_samples_per_prompt
+    if ns.global_batch_size is None and ns.num_steps_per_rollout is None:
+        return samples, 1
+    if ns.global_batch_size is None:
+        steps = ns.num_steps_per_rollout
+        require(samples % steps == 0, f"--num-steps-per-rollout {steps} must divide rollout-batch-size * "
+                                      f"n-samples-per-prompt = {samples}")
+        return samples // steps, steps
+    batch = ns.global_batch_size
+    require(batch <= samples, f"--global-batch-size {batch} is larger than one rollout "
+                              f"(--rollout-batch-size * --n-samples-per-prompt = {samples})")
+    require(samples % batch == 0,
+            f"--global-batch-size {batch} must divide rollout-batch-size * n-samples-per-prompt = {samples}")
+    steps = samples // batch
+    require(ns.num_steps_per_rollout in (None, steps), f"--num-steps-per-rollout {ns.num_steps_per_rollout} "
+                                                       f"contradicts --global-batch-size {batch} (which gives {steps})")
+    return batch, steps
+
+
+def check_data_parallel(global_batch: int, data_parallel: int, num_critic_workers: int) -> None:
+    require(global_batch % data_parallel == 0, f"the global batch ({global_batch} samples) must split evenly over "
+                                               f"{data_parallel} data-parallel training workers")
+    require(num_critic_workers == 0 or global_batch % num_critic_workers == 0,
+            f"the global batch ({global_batch} samples) must split evenly over {num_critic_workers} critic workers")
+
+
+def build(ns: argparse.Namespace, algorithm: AlgorithmConfig, megatron: MegatronConfig, global_batch: int,
+          num_steps: int, num_threads: int) -> TrainConfig:
+    optimizer = OptimizerConfig(ns.optimizer, ns.lr, ns.min_lr, ns.lr_warmup_iters, ns.lr_decay_style,
+                                ns.weight_decay, ns.adam_beta1, ns.adam_beta2, ns.adam_eps, ns.clip_grad,
+                                ns.sgd_momentum)
+    return TrainConfig(
+        backend=ns.train_backend,
+        model_path=ns.hf_checkpoint,
+        ref_model_path=ns.ref_load,
+        dtype="bfloat16" if ns.bf16 else "float32",
+        global_batch_size=global_batch,
+        num_steps_per_rollout=num_steps,
+        max_tokens_per_gpu=ns.max_tokens_per_gpu,
+        algorithm=algorithm,
+        optimizer=optimizer,
+        update_weight_buffer_size=ns.update_weight_buffer_size,
+        gradient_checkpointing=ns.gradient_checkpointing or ns.recompute_granularity is not None,
+        seed=ns.seed,
+        num_threads=ns.train_num_threads or num_threads,
+        max_kept_weight_versions=(ns.max_staleness_steps if ns.fully_async else 1) + 2,
+        megatron=megatron,
+        attention_dropout=ns.attention_dropout,
+        hidden_dropout=ns.hidden_dropout,
+    )
+
+
+def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | None:
+    """The critic's trainer (--advantage-estimator ppo): the actor's, with the critic's model and optimizer."""
+    if not actor.algorithm.uses_critic:
+        return None
+    lr = ns.critic_lr or ns.lr
+    warmup = ns.lr_warmup_iters if ns.critic_lr_warmup_iters is None else ns.critic_lr_warmup_iters
+    return dataclasses.replace(
+        actor, role="critic", model_path=ns.critic_load or ns.hf_checkpoint, ref_model_path=None,
+        optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup))
