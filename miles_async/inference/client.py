@@ -1,36 +1,34 @@
-"""Async HTTP client for SGLang-shaped inference servers.
+"""The protocol every inference engine speaks to the rollout code: an async HTTP client per engine.
 
-This is the single protocol the rollout code uses to talk to an inference
-engine: a real SGLang server, a vLLM adapter, or the embedded CPU server in
-``miles_async.inference.embedded.server``.  Methods map 1:1 onto SGLang's
-native endpoints (``/generate``, ``/pause_generation``, ...).
+``EngineClient`` is the protocol and its default implementation: SGLang's native endpoints
+(``/generate``, ``/pause_generation``, ...), which the embedded server speaks too. Each engine's
+client (``<engine>/client.py``) subclasses it where that engine differs: the format of the tensor
+weight route, the embedded engine's checksum and weight read-back, vLLM's endpoints under other
+names. ``miles_async.inference.engines`` maps ``--rollout-backend`` to the client, the launcher and
+the weight routes of each engine.
 
-One exception: ``update_weights_from_tensors`` posts a raw safetensors blob
-to ``/update_weights_from_tensor?weight_version=V&flush=0|1``, the embedded
-server's format; SGLang's (tensors pickled with torch's multiprocessing
-reductions, for an engine on the same node) is ``sglang_client``'s, and vLLM's
-mapping is ``vllm_client``'s (``make_client`` picks by --rollout-backend).
+Every call has a timeout; failures raise ``EngineError`` naming the URL and endpoint, never a bare
+aiohttp exception. What an engine cannot do raises ``EngineError`` too (``_unavailable``).
 
-Every call has a timeout; failures raise ``EngineError`` naming the URL and
-endpoint, never a bare aiohttp exception.
-
-Where SGLang's answers differ from the embedded server's, this module maps them to
-one shape (``_normalize_meta``, ``model_info``, ``load``), so nothing else needs to know
-which engine answered: SGLang reports weight versions as strings (numeric here: the
-launcher starts it with ``--weight-version 0`` and every update sends the next int), and
-per-token versions as spans (``meta_info.weight_versions``: ``[{version, start, end}]``),
-expanded here into ``output_token_weight_versions``; it has no ``/get_load`` (``load``
-answers ``{}``). Both take ``weight_version`` as a string in ``/update_weights_from_disk``.
+Where SGLang's answers differ from the embedded server's, this module maps them to one shape
+(``normalize_meta``, ``model_info``, ``load``), so nothing else needs to know which engine answered:
+SGLang reports weight versions as strings (numeric here: the launcher starts it with
+``--weight-version 0`` and every update sends the next int), and per-token versions as spans
+(``meta_info.weight_versions``: ``[{version, start, end}]``), expanded here into
+``output_token_weight_versions``; it has no ``/get_load`` (``load`` answers ``{}``). Both take
+``weight_version`` as a string in ``/update_weights_from_disk``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineError(RuntimeError):
@@ -44,24 +42,6 @@ class EngineError(RuntimeError):
         where = f"{url}{endpoint}"
         prefix = f"HTTP {status} from {where}" if status is not None else f"request to {where} failed"
         super().__init__(f"{prefix}: {message}")
-
-
-def _serialize_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
-    from safetensors.torch import save
-
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in named_tensors:
-        if name in out:
-            raise ValueError(f"duplicate tensor name {name!r}")
-        t = tensor.detach().to("cpu").contiguous()
-        # safetensors refuses tensors that share storage (tied embeddings);
-        # a copy per alias keeps the format simple.
-        if t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return save(out)
 
 
 class EngineClient:
@@ -80,7 +60,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -138,7 +118,7 @@ class EngineClient:
                     return text
         except EngineError:
             raise
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise EngineError(self.base_url, endpoint, f"timed out after {limit:.1f}s") from exc
         except aiohttp.ClientError as exc:
             raise EngineError(self.base_url, endpoint, f"{type(exc).__name__}: {exc}") from exc
@@ -161,7 +141,7 @@ class EngineClient:
             body["rid"] = rid
         out = await self._request("POST", "/generate", json_body=body, timeout=timeout)
         if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
-            _normalize_meta(out["meta_info"], len(out.get("output_ids") or []))
+            normalize_meta(out["meta_info"], len(out.get("output_ids") or []))
         return out
 
     async def health(self, timeout: float | None = None) -> bool:
@@ -175,22 +155,17 @@ class EngineClient:
     async def model_info(self) -> dict[str, Any]:
         info = await self._request("GET", "/get_model_info")
         if isinstance(info, dict) and "weight_version" in info:
-            info["weight_version"] = _version(info["weight_version"])
+            info["weight_version"] = as_version(info["weight_version"])
         return info
 
     async def weights_checksum(self) -> dict[str, Any]:
-        """GET /weights_checksum: ``{"weight_version": V, "checksums": {name: {...}}}`` (embedded engine only;
-        see ``miles_async.utils.weight_checksum``)."""
-        return await self._request("GET", "/weights_checksum")
+        """GET /weights_checksum: ``{"weight_version": V, "checksums": {name: {...}}}`` (see
+        ``miles_async.utils.weight_checksum``); ``--check-weight-update-equal`` compares them with the trainer's."""
+        raise self._unavailable("/weights_checksum", "a per-tensor checksum of HF-named weights")
 
     async def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
-        """GET /get_weights: every parameter and the weight version they belong to, read between two decode
-        steps (embedded engine only; used to seed a restarted engine from a healthy peer)."""
-        from safetensors.torch import load
-
-        raw = await self._request("GET", "/get_weights", raw=True)
-        tensors = await asyncio.to_thread(load, raw)
-        return tensors, int(safetensors_metadata(raw)["weight_version"])
+        """Every parameter and the weight version they belong to (seeds a restarted engine from a healthy peer)."""
+        raise self._unavailable("/get_weights", "reading the weights back")
 
     async def load(self) -> dict[str, Any]:
         """Running/waiting requests and the engine's counters (``/get_load``); ``{}`` from an engine without it."""
@@ -239,32 +214,18 @@ class EngineClient:
         weight_version: int | None = None,
         flush: bool = False,
     ) -> dict[str, Any]:
-        """Send one bucket of HF-named tensors.
+        """Send one bucket of HF-named tensors (the ``tensor`` weight route, in the engine's own format).
 
         Send ``weight_version`` (and usually ``flush=True``) with the last
         bucket only, so the version flips once every bucket has landed.
         """
-        data = await asyncio.to_thread(_serialize_tensors, named_tensors)
-        params = {"flush": "1" if flush else "0"}
-        if weight_version is not None:
-            params["weight_version"] = str(int(weight_version))
-        return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
+        raise self._unavailable("/update_weights_from_tensor", "pushing tensors over HTTP (the tensor route)")
+
+    def _unavailable(self, endpoint: str, what: str) -> EngineError:
+        return EngineError(self.base_url, endpoint, f"{what} is not available from {type(self).__name__}")
 
 
-def make_client(backend: str, url: str, timeout: float) -> EngineClient:
-    """The client for one engine of ``--rollout-backend`` (SGLang and the embedded engine share the protocol)."""
-    if backend == "vllm":
-        from miles_async.inference.vllm_client import VLLMEngineClient
-
-        return VLLMEngineClient(url, timeout=timeout)
-    if backend == "sglang":
-        from miles_async.inference.sglang_client import SGLangEngineClient
-
-        return SGLangEngineClient(url, timeout=timeout)
-    return EngineClient(url, timeout=timeout)
-
-
-def _version(v: Any) -> Any:
+def as_version(v: Any) -> Any:
     """A weight version as an int where it is one (SGLang sends strings)."""
     if isinstance(v, str):
         try:
@@ -274,24 +235,19 @@ def _version(v: Any) -> Any:
     return v
 
 
-def _normalize_meta(meta: dict[str, Any], num_output_tokens: int) -> None:
+def normalize_meta(meta: dict[str, Any], num_output_tokens: int) -> None:
+    """SGLang's ``meta_info`` in the shape the rollout code reads: int versions, one version per output token."""
     if "weight_version" in meta:
-        meta["weight_version"] = _version(meta["weight_version"])
+        meta["weight_version"] = as_version(meta["weight_version"])
     spans = meta.get("weight_versions")
     if "output_token_weight_versions" not in meta and spans:
         per_token: list[Any] = []
         for span in spans:
-            per_token += [_version(span["version"])] * max(0, int(span["end"]) - int(span["start"]))
+            per_token += [as_version(span["version"])] * max(0, int(span["end"]) - int(span["start"]))
         if len(per_token) < num_output_tokens:
             per_token += [meta.get("weight_version", per_token[-1] if per_token else 0)] * (
                 num_output_tokens - len(per_token))
         meta["output_token_weight_versions"] = per_token[:num_output_tokens]
-
-
-def safetensors_metadata(raw: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors blob (its header: 8-byte little-endian length, then JSON)."""
-    size = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + size]).get("__metadata__") or {}
 
 
 def _error_message(text: str) -> str:

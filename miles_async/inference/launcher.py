@@ -1,4 +1,9 @@
-"""Start and stop engine server processes, bound to their parent's lifetime."""
+"""Start and stop engine server processes, bound to their parent's lifetime.
+
+``EngineProcess`` is the launcher half of the engine protocol: each engine's launcher
+(``<engine>/launcher.py``) says how to start its server (``command``, ``env``) and the base
+starts it in its own process group that dies with its parent, waits until ``/health`` answers
+(or the process exits, or the timeout passes) and stops it."""
 
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 
-from miles_async.config import EngineConfig
+if TYPE_CHECKING:
+    from miles_async.config import EngineConfig  # an annotation only: config reads the engines' declarations
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +62,8 @@ def engine_python(engine: str, explicit: str | None) -> str:
     return str(cached) if cached.exists() else sys.executable
 
 
-def make_engine_process(cfg: EngineConfig, index: int, log_dir: str | None) -> "EngineProcess":
-    """The engine process of ``cfg.backend``: the embedded server, SGLang's or vLLM's."""
-    if cfg.backend == "sglang":
-        from miles_async.inference.sglang_launcher import SGLangEngineProcess
-
-        return SGLangEngineProcess(cfg, index, log_dir)
-    if cfg.backend == "vllm":
-        from miles_async.inference.vllm_launcher import VLLMEngineProcess
-
-        return VLLMEngineProcess(cfg, index, log_dir)
-    if cfg.backend != "embedded":
-        raise ValueError(f"--rollout-backend {cfg.backend} is not available")
-    return EngineProcess(cfg, index, log_dir)
-
-
 class EngineProcess:
-    """One embedded engine server: a child process listening on 127.0.0.1."""
+    """One engine server: a child process listening on ``cfg.host``; subclasses give its ``command``."""
 
     def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None):
         self.cfg = cfg
@@ -83,18 +75,11 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "miles_async.inference.embedded.server",
-            "--model-path", self.model_path,
-            "--host", self.cfg.host,
-            "--port", str(self.port),
-            "--dtype", self.cfg.dtype,
-            "--max-running-requests", str(self.cfg.max_running_requests),
-            "--num-threads", str(self.cfg.num_threads),
-            "--seed", str(self.cfg.seed + self.index),
-        ] + (["--step-delay", str(self.cfg.debug_step_seconds)] if self.cfg.debug_step_seconds else [])
+        """The server's command line."""
+        raise NotImplementedError
 
     def env(self) -> dict:
+        """The server's environment: this one's, offline, with ``--rollout-num-threads`` CPU threads."""
         return dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",
                     TOKENIZERS_PARALLELISM="false")
 
@@ -108,7 +93,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         """Start and wait until healthy (``cfg.startup_timeout``); stopped on leaving the block."""
         self.start()
         try:
@@ -126,8 +111,9 @@ class EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                raise EngineStartError(f"engine {self.index} exited with code {self.proc.returncode if self.proc else None} "
-                                       f"before becoming healthy; see {self.log_path}:\n{self.tail_log()}")
+                code = self.proc.returncode if self.proc else None
+                raise EngineStartError(f"engine {self.index} exited with code {code} before becoming healthy; "
+                                       f"see {self.log_path}:\n{self.tail_log()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -171,5 +157,6 @@ class ServerEngineProcess(EngineProcess):
 
     @staticmethod
     def given(passthrough: tuple[str, ...]) -> set[str]:
-        """The flags the user passed through (``--flag`` and ``--flag=value`` alike): launcher defaults yield to them."""
+        """The flags the user passed through (``--flag`` and ``--flag=value`` alike): launcher defaults yield
+        to them."""
         return {a.partition("=")[0] for a in passthrough if a.startswith("--")}

@@ -29,9 +29,12 @@ import logging
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from miles_async.inference.client import EngineClient, EngineError, make_client
+from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.engines import make_client
+from miles_async.inference.launcher import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ class Router:
             # Wait for the controller to change the set, or for a cooldown to end.
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(self.cooldown, 1.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
@@ -166,8 +169,6 @@ class SGLangRouter:
     """
 
     def __init__(self, urls: list[str], timeout: float, host: str = "127.0.0.1", policy: str = "cache_aware"):
-        from miles_async.inference.launcher import free_port
-
         port = free_port(host)
         self.url = f"http://{host}:{port}"
         self.timeout = timeout

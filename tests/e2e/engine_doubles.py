@@ -1,7 +1,8 @@
 """Engine doubles for end-to-end tests: the embedded engine with one timing made certain.
 
-The engine server runs one when ``MILES_ASYNC_TEST_ENGINE_CLASS`` names it (see
+The engine server runs one when ``$MILES_ASYNC_ENGINE_CLASS`` names it (see
 ``miles_async.inference.embedded.server``); a test sets that variable for its own run only.
+(A set cost per decode step is ``benchmarks.engine_doubles.FixedStepCost``.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class HoldOneRequestUntilAbort(Engine):
         super()._sample_and_append(seqs, logits)
         if self.held is not None:
             return
-        self.held = next((s for s in self._rows if len(s.output) == s.params.max_new_tokens - 1 >= 1), None)
+        self.held = next((s for s in self._batch.rows if len(s.output) == s.params.max_new_tokens - 1 >= 1), None)
         if self.held is not None:
             self._flush()  # every row back to the queue without KV; the others are re-admitted next step
             self._waiting.remove(self.held)  # still live: an abort finishes it with its partial output

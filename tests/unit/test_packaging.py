@@ -42,7 +42,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 
 def test_the_wheel_ships_the_sglang_cpu_stand_ins(wheel) -> None:
-    from miles_async.inference.sglang_launcher import cpu_shims_dir
+    from miles_async.inference.sglang.launcher import cpu_shims_dir
 
     names = set(wheel.namelist())
     shims = cpu_shims_dir().relative_to(ROOT).as_posix()

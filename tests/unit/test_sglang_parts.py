@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.inference.client import _normalize_meta
-from miles_async.inference.launcher import EngineProcess, make_engine_process
-from miles_async.inference.sglang_launcher import CPU_SHIMS, SGLangEngineProcess
+from miles_async.inference.client import normalize_meta
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.inference.engines import make_engine_process
+from miles_async.inference.sglang.launcher import CPU_SHIMS, SGLangEngineProcess
 from tests.flag_helpers import minimal_flags
 
 
@@ -63,17 +64,17 @@ def test_launch_command(tmp_path):
     gpu = SGLangEngineProcess(replace(cfg, use_gpu=True, num_gpus_per_engine=2), 1, None).command()
     flags = dict(zip(gpu, gpu[1:]))
     assert flags["--base-gpu-id"] == "2" and flags["--tp-size"] == "2" and "--device" not in gpu
-    assert type(make_engine_process(replace(cfg, backend="embedded"), 0, None)) is EngineProcess
+    assert type(make_engine_process(replace(cfg, backend="embedded"), 0, None)) is EmbeddedEngineProcess
 
 
 def test_sglang_meta_is_normalized():
     meta = {"weight_version": "3", "weight_versions": [{"version": "2", "start": 0, "end": 2},
                                                        {"version": "3", "start": 2, "end": 5}]}
-    _normalize_meta(meta, 5)
+    normalize_meta(meta, 5)
     assert meta["weight_version"] == 3
     assert meta["output_token_weight_versions"] == [2, 2, 3, 3, 3]
     embedded = {"weight_version": 1, "output_token_weight_versions": [1, 1]}
-    _normalize_meta(embedded, 2)
+    normalize_meta(embedded, 2)
     assert embedded == {"weight_version": 1, "output_token_weight_versions": [1, 1]}
 
 

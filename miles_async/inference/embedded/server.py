@@ -21,6 +21,9 @@ Endpoints (JSON unless noted):
 - ``GET  /weights_checksum``            ``{"weight_version": V, "checksums": {name: {sha256, sum, shape, dtype}}}``
 - ``GET  /get_weights``                 every parameter as a safetensors blob, ``weight_version`` in its metadata
 
+``$MILES_ASYNC_ENGINE_CLASS=module:Class`` runs an ``Engine`` subclass instead of ``Engine`` (the
+plugin point for engine doubles: see ``ENGINE_CLASS_ENV``).
+
 ``/update_weights_from_tensor`` deliberately differs from SGLang (which takes pickled tensors in
 JSON): a safetensors blob is safe to parse and cheap to produce.
 
@@ -29,7 +32,7 @@ tokenizer; otherwise it is ``""`` and callers should use ``output_ids``.
 
 ``output_token_logprobs`` are log-probs of each sampled token under the
 distribution it was drawn from (after temperature, top-k/top-p renormalised;
-temperature-1 log-softmax for greedy rows), see ``engine.sample_tokens``.
+temperature-1 log-softmax for greedy rows), see ``sampling.sample_tokens``.
 A stop token that ends generation is included in ``output_ids``.
 """
 
@@ -48,23 +51,26 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_async.inference.embedded.engine import (
-    Engine,
+from miles_async.inference.embedded.engine import Engine
+from miles_async.inference.embedded.records import (
     EngineDeadError,
     GenerationResult,
     RequestRejectedError,
     SamplingParams,
     UnknownParameterError,
 )
-from miles_async.utils.plugins import load_function
+from miles_async.utils.plugins import PluginError, load_function
 
 logger = logging.getLogger("miles_async.inference.embedded.server")
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 
-# End-to-end tests run an engine double (an Engine subclass under tests/, given as module:Class) to
-# make a timing they check happen by construction; unset, the server runs Engine itself.
-ENGINE_CLASS_ENV = "MILES_ASYNC_TEST_ENGINE_CLASS"
+# The engine class the server runs, as ``module:Class`` (an ``Engine`` subclass importable from the
+# server's PYTHONPATH); unset, ``Engine`` itself. Read once at start-up. Tests and benchmarks run
+# engine doubles through it (tests/e2e/engine_doubles.py, benchmarks/engine_doubles.py): a timing a
+# test checks made certain, a fixed cost per decode step. The variable reaches every engine a run
+# starts, since engines inherit the environment of the process that launches them.
+ENGINE_CLASS_ENV = "MILES_ASYNC_ENGINE_CLASS"
 
 # Weight buckets can be large; aiohttp's 1 MiB default would reject them.
 MAX_BODY_BYTES = 64 * 1024**3
@@ -425,6 +431,16 @@ def build_app(engine: Engine) -> web.Application:
     return app
 
 
+def engine_class(path: str | None) -> type[Engine]:
+    """The class named by ``$MILES_ASYNC_ENGINE_CLASS`` (``module:Class``), or ``Engine`` when unset."""
+    if not path:
+        return Engine
+    cls = load_function(path, f"${ENGINE_CLASS_ENV}")
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise PluginError(f"${ENGINE_CLASS_ENV}: {path!r} is not a subclass of {Engine.__module__}.Engine")
+    return cls
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Embedded CPU inference server (SGLang-native API subset)")
     ap.add_argument("--model-path", required=True, help="HF model folder (config + safetensors)")
@@ -437,9 +453,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     ap.add_argument("--weight-version", type=int, default=0)
     ap.add_argument("--log-level", default="INFO")
-    # Testing aid: slows every decode step so pause/abort races are observable
-    # on fast tiny models; never useful in production.
-    ap.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -481,8 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    engine_cls = load_function(os.environ[ENGINE_CLASS_ENV], ENGINE_CLASS_ENV) if os.environ.get(ENGINE_CLASS_ENV) \
-        else Engine
+    engine_cls = engine_class(os.environ.get(ENGINE_CLASS_ENV))
+    if engine_cls is not Engine:
+        logger.info("engine class %s.%s (from $%s)", engine_cls.__module__, engine_cls.__qualname__, ENGINE_CLASS_ENV)
     engine = engine_cls(
         args.model_path,
         dtype=dtype,
@@ -490,7 +504,6 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         weight_version=args.weight_version,
         max_prefill_tokens=args.max_prefill_tokens,
-        step_delay_s=args.step_delay,
     )
     engine.start()
     try:

@@ -1,7 +1,7 @@
 """vLLM's server behind the SGLang-shaped ``EngineClient``: the same calls, vLLM's endpoints.
 
 vLLM (0.32; ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_DEV_MODE=1`` and
-``--enable-scale-out``, see ``vllm_launcher``) has what an RL loop needs under other names:
+``--enable-scale-out``, see ``vllm/launcher.py``) has what an RL loop needs under other names:
 
 - ``/inference/v1/generate``: token ids in, token ids, text and the sampled tokens' log-probs out,
   with per-token weight-version spans (``weight_versions``), like SGLang's.
@@ -10,21 +10,21 @@ vLLM (0.32; ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_
 - ``/abort_requests``: vLLM prefixes the ids we give with ``generate-tokens-``; aborting by the
   bare id silently matches nothing.
 - Weights from disk: ``/collective_rpc`` ``reload_hf_weights(weights_path=...)`` on every worker (vLLM's
-  ``reload_weights`` plus a repair for tied embeddings: ``vllm_worker``), then
+  ``reload_weights`` plus a repair for tied embeddings: ``vllm/worker.py``), then
   ``/reset_prefix_cache`` (the cached prefixes belong to the old weights) and
   ``/update_weight_version``.
 
 Everything is mapped back to SGLang's response shape here, so nothing else knows which engine
-answered. Not available: pushing tensors over HTTP, ``/get_weights`` and our per-tensor checksum
-(vLLM's ``/weight_checker`` hashes its own fused, and on the CPU repacked, parameters, which a
-trainer's HF-named tensors cannot be compared with).
+answered. Not available (the protocol's defaults refuse them): pushing tensors over HTTP, ``/get_weights``
+and our per-tensor checksum (vLLM's ``/weight_checker`` hashes its own fused, and on the CPU repacked,
+parameters, which a trainer's HF-named tensors cannot be compared with).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from miles_async.inference.client import EngineClient, EngineError, _normalize_meta, _version
+from miles_async.inference.client import EngineClient, EngineError, as_version, normalize_meta
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}
@@ -69,7 +69,7 @@ def sglang_shaped(answer: dict[str, Any]) -> dict[str, Any]:
     }
     if spans:
         meta["weight_version"] = spans[-1]["version"]
-    _normalize_meta(meta, len(ids))
+    normalize_meta(meta, len(ids))
     return {"text": choice.get("text") or "", "output_ids": ids, "meta_info": meta}
 
 
@@ -90,7 +90,7 @@ class VLLMEngineClient(EngineClient):
 
     async def model_info(self) -> dict[str, Any]:
         info = await self._request("GET", "/weight_info")
-        return {"weight_version": _version(info["weight_version"])}
+        return {"weight_version": as_version(info["weight_version"])}
 
     async def set_weight_version(self, version: int) -> None:
         await self._request("POST", "/update_weight_version", json_body={"new_version": str(int(version))})
@@ -122,15 +122,3 @@ class VLLMEngineClient(EngineClient):
         if weight_version is not None:
             await self.set_weight_version(weight_version)
         return {"success": True, "message": f"reloaded {model_path}"}
-
-    def _unavailable(self, endpoint: str, what: str) -> EngineError:
-        return EngineError(self.base_url, endpoint, f"{what} is not available with --rollout-backend vllm")
-
-    async def weights_checksum(self) -> dict[str, Any]:
-        raise self._unavailable("/weights_checksum", "a per-tensor checksum of HF-named weights")
-
-    async def get_weights(self):
-        raise self._unavailable("/get_weights", "reading the weights back")
-
-    async def update_weights_from_tensors(self, named_tensors, weight_version=None, flush=False):
-        raise self._unavailable("/update_weight_from_tensor", "pushing tensors over HTTP (use the disk route)")

@@ -2,7 +2,7 @@
 
 The server runs as a subprocess of the inference controller (same lifetime rules as the embedded
 engine: ``EngineProcess``), with the python of SGLang's virtual environment
-(``scripts/setup_sglang_env.sh``); the project's code only talks HTTP to it (``EngineClient``).
+(``scripts/setup_sglang_env.sh``); the project's code only talks HTTP to it (``SGLangEngineClient``).
 
 Command line: model, host/port, dtype, ``--max-running-requests`` (--sglang-server-concurrency),
 ``--tp-size`` (--rollout-num-gpus-per-engine), ``--random-seed``, ``--weight-version`` (the version
@@ -11,7 +11,7 @@ On GPUs engine ``i`` takes GPUs ``[i * tp, (i + 1) * tp)`` (``--base-gpu-id``) o
 controller. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
-``sglang_cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
+``cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from miles_async.inference.launcher import ServerEngineProcess, engine_python
 
-CPU_SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
+CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
 CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
                 ("--max-total-tokens", "32768"))
 

@@ -58,7 +58,8 @@ def __getattr__(name: str):
         raise AttributeError(name)
 
     def missing(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} is not in the CPU stand-in (miles_async/inference/sglang_cpu_shims)")
+        raise NotImplementedError(f"sgl_kernel.{name} is not in the CPU stand-in "
+                                  "(miles_async/inference/sglang/cpu_shims)")
 
     missing.__name__ = name
     return missing

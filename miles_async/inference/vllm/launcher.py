@@ -30,7 +30,7 @@ import requests
 from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess, engine_python
 
 CPU_KVCACHE_GIB = "2"
-WORKER_EXTENSION = "miles_async.inference.vllm_worker.MilesWorkerExtension"
+WORKER_EXTENSION = "miles_async.inference.vllm.worker.MilesWorkerExtension"
 
 
 class VLLMEngineProcess(ServerEngineProcess):
