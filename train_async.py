@@ -13,39 +13,27 @@ from tqdm import tqdm
 
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
-from miles_async.ray.cluster import init_ray
 from miles_async.ray.eval_dispatcher import EvalDispatcher
-from miles_async.ray.wiring import (Components, create_rollout_components, create_training_models, dispose,
-                                    engine_health, record_processes, save_checkpoint, train_step, update_weights)
-from miles_async.utils.async_utils import wait_for
+from miles_async.run import Run
 from miles_async.utils.misc import should_run_periodic_action
 from miles_async.utils.tracking import Tracker
 
 logger = logging.getLogger("train_async")
 
 
-async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
+async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
     loop, ckpt = cfg.loop, cfg.checkpoint
-    # Engines and trainers load their models in parallel; each start-up surfaces its own errors.
-    await asyncio.gather(create_rollout_components(cfg, comps), create_training_models(cfg, comps))
-    processes_path = os.path.join(cfg.tracking.output_dir, "processes.json")
-    engine_pids = (await record_processes(comps, processes_path))["engines_started"]
     # Always push weights first, so the engines serve exactly what the trainer holds.
-    await update_weights(cfg, comps, weight_version=loop.start_rollout_id)
+    await run.update_weights(weight_version=loop.start_rollout_id)
 
-    async def run_eval(rollout_id: int) -> dict:
-        return await comps.executor.eval.remote(rollout_id)
-
-    evals = EvalDispatcher(run_eval, lambda step, m: tracker.log(step, m, kind="eval"),
-                           cfg.eval.max_in_flight, timeout=loop.rollout_timeout)
+    evals = EvalDispatcher(run.evaluate, lambda step, m: tracker.log(step, m, kind="eval"),
+                           cfg.eval.max_in_flight, timeout=cfg.rollout.timeout)
     if loop.eval_interval is not None and loop.start_rollout_id == 0 and not cfg.eval.skip_before_train:
         await evals.dispatch(0)
 
-    async def generate(rollout_id: int) -> dict:
-        return await wait_for(comps.executor.generate.remote(rollout_id), loop.rollout_timeout,
-                              f"rollout {rollout_id} (--rollout-timeout)")
-
-    engine_busy = await comps.controller.busy_seconds.remote()
+    # One-step-off and --synchronous generate each rollout when asked; the fully-async
+    # producer generates all along, and each ask drains its next batch.
+    generate = run.drain if loop.fully_async else run.generate
     next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
     current = None
     try:
@@ -64,13 +52,13 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) \
                 if has_next and not defer_next_drain else None
 
-            metrics.update(await train_step(cfg, comps, rollout_id, current["data"][0]))
+            metrics.update(await run.train_step(rollout_id, current["data"][0]))
 
             external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
             if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,
                                                            loop.num_rollout):
                 t_save = time.time()
-                await save_checkpoint(cfg, comps, rollout_id)
+                await run.save(rollout_id)
                 metrics["time/save_seconds"] = time.time() - t_save
                 if external_save:
                     os.remove(ckpt.save_trigger_sentinel)
@@ -82,18 +70,14 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
                     t_drain = time.time()
                     current, next_rollout = await next_rollout, None
                     metrics["time/wait_rollout_seconds"] += time.time() - t_drain
-                metrics.update(await update_weights(cfg, comps, weight_version=rollout_id + 1))
+                metrics.update(await run.update_weights(weight_version=rollout_id + 1))
             if defer_next_drain:
                 next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
 
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
                 await evals.dispatch(rollout_id + 1)
             metrics["time/step_seconds"] = time.time() - t_wait
-            busy = await comps.controller.busy_seconds.remote()
-            metrics["engine/idle_frac"] = max(0.0, 1 - (busy - engine_busy) /
-                                              (cfg.engine.num_engines * metrics["time/step_seconds"]))
-            engine_busy = busy
-            metrics.update(await engine_health(cfg, comps, processes_path, engine_pids))
+            metrics.update(await run.health(metrics["time/step_seconds"]))
             tracker.log(rollout_id + 1, metrics)
             if loop.debug_exit_after_rollout is not None and \
                     rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:
@@ -108,21 +92,20 @@ async def train(cfg: Config, comps: Components, tracker: Tracker) -> None:
             next_rollout.add_done_callback(lambda f: f.cancelled() or f.exception())
     await evals.drain()
     if ckpt.save_hf:
-        await comps.actor.save_hf(ckpt.save_hf)
+        await run.save_hf(ckpt.save_hf)
 
 
 async def main(cfg: Config) -> None:
     # SIGTERM (Slurm, docker stop, kill) takes the same clean path as Ctrl-C: cancel the
-    # loop, and the finally below stops every actor and engine. Installed after ray.init,
-    # which sets its own SIGTERM handler (a bare sys.exit).
-    init_ray(cfg.cluster)
+    # loop, and leaving the Run stops every actor and engine. Installed after Run() starts
+    # Ray, which sets its own SIGTERM handler (a bare sys.exit).
+    run = Run(cfg)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tracker = Tracker(cfg)
-    comps = Components()
     try:
-        await train(cfg, comps, tracker)
+        async with run:
+            await train(cfg, run, tracker)
     finally:
-        await dispose(comps)
         tracker.close()
     plot = None
     if cfg.tracking.plot:
@@ -142,6 +125,11 @@ def cli(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.check_config:
+        from miles_async.config.report import render
+
+        print(render(cfg), flush=True)
+        return 0
     import ray
 
     try:

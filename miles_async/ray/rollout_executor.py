@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import ray
@@ -44,9 +45,8 @@ def _filter_long_prompts(items: list[PromptItem], tokenizer, cfg: RolloutConfig)
 
 
 class RolloutExecutor:
-    def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, engine_urls: list[str], request_timeout: float,
-                 load_dir: str | None = None, load_rollout_id: int | None = None, output_dir: str | None = None,
-                 engine: EngineConfig | None = None):
+    def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, engine: EngineConfig, engine_urls: list[str],
+                 load_dir: str | None = None, load_rollout_id: int | None = None, output_dir: str | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -54,10 +54,11 @@ class RolloutExecutor:
         # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
         self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-        ft = engine.fault_tolerance if engine is not None else None
-        self.router = make_router(engine_urls, request_timeout, kind=engine.router if engine else "builtin",
-                                  retry=ft is not None, cooldown=ft.health_check_interval if ft else 5.0,
-                                  backend=engine.backend if engine else "embedded")
+        ft = engine.fault_tolerance
+        # Without fault tolerance the engine set is fixed and nothing is retried, so no cooldown applies.
+        retry = {"retry": True, "cooldown": ft.health_check_interval} if ft is not None else {}
+        self.router = make_router(engine_urls, engine.request_timeout, kind=engine.router, backend=engine.backend,
+                                  **retry)
         if cfg.data_source_path:
             self.data_source = load_function(cfg.data_source_path, "--data-source-path")(cfg.data,
                                                                                         cfg.rollout_batch_size)
@@ -102,17 +103,32 @@ class RolloutExecutor:
                               for name, path in eval_cfg.datasets}
 
     async def generate(self, rollout_id: int) -> dict:
-        """Generate one rollout; the batch stays in the object store, only a ref travels back."""
+        """One-step-off and --synchronous: generate rollout ``rollout_id`` now, with the rollout function.
+        The batch stays in the object store, only a ref travels back."""
+        if self.producer is not None:
+            raise RuntimeError("--fully-async: the producer generates all along; take its batches with drain()")
+
+        async def produce() -> tuple[list, list, dict]:
+            groups = await self.rollout_fn(self.ctx, rollout_id)
+            return groups, [None] * len(groups), {}
+
+        return await self._rollout(rollout_id, produce)
+
+    async def drain(self, rollout_id: int) -> dict:
+        """--fully-async: the next batch the producer, generating all along, has assembled; as ``generate``."""
+        if self.producer is None:
+            raise RuntimeError("drain() needs --fully-async (no producer runs); generate() makes each rollout")
+        return await self._rollout(rollout_id, self.producer.get_batch)
+
+    async def _rollout(self, rollout_id: int, produce: Callable[[], Awaitable[tuple[list, list, dict]]]) -> dict:
+        """Runs ``produce`` (-> groups, each group's epoch, its own metrics) between the bookkeeping both modes
+        share: the data position before the draw (for checkpoints), reward counters, the audit log."""
         t0 = time.time()
         errors_before, timeouts_before = self.reward.errors, self.reward.timeouts
         self._state_before[rollout_id] = self.data_source.state_dict()
         for old in [k for k in self._state_before if k < rollout_id - 2]:
             del self._state_before[old]
-        if self.producer is not None:
-            groups, epochs, async_metrics = await self.producer.get_batch()
-        else:
-            groups, async_metrics = await self.rollout_fn(self.ctx, rollout_id), {}
-            epochs = [None] * len(groups)
+        groups, epochs, async_metrics = await produce()
         metrics = {**rollout_metrics(groups), **async_metrics}
         metrics["rollout/reward_errors"] = self.reward.errors - errors_before
         metrics["rollout/reward_timeouts"] = self.reward.timeouts - timeouts_before

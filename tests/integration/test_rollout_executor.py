@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import ray
 
 from miles_async.arguments import parse_args
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.utils.checkpoint import iteration_dir
 
@@ -33,13 +34,13 @@ def _cfg(tiny_model, tiny_task, tmp_path, *extra):
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_task, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    with EngineProcess(_cfg(tiny_model, tiny_task, tmp, "--rm-type", "integer").engine, 0, str(tmp)) as proc:
+    with EmbeddedEngineProcess(_cfg(tiny_model, tiny_task, tmp, "--rm-type", "integer").engine, 0, str(tmp)) as proc:
         yield proc
 
 
 def _executor(cfg, url):
-    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, [url], 60.0, None, None,
-                                              cfg.tracking.output_dir)
+    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url],
+                                              None, None, cfg.tracking.output_dir)
 
 
 def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny_model, tiny_task, tmp_path):
@@ -84,3 +85,25 @@ def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_tas
     out = ray.get(_executor(cfg, engine.url).generate.remote(0))
     assert out["metrics"]["rollout/reward_errors"] == 6
     assert ray.get(out["data"][0])["rewards"] == [0.0] * 6
+
+
+def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(local_ray, engine, tiny_model, tiny_task,
+                                                                        tmp_path):
+    """--fully-async: the producer generates on its own and ``drain`` takes its batches; ``generate`` would
+    draw prompts beside it and is refused. Without it no producer runs, so ``drain`` is refused."""
+    cfg = _cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer", "--fully-async")
+    ex = _executor(cfg, engine.url)
+    try:
+        out = ray.get(ex.drain.remote(0), timeout=120)
+        batch = ray.get(out["data"][0])
+        assert len(batch["tokens"]) == 6 and len(set(batch["group_index"])) == 3  # one batch: 3 groups of 2
+        assert out["metrics"]["async/staleness_max"] == 0  # the producer's own metrics; no update yet
+        log = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+        assert log[0]["rollout_id"] == 0 and log[0]["epochs"] == [0, 0, 0]
+        with pytest.raises(ray.exceptions.RayTaskError, match="take its batches with drain"):
+            ray.get(ex.generate.remote(1), timeout=60)
+    finally:
+        ray.get(ex.dispose.remote(), timeout=60)
+    one_step_off = _executor(_cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer"), engine.url)
+    with pytest.raises(ray.exceptions.RayTaskError, match="drain\\(\\) needs --fully-async"):
+        ray.get(one_step_off.drain.remote(0), timeout=60)
