@@ -18,7 +18,8 @@ supplies only:
   micro-batch's forward outputs,
 * ``_shard``, ``_per_sample``, ``_all_gather_dict`` (over the data-parallel group),
   ``_current_lr()``, ``optimizer_steps``, ``module``/``model``/``ref_model``/``device``,
-* for ``--keep-old-actor``: ``_snapshot_weights()`` and ``_model_with_weights(state)``.
+* for ``--keep-old-actor``: ``_snapshot_weights()`` and ``_model_with_weights(state)``,
+* ``_weight_source()``: its policy's HF-named tensors and which rank sends them (``miles_async.weights``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,18 @@ from dataclasses import dataclass
 import torch
 
 from miles_async.algorithms.advantages import compute_advantages
-from miles_async.algorithms.losses import aggregate_loss, compute_approx_kl, masked_mean, policy_loss
+from miles_async.algorithms.losses import (
+    aggregate_loss,
+    compute_approx_kl,
+    masked_mean,
+    policy_loss,
+)
 from miles_async.backends.packing import MicroBatch, pad_rows
+from miles_async.utils.weight_checksum import tensor_checksums
+from miles_async.weights.disk import write_engine_folder
+from miles_async.weights.sender import WeightSender
+from miles_async.weights.source import iter_buckets
+from miles_async.weights.update import DTYPES, WeightUpdate
 
 # loss_of(micro_batch, sample_indices, logprobs [B, R], entropy [B, R]) -> (loss, metrics)
 LossOfOutputs = Callable[[MicroBatch, list[int], torch.Tensor, torch.Tensor],
@@ -92,6 +103,7 @@ class PolicyMixin:
         # --keep-old-actor: CPU copies of the weights of every version still in flight.
         self._kept_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._prepared = None
+        self._weight_sender = WeightSender()
 
     # -- log-probs ------------------------------------------------------------------------
     def _logprobs_of(self, model, batch: dict, idx: list[int], temperature: float) -> dict[int, list[float]]:
@@ -118,56 +130,23 @@ class PolicyMixin:
                                          temperature))
         return out
 
-    def _send_buckets(self, buckets, urls: list[str], weight_version: int, timeout: float, method: str,
-                      ranks_per_engine: int, backend: str = "embedded") -> dict:
-        """Rank 0's half of a weight push: ``tensor`` posts each bucket over HTTP (the embedded engine: the bytes;
-        SGLang on this node: shared-memory handles); ``distributed`` broadcasts it in the process group shared
-        with the engines (joined at the first push, kept for the run)."""
-        import asyncio
+    # -- weights -------------------------------------------------------------------------
+    def push_weights(self, update: WeightUpdate) -> dict:
+        """Every rank calls it (a backend's source may gather); rank 0 sends the buckets by the update's route."""
+        self._keep_weights(update.version)
+        return self._weight_source().read(lambda named: self._weight_sender.push(
+            iter_buckets(named, update.torch_dtype, update.bucket_bytes), update), {})
 
-        from miles_async.backends.weight_export import push_buckets
-
+    def save_weights_for_engines(self, update: WeightUpdate) -> dict:
+        """The disk route: rank 0 writes the policy's weights, in the engines' dtype, to ``update.folder``."""
+        self._keep_weights(update.version)
         t0 = time.time()
-        if method == "distributed":
-            nbytes = self._engine_weight_group(urls, ranks_per_engine, timeout).push(buckets, weight_version)
-        elif method == "tensor":
-            nbytes = asyncio.run(push_buckets(buckets, urls, weight_version, timeout, backend))
-        else:
-            raise ValueError(f"weight update method {method!r} does not push buckets")
-        return {"weights/push_seconds": time.time() - t0, "weights/bytes": nbytes}
-
-    def _engine_weight_group(self, urls: list[str], ranks_per_engine: int, timeout: float):
-        from urllib.parse import urlparse
-
-        from miles_async.backends.distributed_weights import EngineWeightGroup
-
-        group = getattr(self, "_weight_group", None)
-        if group is not None and group.urls == list(urls):
-            return group
-        if group is not None:
-            group.close()
-        hosts = {urlparse(u).hostname for u in urls}
-        if hosts <= {"127.0.0.1", "localhost"}:
-            address = "127.0.0.1"
-        else:  # engines on other nodes reach the trainer by its node address
-            import ray
-
-            address = ray.util.get_node_ip_address()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self._weight_group = EngineWeightGroup(urls, ranks_per_engine, backend, address, timeout)
-        return self._weight_group
-
-    def save_weights_for_engines(self, path: str, weight_version: int, engine_dtype: str = "float32") -> dict:
-        """The disk route of a weight update (``--weight-update-method disk``): write the policy's weights, in
-        the engines' dtype, with the model's config.json (what an engine reloading weights reads; no tokenizer),
-        for the engines to load from ``path``. Every rank calls it (Megatron's TP gathers); the backend's
-        ``_save_engine_folder`` decides who writes."""
-        from miles_async.backends.weight_export import DTYPES
-
-        self._keep_weights(weight_version)
-        t0 = time.time()
-        nbytes = self._save_engine_folder(path, DTYPES[engine_dtype])
+        nbytes = self._weight_source().read(lambda named: write_engine_folder(named, self.cfg.model_path, update), 0)
         return {"weights/save_seconds": time.time() - t0, "weights/bytes": nbytes}
+
+    def weights_checksum(self, engine_dtype: str) -> dict:
+        """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``); rank 0's."""
+        return self._weight_source().read(lambda named: tensor_checksums(named, DTYPES[engine_dtype]), {})
 
     def _keep_weights(self, weight_version: int) -> None:
         if self.cfg.algorithm.keep_old_actor:
@@ -220,9 +199,6 @@ class PolicyMixin:
     def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
               values: list[list[float]] | None = None) -> dict:
         t0 = time.time()
-        if self.cfg.debug_train_seconds is not None:  # benchmarks: a set training cost, weights untouched
-            time.sleep(self.cfg.debug_train_seconds)
-            return {"train/seconds": time.time() - t0, "train/started_at": t0, "train/finished_at": time.time()}
         if self._prepared is None or self._prepared.rollout_id != rollout_id:
             self.prepare(rollout_id, batch, temperature, values)
         prep, self._prepared = self._prepared, None

@@ -26,14 +26,14 @@ import os
 import time
 
 from miles_async.config import EngineConfig
-from miles_async.inference.client import EngineClient, EngineError, make_client
+from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.inference.fault_tolerance import (
     AllEnginesFailed,
     EngineSupervisor,
     FaultTolerancePolicy,
     Probe,
 )
-from miles_async.inference.launcher import make_engine_process
 from miles_async.inference.router import is_engine_failure
 from miles_async.utils.weight_checksum import first_mismatch
 
@@ -142,7 +142,8 @@ class InferenceController:
         await self._seed(i)
 
     async def _seed(self, i: int) -> None:
-        from miles_async.backends.weight_export import iter_buckets, push_buckets
+        from miles_async.weights.http import push_buckets
+        from miles_async.weights.source import iter_buckets
 
         async with self._weights_lock:  # no update in flight: every serving engine holds the current version
             peers = [j for j in self._serving() if j != i]

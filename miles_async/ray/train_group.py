@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import ray
 
 from miles_async.config import ClusterConfig, TrainConfig
 from miles_async.ray.cluster import actor_options
+from miles_async.utils.plugins import PluginError, load_function
+from miles_async.weights.update import WeightUpdate
+
+# ``module:Class`` of a policy worker to run instead of the backend's own: the plugin point for trainer doubles
+# (benchmarks/train_doubles.py gives training a set cost), as $MILES_ASYNC_ENGINE_CLASS is for the engine.
+ACTOR_CLASS_ENV = "MILES_ASYNC_ACTOR_CLASS"
 
 
-def _worker_class(cfg: TrainConfig) -> type:
+def _backend_class(cfg: TrainConfig) -> type:
     if cfg.backend == "megatron" and cfg.role == "actor":
         from miles_async.backends.megatron.actor import MegatronTrainActor
 
@@ -26,10 +33,24 @@ def _worker_class(cfg: TrainConfig) -> type:
     return FSDPTrainActor
 
 
+def worker_class(cfg: TrainConfig) -> type:
+    """The worker class of ``cfg``'s role and backend; for the actor, ``$MILES_ASYNC_ACTOR_CLASS`` when set
+    (a subclass of the backend's own)."""
+    cls = _backend_class(cfg)
+    path = os.environ.get(ACTOR_CLASS_ENV)
+    if cfg.role != "actor" or not path:
+        return cls
+    double = load_function(path, f"${ACTOR_CLASS_ENV}")
+    if not (isinstance(double, type) and issubclass(double, cls)):
+        raise PluginError(f"${ACTOR_CLASS_ENV}: {path!r} is not a subclass of {cls.__module__}.{cls.__qualname__} "
+                          f"(--train-backend {cfg.backend})")
+    return double
+
+
 class TrainGroup:
     def __init__(self, cfg: TrainConfig, cluster: ClusterConfig, num_workers: int, total_optimizer_steps: int,
                  load_dir: str | None, load_rollout_id: int | None):
-        remote_cls = ray.remote(_worker_class(cfg))
+        remote_cls = ray.remote(worker_class(cfg))
         opts = actor_options(cluster, num_threads=cfg.num_threads, gpu=True)
         self.actors = [remote_cls.options(**opts).remote(cfg, rank, num_workers, total_optimizer_steps, load_dir,
                                                          load_rollout_id)
@@ -49,10 +70,8 @@ class TrainGroup:
     async def train(self, rollout_id: int, data_ref: ray.ObjectRef, *args) -> dict:
         return await self.call("train", rollout_id, data_ref, *args)
 
-    async def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                           method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
-        return await self.call("push_weights", urls, weight_version, engine_dtype, timeout, method, ranks_per_engine,
-                               backend)
+    async def push_weights(self, update: WeightUpdate) -> dict:
+        return await self.call("push_weights", update)
 
     async def save(self, save_dir: str, rollout_id: int, save_optimizer: bool) -> None:
         await self._all("save", save_dir, rollout_id, save_optimizer)

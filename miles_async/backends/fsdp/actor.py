@@ -18,10 +18,9 @@ import torch
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
-from miles_async.backends.policy import LossOfOutputs, Prepared, PolicyMixin  # noqa: F401 - Prepared re-exported
-from miles_async.backends.weight_export import DTYPES, iter_buckets, save_hf_folder
+from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.config import TrainConfig
-
+from miles_async.weights.source import WeightSource
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
@@ -38,13 +37,14 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
             self._load(load_dir, load_rollout_id)
 
     @staticmethod
-    def _causal_lm(path: str) -> torch.nn.Module:
+    def _causal_lm(path: str, **config: float) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config)
 
     def _build_module(self) -> torch.nn.Module:
-        return self._causal_lm(self.cfg.model_path)
+        # --attention-dropout: HF attention applies it in training passes only (log-probs run in eval mode).
+        return self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
 
     # -- forward passes --------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
@@ -78,27 +78,9 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         return self._old_module
 
     # -- weights -----------------------------------------------------------------------
-    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                     method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
-        """Stream the policy to every engine in buckets; only rank 0 sends (DDP replicas agree)."""
-        self._keep_weights(weight_version)
-        if self.rank != 0:
-            return {}
-        buckets = iter_buckets(self.module.named_parameters(), DTYPES[engine_dtype],
-                               self.cfg.update_weight_buffer_size)
-        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine, backend)
-
-    def weights_checksum(self, engine_dtype: str) -> dict:
-        """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""
-        from miles_async.utils.weight_checksum import tensor_checksums
-
-        return tensor_checksums(self.module.named_parameters(), DTYPES[engine_dtype])
-
-    def _save_engine_folder(self, path: str, dtype: torch.dtype) -> int:
-        if self.rank != 0:
-            return 0
-        return save_hf_folder(self.module.named_parameters(), self.cfg.model_path, path, dtype=dtype,
-                              side_files="config")
+    def _weight_source(self) -> WeightSource:
+        # DDP replicas agree: rank 0's copy goes out, alone.
+        return WeightSource(self.module.named_parameters, sends=self.rank == 0)
 
     def save_hf(self, path: str) -> None:
         if self.rank != 0:

@@ -1,6 +1,6 @@
 """What the policy and the value model of the torch backend share.
 
-One Ray actor per training worker: device and seeding, AdamW with the LR schedule,
+One Ray actor per training worker: device and seeding, the optimizer (AdamW or SGD) with the LR schedule,
 data parallelism over torch.distributed (DDP: gloo on the CPU, NCCL on GPUs), the
 split of a rollout into optimizer steps and token-budgeted micro-batches, the
 optimizer step itself, and checkpoints (weights, optimizer, RNG) in a sub-folder
@@ -42,6 +42,15 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
     return f
 
 
+def make_optimizer(params, opt: OptimizerConfig) -> torch.optim.Optimizer:
+    """--optimizer adam: AdamW (decoupled weight decay, as Megatron's adam); sgd: SGD with --sgd-momentum and
+    weight decay added to the gradient (as Megatron's sgd)."""
+    if opt.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=opt.lr, momentum=opt.sgd_momentum, weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                             weight_decay=opt.weight_decay)
+
+
 def save_rng_state(folder: Path, rank: int) -> None:
     """Python, numpy and torch RNG states of one worker, so a resumed run samples as the original."""
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -74,8 +83,7 @@ class TrainWorker:
             self.module.gradient_checkpointing_enable()
         self.module.config.use_cache = False
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
-                                           eps=opt.adam_eps, weight_decay=opt.weight_decay)
+        self.optimizer = make_optimizer(self.module.parameters(), opt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt, total_optimizer_steps))
         self.pad_id = self.module.config.pad_token_id or 0
         self.model = self.module

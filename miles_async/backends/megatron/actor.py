@@ -25,12 +25,19 @@ import torch.distributed as dist
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.worker import TrainWorker, load_rng_state, lr_lambda, save_rng_state
 from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf
-from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, init_parallel
+from miles_async.backends.megatron.model import (
+    ArchSpec,
+    ParallelSizes,
+    build_gpt_model,
+    init_parallel,
+    training_knobs,
+)
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
-from miles_async.backends.weight_export import DTYPES, iter_buckets, save_hf_folder
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
+from miles_async.weights.disk import save_hf_folder
+from miles_async.weights.source import WeightSource
 
 
 
@@ -114,8 +121,9 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         cfg.finalize_model_grads_func = finalize_model_grads
         opt = self.cfg.optimizer
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+            optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
             adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
+            sgd_momentum=opt.sgd_momentum,
             bf16=self.bf16, fp16=False, params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
             use_distributed_optimizer=self.par.distributed_optimizer), [self.model])
         self._lr_at = lr_lambda(opt, self.total_optimizer_steps)
@@ -127,7 +135,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             self._load(load_dir, load_rollout_id)
 
     def _build_gpt(self, path: str):
-        model = build_gpt_model(self.arch, self.par, bf16=self.bf16)
+        model = build_gpt_model(self.arch, self.par, bf16=self.bf16, knobs=training_knobs(self.cfg))
         load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank)
         return model
 
@@ -225,52 +233,19 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it."""
         return export_hf(self.module, self.arch, self.tp, self.tp_group)
 
-    def push_weights(self, urls: list[str], weight_version: int, engine_dtype: str, timeout: float,
-                     method: str = "tensor", ranks_per_engine: int = 1, backend: str = "embedded") -> dict:
-        """Stream the policy to every engine in buckets gathered over TP; global rank 0 sends."""
-        self._keep_weights(weight_version)
-        if self.dp_rank != 0:
-            return {}
-        if self.rank != 0:
-            for _ in self._export():  # take part in the TP gathers
-                pass
-            return {}
-        buckets = iter_buckets(self._export(), DTYPES[engine_dtype], self.cfg.update_weight_buffer_size)
-        return self._send_buckets(buckets, urls, weight_version, timeout, method, ranks_per_engine, backend)
-
-    def weights_checksum(self, engine_dtype: str) -> dict:
-        """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``)."""
-        from miles_async.utils.weight_checksum import tensor_checksums
-
-        if self.dp_rank != 0:
-            return {}
-        if self.rank != 0:
-            for _ in self._export():
-                pass
-            return {}
-        return tensor_checksums(self._export(), DTYPES[engine_dtype])
+    def _weight_source(self) -> WeightSource:
+        # Global rank 0 sends; the other TP ranks of its replica take part in each parameter's TP gather.
+        return WeightSource(self._export, sends=self.rank == 0, gathers=self.dp_rank == 0)
 
     def save_hf(self, path: str) -> None:
-        if self.dp_rank != 0:
-            return
-        if self.rank != 0:
-            for _ in self._export():
-                pass
-            return
-        tmp = Path(str(path) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_hf_folder(self._export(), self.cfg.model_path, tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        def write(named) -> None:
+            tmp = Path(str(path) + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf_folder(named, self.cfg.model_path, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
 
-    def _save_engine_folder(self, path: str, dtype: torch.dtype) -> int:
-        if self.dp_rank != 0:
-            return 0
-        if self.rank != 0:
-            for _ in self._export():  # take part in the TP gathers
-                pass
-            return 0
-        return save_hf_folder(self._export(), self.cfg.model_path, path, dtype=dtype, side_files="config")
+        self._weight_source().read(write, None)
 
     # -- checkpoints: Megatron distributed checkpointing -----------------------------------------
     def _sharded_state(self, with_optimizer: bool, is_loading: bool = False) -> dict:

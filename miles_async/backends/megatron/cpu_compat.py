@@ -124,11 +124,20 @@ def apply() -> None:
 
         mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
         mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+        # Activation recompute (--recompute-granularity) runs layers' forward again inside backward, which runs
+        # within this mode's own handler for Tensor.backward, where torch disables the mode: give it its own.
+        recompute = mrandom.CheckpointFunction.backward
+        mrandom.CheckpointFunction.backward = staticmethod(lambda ctx, *grads: _in_mode(recompute, ctx, *grads))
         _applied = True
         _activate_mode()
 
 
 _mode_threads: set[int] = set()
+
+
+def _in_mode(fn, *args):
+    with _CudaToCpu():
+        return fn(*args)
 
 
 def _activate_mode() -> None:

@@ -10,9 +10,14 @@ Megatron's local one; the conversion names follow whichever was used.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from miles_async.config import TrainConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -107,7 +112,19 @@ def layer_spec(arch: ArchSpec, use_te: bool):
     return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
 
 
-def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_init: bool):
+def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
+    """The TransformerConfig fields the training flags set: activation recompute (--recompute-*), dropout
+    (--attention-dropout, --hidden-dropout) and Transformer Engine's attention (--attention-backend)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    m = cfg.megatron
+    return {"recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
+            "recompute_num_layers": m.recompute_num_layers, "hidden_dropout": cfg.hidden_dropout,
+            "attention_dropout": cfg.attention_dropout, "attention_backend": AttnBackend[m.attention_backend]}
+
+
+def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_init: bool,
+                       knobs: Mapping[str, Any] | None = None):
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -116,7 +133,7 @@ def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_i
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
         normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
@@ -126,16 +143,19 @@ def transformer_config(arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_i
         # Every weight is overwritten from the HF checkpoint, but initialisation must stay on: only that
         # path marks the TP-sharded weights (tensor_model_parallel), which the grad norm relies on.
         perform_initialization=True,
+        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **(knobs or {})},
     )
 
 
-def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False):
-    """The model of this rank (pre/post-process by pipeline stage), on the current device."""
+def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False,
+                    knobs: Mapping[str, Any] | None = None):
+    """The model of this rank (pre/post-process by pipeline stage), on the current device; ``knobs``: the
+    training flags' TransformerConfig fields (``training_knobs``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     use_te = have_transformer_engine()
-    cfg = transformer_config(arch, par, bf16, use_cpu_init=not torch.cuda.is_available())
+    cfg = transformer_config(arch, par, bf16, use_cpu_init=not torch.cuda.is_available(), knobs=knobs)
     # Megatron's autograd functions are custom_fwd(device_type="cuda"); torch autocast is not used here.
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(arch, use_te), vocab_size=arch.padded_vocab(par.tp),

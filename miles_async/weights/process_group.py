@@ -1,4 +1,4 @@
-"""The distributed weight route into SGLang: one process group of the trainer's rank 0 and every engine's
+"""The process-group route (``--weight-update-method distributed``) into SGLang: one process group of the trainer's rank 0 and every engine's
 tensor-parallel ranks, the weights broadcast from rank 0 in buckets (``update_weights_from_distributed``).
 
 On GPUs the group is NCCL (the route Miles and slime use between the trainer and non-colocated engines);
@@ -24,13 +24,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Iterable
+from urllib.parse import urlparse
 
 import requests
 import torch
 
 from miles_async.inference.launcher import free_port
+from miles_async.weights.update import WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,12 @@ class WeightGroupError(RuntimeError):
 def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout: float):
     """Host the rendezvous store and join the group as rank 0, keyed as SGLang's ``init_custom_process_group``
     keys its side (the group name as the store prefix and as the group's name)."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
 
     store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout))
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store),
@@ -75,7 +82,7 @@ class EngineWeightGroup:
     def _check(self, url: str, fut: concurrent.futures.Future, endpoint: str) -> None:
         try:
             r = fut.result(timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - named with the engine below
+        except Exception as e:
             raise WeightGroupError(f"{url}{endpoint} failed: {e!r}") from e
         try:
             body = r.json()
@@ -160,3 +167,34 @@ class EngineWeightGroup:
             self.pg = None
         self._pool.shutdown(wait=False)
 
+
+def trainer_address(urls: list[str]) -> str:
+    """Where the engines reach rank 0's rendezvous: loopback when they all run here, else this node's address."""
+    if {urlparse(u).hostname for u in urls} <= {"127.0.0.1", "localhost"}:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class ProcessGroupRoute:
+    """The route's state on rank 0: the group joined at the first push and kept while the targets stay the
+    same (a new group when they change, e.g. an engine left out under --use-fault-tolerance)."""
+
+    def __init__(self):
+        self.group: EngineWeightGroup | None = None
+
+    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], update: WeightUpdate) -> int:
+        urls = list(update.targets)
+        if self.group is not None and self.group.urls != urls:
+            self.close()
+        if self.group is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self.group = EngineWeightGroup(urls, update.ranks_per_engine, backend, trainer_address(urls),
+                                           update.timeout)
+        return self.group.push(buckets, update.version)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None

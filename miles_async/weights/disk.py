@@ -1,59 +1,18 @@
-"""Weights as a stream of (name, tensor) buckets, so an update never holds a second full copy."""
+"""The disk route: the trainer's rank 0 writes an HF folder (safetensors shards and config.json) in the
+engines' dtype, which the engines then load (SGLang's ``/update_weights_from_disk``, vLLM's
+``reload_weights``); the driver brings the folder to them and removes it. ``save_hf_folder`` also writes
+``--save-hf`` checkpoints."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
-from miles_async.inference.client import make_client
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype
-
-
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors (cast to the engine's dtype, on the CPU) into buckets of about ``bucket_bytes``."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        t = t.detach().to(device="cpu", dtype=dtype).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-async def push_buckets(buckets: Iterator[list[tuple[str, torch.Tensor]]], urls: list[str], weight_version: int,
-                       timeout: float, backend: str = "embedded") -> int:
-    """Send each bucket to every engine (the client of ``backend``); the version is set with the last bucket.
-    Returns bytes sent per engine."""
-    clients = [make_client(backend, u, timeout) for u in urls]
-    sent = 0
-    try:
-        await asyncio.gather(*[c.begin_weight_update() for c in clients])
-        current = next(buckets, None)
-        while current is not None:
-            following = next(buckets, None)
-            last = following is None
-            await asyncio.gather(*[c.update_weights_from_tensors(current, weight_version if last else None,
-                                                                 flush=last) for c in clients])
-            sent += sum(t.numel() * t.element_size() for _, t in current)
-            current = following
-        await asyncio.gather(*[c.end_weight_update() for c in clients])
-    finally:
-        for c in clients:
-            await c.close()
-    return sent
-
+from miles_async.weights.update import WeightUpdate
 
 # Files of an HF folder that are not weights; an engine reloading weights needs none of them but the config.
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin")
@@ -106,3 +65,9 @@ def save_hf_folder(named: Iterable[tuple[str, torch.Tensor]], src: str | Path, o
         if side_files == "all" or f.name == "config.json":
             shutil.copy2(f, out / f.name)
     return total
+
+
+def write_engine_folder(named: Iterable[tuple[str, torch.Tensor]], model_path: str, update: WeightUpdate) -> int:
+    """The update's folder: the weights in the engines' dtype and the model's config.json (what an engine
+    reloading weights reads; no tokenizer). Returns the bytes of tensors written."""
+    return save_hf_folder(named, model_path, update.folder, dtype=update.torch_dtype, side_files="config")

@@ -1,0 +1,13 @@
+"""The weight path: how the trainer's weights reach the inference engines after each update.
+
+- ``update.py``: ``WeightUpdate``, the record of one update (version, route, dtype, targets, ...).
+- ``source.py``: what each training backend implements once, its HF-named tensors and which rank sends them;
+  ``iter_buckets`` groups them for the routes.
+- One module per route, each the trainer's side of it (the engines' side is their client's HTTP calls):
+  ``http.py`` (tensor buckets over HTTP, the embedded engine), ``shared_memory.py`` (SGLang on the trainer's
+  node: shared-memory / CUDA IPC handles), ``disk.py`` (an HF folder the engines load), ``process_group.py``
+  (a broadcast in a process group with SGLang's ranks: NCCL on GPUs, gloo on the CPU).
+- ``sender.py``: the trainer's rank 0 pushes buckets by the record's route.
+- ``driver.py``: one update end to end, over the train group and the inference controller (the only module
+  here that orchestrates Ray actors; backends import the others).
+"""

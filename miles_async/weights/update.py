@@ -1,0 +1,52 @@
+"""One weight update, as a record that travels from the driver to the trainer's ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles_async.inference.engines import engine_spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype
+
+# The routes, one module each; a --weight-update-method value names one, except "tensor", whose module is
+# the engine's (EngineSpec.tensor_route).
+HTTP, SHARED_MEMORY, DISK, PROCESS_GROUP = "http", "shared_memory", "disk", "process_group"
+ROUTES = (HTTP, SHARED_MEMORY, DISK, PROCESS_GROUP)
+
+
+def route_for(method: str, engine: str) -> str:
+    """The route module of ``--weight-update-method method`` into ``--rollout-backend engine``."""
+    if method == "tensor":
+        return engine_spec(engine).tensor_route
+    if method == "disk":
+        return DISK
+    if method == "distributed":
+        return PROCESS_GROUP
+    raise ValueError(f"--weight-update-method {method!r}: expected tensor, disk or distributed")
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    version: int
+    route: str  # one of ROUTES
+    dtype: str  # the engines' dtype (--rollout-dtype), a key of DTYPES
+    timeout: float  # seconds, each engine call and each collective
+    targets: tuple[str, ...] = ()  # engine URLs; the disk route's engines are the controller's
+    engine: str = "embedded"  # --rollout-backend: whose client speaks to the targets
+    bucket_bytes: int = 512 << 20  # --update-weight-buffer-size
+    ranks_per_engine: int = 1  # the process group route: each engine's tensor-parallel ranks
+    folder: str | None = None  # the disk route: where the HF folder goes
+
+    def __post_init__(self):
+        if self.route not in ROUTES:
+            raise ValueError(f"weight route {self.route!r}: expected one of {ROUTES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--rollout-dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if self.route == DISK and not self.folder:
+            raise ValueError("the disk weight route needs the folder to write")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,53 @@
+"""The weight path's pure parts: which route an update takes, what its record refuses, and which ranks read
+a backend's tensors (the sender uses them, a gathering rank drains them for its collectives, others skip)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_async.weights.source import WeightSource, iter_buckets
+from miles_async.weights.update import WeightUpdate, route_for
+
+
+@pytest.mark.parametrize(("method", "engine", "route"), [
+    ("tensor", "embedded", "http"), ("tensor", "sglang", "shared_memory"),
+    ("distributed", "sglang", "process_group"), ("disk", "sglang", "disk"), ("disk", "vllm", "disk"),
+])
+def test_each_method_and_engine_take_their_route(method, engine, route):
+    assert route_for(method, engine) == route
+
+
+def test_the_record_refuses_what_no_route_can_do():
+    with pytest.raises(ValueError, match="--rollout-dtype 'float16'"):
+        WeightUpdate(version=1, route="http", dtype="float16", timeout=1)
+    with pytest.raises(ValueError, match="disk weight route needs the folder"):
+        WeightUpdate(version=1, route="disk", dtype="float32", timeout=1)
+    with pytest.raises(ValueError, match="--weight-update-method 'nccl'"):
+        route_for("nccl", "sglang")
+
+
+def _source(sends: bool, gathers: bool, passes: list[list[str]]) -> WeightSource:
+    def tensors():
+        seen: list[str] = []
+        passes.append(seen)
+        for name in ("a", "b", "c"):
+            seen.append(name)  # where Megatron gathers the parameter over TP
+            yield name, torch.ones(2)
+    return WeightSource(tensors, sends=sends, gathers=gathers)
+
+
+def test_only_the_sender_uses_the_tensors_and_gathering_ranks_drain_them():
+    passes: list[list[str]] = []
+    assert _source(True, True, passes).read(lambda named: [n for n, _ in named], []) == ["a", "b", "c"]
+    assert _source(False, True, passes).read(lambda named: pytest.fail("only the sender consumes"), {}) == {}
+    assert passes == [["a", "b", "c"], ["a", "b", "c"]]  # the gathering rank took part in every gather
+    assert _source(False, False, passes).read(lambda named: pytest.fail("only the sender consumes"), 0) == 0
+    assert len(passes) == 2  # a rank outside the gathers does not read at all
+
+
+def test_buckets_cast_and_split_at_the_size():
+    named = [("a", torch.ones(4)), ("b", torch.ones(4)), ("c", torch.ones(2))]
+    buckets = list(iter_buckets(named, torch.bfloat16, bucket_bytes=12))
+    assert [[n for n, _ in b] for b in buckets] == [["a"], ["b", "c"]]
+    assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
