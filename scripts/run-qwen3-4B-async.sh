@@ -10,11 +10,11 @@
 # node; with RAY_ADDRESS=host:port (e.g. under scripts/slurm/train-async.sbatch) it joins
 # that cluster. A checkpoint in SAVE_DIR is resumed from (--load) when one exists.
 #
-# NOTE: the Megatron backend (--train-backend megatron, TP/PP/CP, distributed optimizer) and
-# SGLang engines (--rollout-backend sglang, --sglang-*) exist, but train_async.py does not
-# accept Megatron-LM's model-architecture flags (MODEL_ARGS) and some of its training flags
-# (--optimizer, --recompute-*, the dropouts, ...) yet: running this launcher stops at flag
-# parsing, and tests/scripts/test_launchers.py::test_qwen3_launcher_command_parses says so.
+# --check-config (an extra flag) checks the command without starting anything: MODEL_ARGS against
+# $HF_CHECKPOINT/config.json, the data files and their keys, every flag, and prints the resolved
+# configuration and the worker plan (exit 0, or 2 with the reason). What only the GPU node can tell
+# (GPUs, Transformer Engine for --sequence-parallel, SGLang) is a warning there. The test suite runs
+# this launcher so with Qwen3-4B's published config.json (tests/scripts/test_check_config.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/lib/launch.sh

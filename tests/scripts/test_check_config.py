@@ -1,0 +1,140 @@
+"""Every launcher under scripts/ runs its exact command through ``train_async.py --check-config``: the published
+config.json of its model (tests/scripts/model_configs, no weights) against its model flags, small real JSONL data
+files at the paths and with the keys the command names, and every other check that needs no worker. Nothing
+starts (no Ray, no output folder); the command exits 0 and prints the resolved configuration and the worker plan.
+
+The Qwen3 launcher's command is also run with each other scripts/models/*.sh MODEL_ARGS in place of Qwen3-4B's,
+against that model's published config.json, and with a checkpoint of another model, which fails naming the flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.helpers import ROOT, STUBS
+from tests.scripts.test_launchers import _env, _run, _words
+from tests.unit.test_model_flags import _script_model_args
+
+pytestmark = pytest.mark.timeout(300)
+
+CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
+QWEN3 = "scripts/run-qwen3-4B-async.sh"
+CPU = "scripts/run-smollm2-cpu-async.sh"
+QWEN3_PLAN = ["actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2",
+              "rollout: 2 engines x 2 GPUs = 4 GPUs; sglang engines, weights by distributed"]
+
+
+def _launcher_env(tmp_path: Path, script: str, model: str) -> dict:
+    paths = {"OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
+    if script == QWEN3:
+        paths.update(HF_CHECKPOINT=str(CONFIGS / model), DATA_DIR=str(tmp_path / "data"),
+                     SAVE_DIR=str(tmp_path / "ckpt"))
+    else:
+        paths.update(MODEL=str(CONFIGS / model), DATA=str(tmp_path / "data"))
+    return _env(paths)
+
+
+def _value(words: list[str], name: str) -> str:
+    return words[len(words) - 1 - words[::-1].index(name) + 1]  # the last occurrence wins, as in argparse
+
+
+def _write_data(words: list[str], prompts: int = 40) -> None:
+    """A small real prompt file at each path the command names, with its --input-key and --label-key."""
+    key, label = _value(words, "--input-key"), _value(words, "--label-key")
+    i = words.index("--eval-prompt-data") + 1
+    evals = []
+    while i < len(words) and not words[i].startswith("--"):
+        evals.append(words[i])
+        i += 1
+    for path in [_value(words, "--prompt-data"), *(evals[1::2] if len(evals) > 1 else evals)]:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("".join(json.dumps({key: f"What is {n} + {n}?", label: str(2 * n)}) + "\n"
+                                      for n in range(prompts)))
+
+
+def _check_config(script: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
+    """The launcher's own command (learnt from its --dry-run, to write the data it names), run with
+    --check-config."""
+    dry = _run(script, env, ["--dry-run", *extra])
+    assert dry.returncode == 0, dry.stderr
+    _write_data(_words(dry.stdout))
+    return _run(script, env, [*extra, "--check-config"], timeout=240)
+
+
+def _plan(stdout: str) -> list[str]:
+    lines = stdout.split("# worker plan\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    return [line.strip() for line in lines if not line.strip().startswith("GPUs")]
+
+
+def test_qwen3_launcher_passes_check_config_with_the_published_qwen3_4b(tmp_path):
+    env = _launcher_env(tmp_path, QWEN3, "Qwen3-4B")
+    proc = _check_config(QWEN3, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("check-config: OK, the run would start")
+    assert _plan(proc.stdout) == QWEN3_PLAN
+    assert "backend: megatron" in proc.stdout and "tensor_model_parallel_size: 2" in proc.stdout
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()  # nothing ran
+
+
+def test_cpu_launcher_passes_check_config(tmp_path):
+    proc = _check_config(CPU, _launcher_env(tmp_path, CPU, "SmolLM2-135M"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _plan(proc.stdout) == ["actor: 1 worker x 1 GPU = 1 GPU; fsdp (torch DDP), data parallel 1",
+                                  "rollout: 1 engine x 1 GPU = 1 GPU; embedded engines, weights by tensor"]
+    assert "# warnings (0)" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_slurm_scripts_command_passes_check_config(tmp_path):
+    """The command train-async.sbatch runs on the head node (the Qwen3 launcher with --ray-address, --save and the
+    save sentinel), taken from its dry run."""
+    sbatch_env = _env({"SLURM_JOB_NODELIST": "gpu1", "SAVE_DIR": str(tmp_path / "ckpt"), "GPUS_PER_NODE": "8",
+                       "HEAD_NODE_IP": "10.1.2.3", "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}"})
+    dry = _run("scripts/slurm/train-async.sbatch", sbatch_env, ["--dry-run"])
+    assert dry.returncode == 0, dry.stderr
+    command = _words(dry.stdout.split("# the run", 1)[1].split("\n", 1)[1])
+    assert command[:2] == ["bash", str(ROOT / QWEN3)] and "--ray-address" in command
+    proc = _check_config(QWEN3, _launcher_env(tmp_path, QWEN3, "Qwen3-4B"), *command[2:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ray_address: 10.1.2.3:6379" in proc.stdout and f"save: {tmp_path / 'ckpt'}" in proc.stdout
+    assert _plan(proc.stdout) == QWEN3_PLAN
+
+
+@pytest.mark.parametrize("model, args_file", [("Qwen2.5-7B", "qwen2.5-7B"), ("Llama-3.1-8B", "llama3.1-8B")])
+def test_each_models_args_pass_check_config_against_its_published_config(tmp_path, model, args_file):
+    """The Qwen3 launcher's exact command with scripts/models/<model>.sh's MODEL_ARGS in place of Qwen3-4B's."""
+    env = _launcher_env(tmp_path, QWEN3, model)
+    dry = _run(QWEN3, env, ["--dry-run"])
+    words = _words(dry.stdout)
+    _write_data(words)
+    start, end = words.index(str(ROOT / "train_async.py")) + 1, words.index("--hf-checkpoint")
+    assert words[start:end] == _script_model_args("qwen3-4B")
+    command = words[:start] + _script_model_args(args_file) + words[end:] + ["--check-config"]
+    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _plan(proc.stdout) == QWEN3_PLAN
+
+
+def test_a_launcher_pointed_at_another_model_exits_2_naming_the_flags(tmp_path):
+    proc = _check_config(QWEN3, _launcher_env(tmp_path, QWEN3, "Qwen2.5-7B"))
+    assert proc.returncode == 2
+    assert "error: the model flags do not describe --hf-checkpoint's model:" in proc.stderr
+    assert (f"--num-layers 36 does not match {CONFIGS / 'Qwen2.5-7B'}/config.json: num_hidden_layers 28 (that is "
+            f"--num-layers 28)") in proc.stderr
+    assert "# worker plan" not in proc.stdout
+
+
+def test_data_without_the_launchers_keys_exits_2_naming_the_file(tmp_path):
+    env = _launcher_env(tmp_path, QWEN3, "Qwen3-4B")
+    proc = _check_config(QWEN3, env, "--input-key", "question")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the data was written with the key the command names
+    data = tmp_path / "data" / "dapo-math-17k" / "dapo-math-17k.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1?", "label": "2"}) + "\n")
+    proc = _run(QWEN3, env, ["--input-key", "question", "--check-config"], timeout=240)
+    assert proc.returncode == 2 and str(data) in proc.stderr and "question" in proc.stderr, proc.stderr[-2000:]
