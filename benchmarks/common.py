@@ -86,9 +86,9 @@ def engine_config(model_path: Path, prompt_data: Path, dtype: str, num_threads: 
 @contextlib.contextmanager
 def running_engine(engine_cfg, log_dir: Path, index: int = 0, startup_timeout: float = 300.0) -> Iterator[Any]:
     """A real engine server process for the duration of the block; stopped however the block exits."""
-    from miles_async.inference.launcher import EngineProcess
+    from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 
-    proc = EngineProcess(engine_cfg, index, str(log_dir))
+    proc = EmbeddedEngineProcess(engine_cfg, index, str(log_dir))
     try:
         proc.start()
         proc.wait_healthy(startup_timeout)
@@ -110,12 +110,14 @@ def torch_threads(n: int) -> Iterator[None]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train_async(args: list[str], out: Path, timeout: float = 1800) -> list[dict]:
-    """One real ``train_async.py`` run in a subprocess; returns its metrics.jsonl rows."""
+def run_train_async(args: list[str], out: Path, timeout: float = 1800, extra_env: dict | None = None) -> list[dict]:
+    """One real ``train_async.py`` run in a subprocess (``extra_env`` added to its environment); returns its
+    metrics.jsonl rows."""
     import json
     import sys
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **(extra_env or {}))
     proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args, "--output-dir", str(out), "--no-plot"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

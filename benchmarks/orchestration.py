@@ -1,8 +1,9 @@
 """Orchestration overhead: microseconds per sample through the whole path when generation and training cost ~0.
 
 A real synchronous train_async.py run on a tiny model (1 generated token per sample, training replaced by
-a zero-second sleep, no weight pushes after the first): what remains of each step is the path itself (data
-source, engine HTTP round trips, reward, grouping, Ray object transfer to the trainer and its hand-off).
+a zero-second sleep in a trainer double, ``train_doubles.FixedTrainCost``, no weight pushes after the first):
+what remains of each step is the path itself (data source, engine HTTP round trips, reward, grouping, Ray
+object transfer to the trainer and its hand-off).
 Compared with a bare Ray actor round trip measured in the same run. The engine's own compute for the
 one-token batches is reported separately (from its busy time) and subtracted.
 """
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.train_doubles import fixed_train_cost_env
 
 
 def bare_ray_round_trip_us(calls: int) -> float:
@@ -45,7 +47,7 @@ def _path_run(out: Path, model: Path, data: Path, prompts: int, samples: int, st
                             "--rollout-batch-size", str(prompts), "--n-samples-per-prompt", str(samples),
                             "--rollout-max-response-len", "1", "--rollout-dtype", "float32", "--synchronous",
                             "--num-rollout", str(steps), "--update-weights-interval", str(steps + 1),
-                            "--debug-train-seconds", "0", "--use-tis"], out)
+                            "--use-tis"], out, extra_env=fixed_train_cost_env(0))
     steady = rows[1:]  # the first step pays for warm-up (first requests, first Ray transfer)
     n = prompts * samples
     step = statistics.median(r["time/step_seconds"] for r in steady)

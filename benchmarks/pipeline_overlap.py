@@ -1,9 +1,11 @@
 """Pipeline overlap: synchronous, one-step-off and fully-async loops with set generation and training costs.
 
 Real train_async.py runs (Ray actors, HTTP engine, trainer, weight pushes) on a tiny model, with the two
-costs set rather than guessed: each engine decode step costs G / tokens seconds
-(each rollout generates exactly ``tokens`` tokens per sample, all samples in one engine batch), and
-each training step is a sleep of T seconds (--debug-train-seconds; the batch still reaches the trainer).
+costs set rather than guessed: each engine decode step costs G / tokens seconds (an engine double,
+``engine_doubles.FixedStepCost``; each rollout generates exactly ``tokens`` tokens per sample, all samples
+in one engine batch), and
+each training step is a sleep of T seconds (a trainer double, ``train_doubles.FixedTrainCost``; the batch
+still reaches the trainer).
 For N steps the ideal wall time is N * (G + T) for the synchronous loop and N * max(G, T) + min(G, T)
 for the overlapped ones, with G and T as measured in the synchronous run of the same cell; efficiency is
 ideal / measured, from the first rollout's start to the last step's end.
@@ -16,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.engine_doubles import fixed_step_cost_env
+from benchmarks.train_doubles import fixed_train_cost_env
 
 MODES = {
     "synchronous": ["--synchronous"],
@@ -36,8 +40,8 @@ def _run(mode: str, out: Path, model: Path, data: Path, n: int, g: float, t: flo
                             "--custom-generate-function-path", "benchmarks.workloads:fixed_length_generate",
                             "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
                             "--rollout-max-response-len", str(TOKENS), "--rollout-dtype", "float32",
-                            "--num-rollout", str(n), "--debug-train-seconds", str(t),
-                            "--debug-engine-step-seconds", str(g / TOKENS), *MODES[mode]], out)
+                            "--num-rollout", str(n), *MODES[mode]], out,
+                           extra_env={**fixed_step_cost_env(g / TOKENS), **fixed_train_cost_env(t)})
     wall = rows[-1]["train/finished_at"] - rows[0]["rollout/started_at"]
     return {"wall_seconds": wall, "steps_per_second": n / wall, "steps": n,
             "generate_seconds_mean": sum(r["rollout/finished_at"] - r["rollout/started_at"] for r in rows) / n,

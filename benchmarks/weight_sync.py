@@ -71,7 +71,8 @@ def _check_version(url: str, expected: int, route: str) -> None:
 def run(quick: bool, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from miles_async.backends.weight_export import iter_buckets, push_buckets
+    from miles_async.weights.http import push_buckets
+    from miles_async.weights.source import iter_buckets
 
     reps = 2 if quick else 5
     dtypes = ["bfloat16", "float32"]

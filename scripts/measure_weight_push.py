@@ -56,9 +56,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles_async.arguments import parse_args
-    from miles_async.backends.weight_export import iter_buckets, push_buckets
-    from miles_async.inference.client import make_client
-    from miles_async.inference.launcher import make_engine_process
+    from miles_async.weights import shared_memory
+    from miles_async.weights.http import push_buckets
+    from miles_async.weights.source import iter_buckets
+    from miles_async.inference.engines import make_client, make_engine_process
 
     if args.model:
         model_path = Path(args.model)
@@ -116,7 +117,7 @@ def main() -> None:
     # SGLang and vLLM: disk route (the trainer's save_pretrained, then the engine's load from disk)
     # What train_async does (PolicyMixin.save_weights_for_engines): the trainer's float32 weights cast to the
     # engine dtype while written, with config.json only.
-    from miles_async.backends.weight_export import save_hf_folder
+    from miles_async.weights.disk import save_hf_folder
 
     trainer_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
 
@@ -125,7 +126,7 @@ def main() -> None:
 
     def distributed_route(url: str) -> None:
         """The trainer's EngineWeightGroup, as train_async runs it: a gloo group here (NCCL on GPUs)."""
-        from miles_async.backends.distributed_weights import EngineWeightGroup
+        from miles_async.weights.process_group import EngineWeightGroup
 
         nonlocal version
         group = EngineWeightGroup([url], 1, "gloo", "127.0.0.1", 600)
@@ -171,8 +172,8 @@ def main() -> None:
                 for _ in range(args.reps):
                     version += 1
                     t0 = time.perf_counter()
-                    asyncio.run(push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600,
-                                             "sglang"))
+                    asyncio.run(shared_memory.push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url],
+                                                           version, 600))
                     results.setdefault("sglang tensor (shared memory)", []).append(time.perf_counter() - t0)
                     assert call(engine.url, lambda c: c.model_info(), "sglang")["weight_version"] == version
     shutil.rmtree(work, ignore_errors=True)

@@ -24,10 +24,10 @@ def main() -> int:
 
     from miles_async.arguments import parse_args
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
-    from miles_async.backends.distributed_weights import EngineWeightGroup
-    from miles_async.backends.weight_export import iter_buckets
-    from miles_async.inference.client import EngineClient
-    from miles_async.inference.sglang_launcher import SGLangEngineProcess
+    from miles_async.inference.sglang.client import SGLangEngineClient
+    from miles_async.inference.sglang.launcher import SGLangEngineProcess
+    from miles_async.weights.process_group import EngineWeightGroup
+    from miles_async.weights.source import iter_buckets
 
     work = tempfile.mkdtemp(prefix="sglang_nccl_")
     model_dir = args.model or str(make_tiny_model(f"{work}/model", seed=0))
@@ -47,7 +47,7 @@ def main() -> int:
 
         def gen() -> dict:
             async def go():
-                async with EngineClient(url, timeout=120) as c:
+                async with SGLangEngineClient(url, timeout=120) as c:
                     return await c.generate(prompt, greedy)
             return asyncio.run(go())
 

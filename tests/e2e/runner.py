@@ -65,8 +65,9 @@ def run_train(args: list[str], out_dir: Path, timeout: float = 300, extra_env: d
     return Run(proc.returncode, proc.stdout + proc.stderr, out_dir)
 
 
-def start_train(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT, env=env(),
+def start_train(args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT,
+                            env={**env(), **(extra_env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 import requests
 
+from benchmarks.engine_doubles import fixed_step_cost_env
 from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead, without_rm_type
 
 pytestmark = pytest.mark.timeout(600)
 
 NUM_ROLLOUT = 8
-# Two engines; slow decoding (32 tokens at >= 50 ms a step) so a rollout lasts seconds and the kill
-# lands while requests are in flight on the killed engine.
+# Two engines; slow decoding (32 tokens at >= 50 ms a step: an engine double) so a rollout lasts seconds and
+# the kill lands while requests are in flight on the killed engine.
 ARGS = ["--rollout-num-gpus", "2", "--rollout-num-threads", "1", "--num-rollout", str(NUM_ROLLOUT),
-        "--rollout-max-response-len", "32", "--debug-engine-step-seconds", "0.05",
-        "--custom-rm-path", "tests.e2e.rewards:starts_with_digit"]
+        "--rollout-max-response-len", "32", "--custom-rm-path", "tests.e2e.rewards:starts_with_digit"]
+SLOW_STEPS = fixed_step_cost_env(0.05)
 FT = ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2",
       "--check-weight-update-equal"]
 
@@ -31,7 +32,7 @@ FT = ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--roll
 def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400) -> tuple[Run, int, float]:
     """Start the run, SIGKILL engine 1 once the first step is logged and it is generating (mid-rollout),
     and wait for the end. Returns the run, the killed pid and the seconds from the kill to the exit."""
-    proc: subprocess.Popen = start_train(args)
+    proc: subprocess.Popen = start_train(args, extra_env=SLOW_STEPS)
     try:
         deadline = time.monotonic() + timeout
         metrics = out_dir / "metrics.jsonl"

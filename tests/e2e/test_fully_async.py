@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from miles_async.inference.embedded.server import ENGINE_CLASS_ENV
 from tests.e2e.runner import (
     all_pids,
     run_train,
@@ -133,7 +134,7 @@ def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_mod
                             "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
                             *ASYNC, "--rollout-max-response-len", "128"))  # the last value wins
     run = run_train(args, tmp_path,
-                    extra_env={"MILES_ASYNC_TEST_ENGINE_CLASS": "tests.e2e.engine_doubles:HoldOneRequestUntilAbort"})
+                    extra_env={ENGINE_CLASS_ENV: "tests.e2e.engine_doubles:HoldOneRequestUntilAbort"})
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert max(r["async/staleness_max"] for r in m) <= 1

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.backends.weight_export import iter_buckets
-from miles_async.inference.client import make_client
-from miles_async.inference.launcher import make_engine_process
+from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.weights.update import WeightUpdate, route_for
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 # Generous: on a fresh machine the first test also waits for the engine's environment to be built (minutes).
@@ -202,7 +201,8 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
     before = run(generate_all())
     actor = actor_trained_on(cfg, prompts, before)
     path = tmp_path / "v3"
-    saved = actor.save_weights_for_engines(str(path), 3)
+    saved = actor.save_weights_for_engines(WeightUpdate(version=3, route="disk", dtype="float32", timeout=60,
+                                                        folder=str(path)))
 
     async def update():
         async with client(backend, engine) as c:
@@ -226,7 +226,7 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
 @pytest.mark.parametrize("backend", ["sglang"], indirect=True)  # update_weights_from_distributed and
 @pytest.mark.parametrize("method", ["distributed", "tensor"])  # this tensor format are SGLang's
 def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_model, method):
-    """SGLang's two memory routes, as the trainer runs them (``_send_buckets``): ``distributed``, the trainer's
+    """SGLang's two memory routes, as the trainer runs them (``push_weights``): ``distributed``, the trainer's
     rank 0 and the engine in one process group (gloo here, NCCL on GPUs), and ``tensor``, shared-memory
     handles through /update_weights_from_tensor (CUDA IPC on GPUs). The trainer's weights, sent in several
     buckets, give the engine the trainer's log-probs; the version arrives with the last bucket; a second push
@@ -250,15 +250,14 @@ def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_mo
 
     try:
         for version in (5, 6):
-            pushed = actor._send_buckets(
-                iter_buckets(actor.module.named_parameters(), torch.float32, 64 * 1024), [engine.url], version,
-                60, method, 1, backend)
+            pushed = actor.push_weights(WeightUpdate(version=version, route=route_for(method, backend),
+                                                     dtype="float32", timeout=60, targets=(engine.url,),
+                                                     engine=backend, bucket_bytes=64 * 1024))
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())
             outs = run(generate_all())
             assert all(o["meta_info"]["weight_version"] == version for o in outs)
         assert_engine_logprobs_match(actor, prompts, outs, 2e-3)
     finally:
-        if getattr(actor, "_weight_group", None) is not None:
-            actor._weight_group.close()
+        actor._weight_sender.close()
     gc.collect()
     assert {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("torch_")} == set()

@@ -13,6 +13,7 @@ from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.backends.fsdp.critic import FSDPCritic
 from miles_async.rollout.batch import to_train_batch
 from miles_async.rollout.sample import Sample
+from miles_async.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,13 +96,17 @@ def test_critic_checkpoint_round_trips(tiny_model, tiny_task, tmp_path):
         FSDPTrainActor(cfg.train, 0, 1, 4, str(tmp_path / "ckpt"), 0)
 
 
+def _no_engines(version: int) -> WeightUpdate:
+    return WeightUpdate(version=version, route="http", dtype="float32", timeout=10)
+
+
 def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(tiny_model, tiny_task, tmp_path):
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--keep-old-actor", "--use-tis")
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
     initial = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)  # stays at version 0
-    actor.push_weights([], 0, "float32", 10)  # no engines: only the kept copy matters here
+    actor.push_weights(_no_engines(0))  # only the kept copy matters here
     actor.train(0, _batch(0))
-    actor.push_weights([], 1, "float32", 10)
+    actor.push_weights(_no_engines(1))
     actor.train(1, _batch(1, version=1))
     stale = _batch(2, version=0)
     actor.prepare(2, stale, 1.0)
@@ -112,8 +117,8 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
         assert actor._prepared.old[i] == pytest.approx(want[i], abs=1e-5)
     assert any(abs(a - b) > 1e-3 for i in idx for a, b in zip(current[i], want[i]))  # the weights did move
     # Only the versions still in flight are kept (one-step-off: the newest two, then a third).
-    actor.push_weights([], 2, "float32", 10)
-    actor.push_weights([], 3, "float32", 10)
+    actor.push_weights(_no_engines(2))
+    actor.push_weights(_no_engines(3))
     with pytest.raises(RuntimeError, match=r"weight version 0 .* no longer kept; kept versions: \[1, 2, 3\]"):
         actor.prepare(3, stale, 1.0)
 

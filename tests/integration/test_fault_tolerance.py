@@ -17,13 +17,15 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.backends.weight_export import iter_buckets, push_buckets
 from miles_async.config import FaultToleranceConfig
-from miles_async.inference.client import EngineClient
+from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.fault_tolerance import EngineState
 from miles_async.ray.inference_controller import InferenceController
-from miles_async.ray.wiring import Components, WeightMismatchError, check_weight_update_equal
 from miles_async.utils.weight_checksum import first_mismatch
+from miles_async.weights.driver import WeightMismatchError, check_weight_update_equal
+from miles_async.weights.http import push_buckets
+from miles_async.weights.source import iter_buckets
+from miles_async.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,18 +84,19 @@ def test_check_weight_update_equal_passes_and_catches_a_corrupted_update(cfg, tm
         await controller.start()
         try:
             actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=1)
-            comps = Components(controller=Handle(controller), actor=LocalGroup(actor))
+            handle, group = Handle(controller), LocalGroup(actor)
             urls = await controller.begin_weight_update()
-            await asyncio.to_thread(actor.push_weights, urls, 1, "bfloat16", 60)
+            await asyncio.to_thread(actor.push_weights, WeightUpdate(version=1, route="http", dtype="bfloat16",
+                                                                     timeout=60, targets=tuple(urls)))
             await controller.end_weight_update()
-            await check_weight_update_equal(cfg, comps, 1)  # bf16 on both sides: identical bytes
+            await check_weight_update_equal(cfg, handle, group, 1)  # bf16 on both sides: identical bytes
 
             # Corrupt one tensor on the engine, as a broken update would.
             name, good = next((n, p) for n, p in actor.module.named_parameters() if "layers.0.mlp" in n)
-            async with EngineClient(urls[0], timeout=60) as c:
+            async with EmbeddedEngineClient(urls[0], timeout=60) as c:
                 await c.update_weights_from_tensors([(name, good.detach().to(torch.bfloat16) + 1)], flush=True)
             with pytest.raises(WeightMismatchError) as err:
-                await check_weight_update_equal(cfg, comps, 1)
+                await check_weight_update_equal(cfg, handle, group, 1)
             assert name in str(err.value) and urls[0] in str(err.value) and "weight version 1" in str(err.value)
         finally:
             await controller.dispose()

@@ -7,12 +7,13 @@ answer ``9^{9^{9}}`` (a 370-million-digit power) then used to hold the executor 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 
 from miles_async.arguments import parse_args
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import generate_sample
 from miles_async.rollout.rewards import MATH_VERIFY_DEADLINE_S
@@ -41,13 +42,14 @@ def _cfg(tiny_model, tiny_task, tmp_path):
 
 
 def _executor(cfg, url):
-    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, [url], 60.0, None, None, cfg.tracking.output_dir)
+    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url],
+                                              None, None, cfg.tracking.output_dir)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_task, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    with EngineProcess(_cfg(tiny_model, tiny_task, tmp).engine, 0, str(tmp)) as proc:
+    with EmbeddedEngineProcess(_cfg(tiny_model, tiny_task, tmp).engine, 0, str(tmp)) as proc:
         yield proc
 
 

@@ -8,9 +8,10 @@ import math
 import pytest
 import requests
 
+from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.config import EngineConfig
-from miles_async.inference.client import EngineClient
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.router import Router
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, generate_sample
@@ -25,11 +26,11 @@ N_SAMPLES = 4
 PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW}
 
 
-class SlowEngine(EngineProcess):
-    """An engine whose decode steps are slowed, so a pause reliably lands mid-generation."""
+class SlowEngine(EmbeddedEngineProcess):
+    """An engine whose decode steps are slowed (an engine double), so a pause reliably lands mid-generation."""
 
-    def command(self) -> list[str]:
-        return super().command() + ["--step-delay", "0.01"]
+    def env(self) -> dict:
+        return {**super().env(), **fixed_step_cost_env(0.01)}
 
 
 class ZeroReward:
@@ -79,7 +80,7 @@ async def _wait_until_generating(url: str, min_new_tokens: int, prompt_len: int)
 async def _rollout_with_updates(url: str, tokenizer, weights: list[str], partial: bool, mask: bool) -> list[Sample]:
     """Generate one group, pausing in abort mode once per entry of ``weights`` to load it."""
     router = Router([url], timeout=60.0)
-    client = EngineClient(url, timeout=60.0)
+    client = EmbeddedEngineClient(url, timeout=60.0)
     try:
         ctx = RolloutContext(data_source=None, generate_ctx=GenerateContext(router, tokenizer),
                              generate_fn=generate_sample, reward=ZeroReward(), apply_chat_template=False,

@@ -8,8 +8,9 @@ import pytest
 
 from miles_async.arguments import parse_args
 from miles_async.inference.client import EngineClient
-from miles_async.inference.launcher import EngineProcess
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.rollout.generate import encode_prompt
+from miles_async.weights.update import WeightUpdate
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,7 +27,7 @@ def cfg(tiny_model, tiny_task, tmp_path):
 
 @pytest.fixture
 def engine(cfg, tmp_path):
-    with EngineProcess(cfg.engine, 0, str(tmp_path)) as proc:
+    with EmbeddedEngineProcess(cfg.engine, 0, str(tmp_path)) as proc:
         yield proc
 
 
@@ -55,7 +56,9 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
 
     # Reward the greedy outputs negatively: a policy step must move away from them.
     actor = actor_trained_on(cfg, prompts, before)
-    pushed = actor.push_weights([engine.url], weight_version=3, engine_dtype="float32", timeout=60)
+    pushed = actor.push_weights(WeightUpdate(version=3, route="http", dtype="float32", timeout=60,
+                                             targets=(engine.url,),
+                                             bucket_bytes=cfg.train.update_weight_buffer_size))
     assert pushed["weights/bytes"] > 0
 
     assert _info(engine.url)["weight_version"] == 3

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from miles_async.arguments import ConfigError, parse_args
-from miles_async.inference.client import EngineClient, make_client
-from miles_async.inference.launcher import make_engine_process
-from miles_async.inference.sglang_client import SGLangEngineClient
-from miles_async.inference.vllm_client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
-from miles_async.inference.vllm_launcher import VLLMEngineProcess
+from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.inference.sglang.client import SGLangEngineClient
+from miles_async.inference.vllm.client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
+from miles_async.inference.vllm.launcher import VLLMEngineProcess
 from tests.unit.test_sglang_parts import _args
 
 
@@ -48,7 +48,7 @@ def test_launch_command_and_environment(tmp_path, monkeypatch):
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--port"] == str(proc.port) and flags["--dtype"] == "float32" and flags["--max-num-seqs"] == "16"
     assert flags["--seed"] == str(cfg.seed + 1) and flags["--logprobs-mode"] == "processed_logprobs"
-    assert flags["--worker-extension-cls"] == "miles_async.inference.vllm_worker.MilesWorkerExtension"
+    assert flags["--worker-extension-cls"] == "miles_async.inference.vllm.worker.MilesWorkerExtension"
     assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     env = proc.env()
@@ -71,7 +71,7 @@ def test_launch_command_and_environment(tmp_path, monkeypatch):
 def test_make_client_picks_each_engines_client():
     assert type(make_client("vllm", "http://x", 1.0)) is VLLMEngineClient
     assert type(make_client("sglang", "http://x", 1.0)) is SGLangEngineClient
-    assert type(make_client("embedded", "http://x", 1.0)) is EngineClient
+    assert type(make_client("embedded", "http://x", 1.0)) is EmbeddedEngineClient
 
 
 def test_sampling_params_are_renamed_and_unknown_ones_refused():
@@ -125,7 +125,7 @@ def test_sglang_tensor_route_pickles_shared_memory_handles_and_restores_the_stra
     import torch
     import torch.multiprocessing as mp
 
-    from miles_async.inference.sglang_client import shared_memory_pickle
+    from miles_async.weights.shared_memory import shared_memory_pickle
 
     before = mp.get_sharing_strategy()
     tensors = [("a.weight", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b.bias", torch.ones(4))]
@@ -143,7 +143,7 @@ def test_engine_weight_folder_holds_engine_dtype_weights_and_the_config_only(tmp
     import torch
     from safetensors.torch import load_file
 
-    from miles_async.backends.weight_export import save_hf_folder
+    from miles_async.weights.disk import save_hf_folder
 
     src = tmp_path / "src"
     src.mkdir()

@@ -12,7 +12,7 @@ manager and batch assembler. Two things stand in for what a unit test cannot hol
   in which every task waits and no timer is due raises instead of hanging.
 
 The trainer is the loop's part: take a batch, train for a while, push the weights to the
-engine, and only then tell the producer (``on_step``), as ``ray/wiring.py`` does.
+engine, and only then tell the producer (``on_step``), as ``weights/driver.py`` does.
 """
 
 from __future__ import annotations
