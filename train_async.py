@@ -26,8 +26,12 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
     # Always push weights first, so the engines serve exactly what the trainer holds.
     await run.update_weights(weight_version=loop.start_rollout_id)
 
-    evals = EvalDispatcher(run.evaluate, lambda step, m: tracker.log(step, m, kind="eval"),
-                           cfg.eval.max_in_flight, timeout=cfg.rollout.timeout)
+    evals = EvalDispatcher(
+        run.evaluate,
+        lambda step, m: tracker.log(step, m, kind="eval"),
+        cfg.eval.max_in_flight,
+        timeout=cfg.rollout.timeout,
+    )
     if loop.eval_interval is not None and loop.start_rollout_id == 0 and not cfg.eval.skip_before_train:
         await evals.dispatch(0)
 
@@ -37,8 +41,13 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
     next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
     current = None
     try:
-        for rollout_id in tqdm(range(loop.start_rollout_id, loop.num_rollout), desc="train", unit="step",
-                               initial=loop.start_rollout_id, total=loop.num_rollout):
+        for rollout_id in tqdm(
+            range(loop.start_rollout_id, loop.num_rollout),
+            desc="train",
+            unit="step",
+            initial=loop.start_rollout_id,
+            total=loop.num_rollout,
+        ):
             t_wait = time.time()
             if next_rollout is not None:
                 current = await next_rollout
@@ -49,14 +58,16 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
             # about to change, the next drain waits for them so it is measured against them.
             # --synchronous always waits: no generation overlaps training.
             defer_next_drain = has_next and (loop.synchronous or (loop.fully_async and weight_update_due))
-            next_rollout = asyncio.ensure_future(generate(rollout_id + 1)) \
-                if has_next and not defer_next_drain else None
+            next_rollout = (
+                asyncio.ensure_future(generate(rollout_id + 1)) if has_next and not defer_next_drain else None
+            )
 
             metrics.update(await run.train_step(rollout_id, current["data"][0]))
 
             external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
-            if external_save or should_run_periodic_action(rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch,
-                                                           loop.num_rollout):
+            if external_save or should_run_periodic_action(
+                rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch, loop.num_rollout
+            ):
                 t_save = time.time()
                 await run.save(rollout_id)
                 metrics["time/save_seconds"] = time.time() - t_save
@@ -79,10 +90,13 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
             metrics["time/step_seconds"] = time.time() - t_wait
             metrics.update(await run.health(metrics["time/step_seconds"]))
             tracker.log(rollout_id + 1, metrics)
-            if loop.debug_exit_after_rollout is not None and \
-                    rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout:
-                logger.info("--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout,
-                            rollout_id)
+            if (
+                loop.debug_exit_after_rollout is not None
+                and rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout
+            ):
+                logger.info(
+                    "--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout, rollout_id
+                )
                 break
     finally:
         if next_rollout is not None:
@@ -112,14 +126,19 @@ async def main(cfg: Config) -> None:
         from miles_async.utils.plots import plot_run
 
         plot = plot_run(cfg.tracking.output_dir)
-    print(f"[miles-async] done. metrics: {tracker.metrics_path} eval: {tracker.eval_path}"
-          + (f" plot: {plot}" if plot else "") + (f" checkpoint: {cfg.checkpoint.save}" if cfg.checkpoint.save else "")
-          + (f" hf: {cfg.checkpoint.save_hf}" if cfg.checkpoint.save_hf else ""), flush=True)
+    print(
+        f"[miles-async] done. metrics: {tracker.metrics_path} eval: {tracker.eval_path}"
+        + (f" plot: {plot}" if plot else "")
+        + (f" checkpoint: {cfg.checkpoint.save}" if cfg.checkpoint.save else "")
+        + (f" hf: {cfg.checkpoint.save_hf}" if cfg.checkpoint.save_hf else ""),
+        flush=True,
+    )
 
 
 def cli(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("MILES_ASYNC_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MILES_ASYNC_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         cfg = parse_args(argv)
     except (ConfigError, ValueError) as e:

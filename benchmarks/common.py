@@ -31,8 +31,16 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parent,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     try:
@@ -40,7 +48,7 @@ def machine_info() -> dict[str, Any]:
     except (ValueError, OSError):
         mem_gib = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu,
         # Affinity, not os.cpu_count(): a container may see the host's cores but be pinned to fewer.
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -70,16 +78,41 @@ def multiplication_prompts(work_dir: Path) -> tuple[Path, list[str]]:
     return train, [r["prompt"] for r in read_records(train)]
 
 
-def engine_config(model_path: Path, prompt_data: Path, dtype: str, num_threads: int, max_running: int = 64,
-                  out_dir: Path | None = None):
+def engine_config(
+    model_path: Path,
+    prompt_data: Path,
+    dtype: str,
+    num_threads: int,
+    max_running: int = 64,
+    out_dir: Path | None = None,
+):
     """An EngineConfig built the way the trainer builds it (parse_args), so flag defaults stay in one place."""
     from miles_async.arguments import parse_args
 
     out_dir = out_dir or Path(tempfile.gettempdir())
-    cfg = parse_args(["--use-tis", "--hf-checkpoint", str(model_path), "--prompt-data", str(prompt_data),
-                      "--rollout-batch-size", "1", "--num-rollout", "1", "--rm-type", "first_integer",
-                      "--rollout-dtype", dtype, "--rollout-num-threads", str(num_threads),
-                      "--sglang-server-concurrency", str(max_running), "--output-dir", str(out_dir)])
+    cfg = parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(model_path),
+            "--prompt-data",
+            str(prompt_data),
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            dtype,
+            "--rollout-num-threads",
+            str(num_threads),
+            "--sglang-server-concurrency",
+            str(max_running),
+            "--output-dir",
+            str(out_dir),
+        ]
+    )
     return cfg.engine
 
 
@@ -116,10 +149,17 @@ def run_train_async(args: list[str], out: Path, timeout: float = 1800, extra_env
     import json
     import sys
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               **(extra_env or {}))
-    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args, "--output-dir", str(out), "--no-plot"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(extra_env or {})
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_async.py"), *args, "--output-dir", str(out), "--no-plot"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"train_async.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -152,8 +192,12 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 
 def render_table(t: dict) -> str:
-    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["columns"]) + " |",
-             "|" + "|".join("---" for _ in t["columns"]) + "|"]
+    lines = [
+        f"**{t['title']}**",
+        "",
+        "| " + " | ".join(t["columns"]) + " |",
+        "|" + "|".join("---" for _ in t["columns"]) + "|",
+    ]
     for row in t["rows"]:
         lines.append("| " + " | ".join(fmt(x) for x in row) + " |")
     if t.get("note"):

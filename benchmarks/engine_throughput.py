@@ -55,6 +55,7 @@ def engine_run(url: str, prompts: list[list[int]], concurrency: int, max_new: in
         next_index = 0
         tokens = 0
         async with EngineClient(url, timeout=1200) as client:
+
             async def worker() -> None:
                 nonlocal next_index, tokens
                 while next_index < len(prompts):
@@ -76,16 +77,25 @@ def hf_run(model, prompts: list[list[int]], batch: int, max_new: int, pad_id: in
     tokens = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
+        chunk = prompts[start : start + batch]
         width = max(len(p) for p in chunk)
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad_id,
+            )
         # Rows that stopped early are padded with pad_id; EOS is banned here, but count honestly anyway.
         tokens += int((out[:, width:] != pad_id).sum())
     return tokens, time.perf_counter() - t0
@@ -140,19 +150,34 @@ def run(quick: bool, out_dir: Path) -> dict:
                                     after = _engine_stats(eng.url)
                                     # How the engine batched the work: with every request arriving at once,
                                     # prefill batches stay few and decode steps ~ max_new per wave.
-                                    extra = {k: after[k] - before[k] for k in
-                                             ("prefill_batches", "decode_steps", "prefill_rows_deduplicated")}
+                                    extra = {
+                                        k: after[k] - before[k]
+                                        for k in ("prefill_batches", "decode_steps", "prefill_rows_deduplicated")
+                                    }
                                 else:
                                     n_tok, secs = hf_run(model, reqs, c, max_new, pad_id)
                                 expected = len(reqs) * max_new
                                 if n_tok != expected:
                                     raise RuntimeError(f"{side} generated {n_tok} tokens, expected {expected}")
-                                samples.append({"dtype": dtype, "mix": mix, "concurrency": c, "side": side,
-                                                "rep": rep, "requests": len(reqs), "tokens": n_tok,
-                                                "seconds": round(secs, 4), "tokens_per_s": round(n_tok / secs, 2),
-                                                **extra})
-                                print(f"  {dtype} {mix:8s} c={c:2d} {side:6s} {n_tok / secs:7.1f} tok/s "
-                                      f"({n_tok} tok, {secs:.2f} s) {extra or ''}", flush=True)
+                                samples.append(
+                                    {
+                                        "dtype": dtype,
+                                        "mix": mix,
+                                        "concurrency": c,
+                                        "side": side,
+                                        "rep": rep,
+                                        "requests": len(reqs),
+                                        "tokens": n_tok,
+                                        "seconds": round(secs, 4),
+                                        "tokens_per_s": round(n_tok / secs, 2),
+                                        **extra,
+                                    }
+                                )
+                                print(
+                                    f"  {dtype} {mix:8s} c={c:2d} {side:6s} {n_tok / secs:7.1f} tok/s "
+                                    f"({n_tok} tok, {secs:.2f} s) {extra or ''}",
+                                    flush=True,
+                                )
             del model
 
     summary = []
@@ -165,27 +190,71 @@ def run(quick: bool, out_dir: Path) -> dict:
                 engine_side = [s for s in pick if s["side"] == "engine"]
                 eng = median([s["tokens_per_s"] for s in engine_side])
                 hf = median([s["tokens_per_s"] for s in pick if s["side"] == "hf"])
-                summary.append({"dtype": dtype, "mix": mix, "concurrency": c, "requests": pick[0]["requests"],
-                                "engine_tok_s": round(eng, 1), "hf_tok_s": round(hf, 1), "ratio": round(eng / hf, 3),
-                                **{f"engine_{k}": median([s[k] for s in engine_side])
-                                   for k in ("prefill_batches", "decode_steps", "prefill_rows_deduplicated")}})
+                summary.append(
+                    {
+                        "dtype": dtype,
+                        "mix": mix,
+                        "concurrency": c,
+                        "requests": pick[0]["requests"],
+                        "engine_tok_s": round(eng, 1),
+                        "hf_tok_s": round(hf, 1),
+                        "ratio": round(eng / hf, 3),
+                        **{
+                            f"engine_{k}": median([s[k] for s in engine_side])
+                            for k in ("prefill_batches", "decode_steps", "prefill_rows_deduplicated")
+                        },
+                    }
+                )
 
     plot = _plot(summary, dtypes, out_dir)
-    tables = [table(f"Engine vs HF generate, {dtype}, output tokens/s (max_new_tokens {max_new}, 1 thread each)",
-                    ["prompt mix", "concurrency", "requests", "engine tok/s", "HF tok/s", "engine / HF",
-                     "engine prefill batches", "engine decode steps", "engine rows deduped"],
-                    [[s["mix"], s["concurrency"], s["requests"], s["engine_tok_s"], s["hf_tok_s"], s["ratio"],
-                      s["engine_prefill_batches"], s["engine_decode_steps"], s["engine_prefill_rows_deduplicated"]]
-                     for s in summary if s["dtype"] == dtype],
-                    note=f"Median of {reps} run(s) per cell, engine and HF measured back to back. The last three "
-                         "columns show how the engine batched one run: prefill forward passes, decode forward "
-                         "passes, and prefill rows skipped because an identical prompt was admitted in the same "
-                         "batch. HF needs requests/concurrency prefills and max_new_tokens-1 decode passes per batch.")
-              for dtype in dtypes]
+    tables = [
+        table(
+            f"Engine vs HF generate, {dtype}, output tokens/s (max_new_tokens {max_new}, 1 thread each)",
+            [
+                "prompt mix",
+                "concurrency",
+                "requests",
+                "engine tok/s",
+                "HF tok/s",
+                "engine / HF",
+                "engine prefill batches",
+                "engine decode steps",
+                "engine rows deduped",
+            ],
+            [
+                [
+                    s["mix"],
+                    s["concurrency"],
+                    s["requests"],
+                    s["engine_tok_s"],
+                    s["hf_tok_s"],
+                    s["ratio"],
+                    s["engine_prefill_batches"],
+                    s["engine_decode_steps"],
+                    s["engine_prefill_rows_deduplicated"],
+                ]
+                for s in summary
+                if s["dtype"] == dtype
+            ],
+            note=f"Median of {reps} run(s) per cell, engine and HF measured back to back. The last three "
+            "columns show how the engine batched one run: prefill forward passes, decode forward "
+            "passes, and prefill rows skipped because an identical prompt was admitted in the same "
+            "batch. HF needs requests/concurrency prefills and max_new_tokens-1 decode passes per batch.",
+        )
+        for dtype in dtypes
+    ]
     return {
-        "settings": {"levels": list(LEVELS), "group_size": GROUP, "max_new_tokens": max_new, "dtypes": dtypes,
-                     "reps": reps, "min_requests": min_requests, "threads": THREADS,
-                     "sampling": _sampling(max_new), "model": str(model_path)},
+        "settings": {
+            "levels": list(LEVELS),
+            "group_size": GROUP,
+            "max_new_tokens": max_new,
+            "dtypes": dtypes,
+            "reps": reps,
+            "min_requests": min_requests,
+            "threads": THREADS,
+            "sampling": _sampling(max_new),
+            "model": str(model_path),
+        },
         "summary": summary,
         "samples": samples,
         "tables": tables,
@@ -215,8 +284,14 @@ def _plot(summary: list[dict], dtypes: list[str], out_dir: Path) -> str:
             ax.plot(xs, [s["engine_tok_s"] for s in rows], "-o", color="tab:blue", label="engine (HTTP)")
             ax.plot(xs, [s["hf_tok_s"] for s in rows], "-s", color="tab:orange", label="HF generate")
             for s in rows:
-                ax.annotate(f"{s['ratio']:.2f}x", (s["concurrency"], s["engine_tok_s"]),
-                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+                ax.annotate(
+                    f"{s['ratio']:.2f}x",
+                    (s["concurrency"], s["engine_tok_s"]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                )
             ax.margins(y=0.12)  # room for the ratio labels above the top points
             ax.set_xscale("log", base=2)
             ax.set_xticks(list(LEVELS))
@@ -227,8 +302,7 @@ def _plot(summary: list[dict], dtypes: list[str], out_dir: Path) -> str:
             ax.grid(alpha=0.3)
         row[0].set_ylabel("output tokens / s")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M, 1 torch thread each: embedded engine vs transformers generate "
-                 "(labels: engine / HF)")
+    fig.suptitle("SmolLM2-135M, 1 torch thread each: embedded engine vs transformers generate (labels: engine / HF)")
     fig.tight_layout()
     name = "engine_throughput.png"
     fig.savefig(out_dir / name, dpi=110)
@@ -243,6 +317,10 @@ def headline(entry: dict) -> list[list[str]]:
         if pick:
             ratios = " / ".join(f"{s['ratio']:.2f}x" for s in pick)
             levels = "/".join(str(s["concurrency"]) for s in pick)
-            rows.append([f"embedded engine vs HF `generate`, SmolLM2 bf16, {label}, concurrency {levels}",
-                         f"{ratios} output tokens/s"])
+            rows.append(
+                [
+                    f"embedded engine vs HF `generate`, SmolLM2 bf16, {label}, concurrency {levels}",
+                    f"{ratios} output tokens/s",
+                ]
+            )
     return rows

@@ -23,12 +23,34 @@ def staleness_max(rows: list[dict]) -> int:
 
 
 def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout: int) -> dict:
-    rows = run_train_async(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template",
-                            "--custom-rm-path", "benchmarks.workloads:constant_reward",
-                            "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
-                            "--rollout-batch-size", "8", "--n-samples-per-prompt", "4",
-                            "--rollout-max-response-len", "256", "--rollout-dtype", "float32", "--lr", "1e-3",
-                            "--num-rollout", str(num_rollout), "--use-tis", *mode_flags], out)
+    rows = run_train_async(
+        [
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--apply-chat-template",
+            "--custom-rm-path",
+            "benchmarks.workloads:constant_reward",
+            "--custom-generate-function-path",
+            "benchmarks.workloads:long_tail_generate",
+            "--rollout-batch-size",
+            "8",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-max-response-len",
+            "256",
+            "--rollout-dtype",
+            "float32",
+            "--lr",
+            "1e-3",
+            "--num-rollout",
+            str(num_rollout),
+            "--use-tis",
+            *mode_flags,
+        ],
+        out,
+    )
     # Skip the first step: it includes the pipeline fill, identical in both modes.
     steady = rows[1:]
     start = rows[0]["train/finished_at"]
@@ -37,11 +59,14 @@ def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout:
     step_s = [r["time/step_seconds"] for r in steady]
     idle = sum(r["engine/idle_frac"] * s for r, s in zip(steady, step_s)) / sum(step_s)
     tokens = sum(r["rollout/num_samples"] * r["rollout/response_len_mean"] for r in steady)
-    return {"samples_per_second": samples / (end - start), "response_tokens_per_second": tokens / (end - start),
-            "engine_idle_frac": idle,
-            "step_seconds_mean": statistics.fmean(step_s),
-            "staleness_max": staleness_max(steady),
-            "response_len_mean": statistics.fmean(r["rollout/response_len_mean"] for r in steady)}
+    return {
+        "samples_per_second": samples / (end - start),
+        "response_tokens_per_second": tokens / (end - start),
+        "engine_idle_frac": idle,
+        "step_seconds_mean": statistics.fmean(step_s),
+        "staleness_max": staleness_max(steady),
+        "response_len_mean": statistics.fmean(r["rollout/response_len_mean"] for r in steady),
+    }
 
 
 def run(quick: bool, out_dir: Path) -> dict:
@@ -53,33 +78,62 @@ def run(quick: bool, out_dir: Path) -> dict:
         "fully-async, staleness 2": ["--fully-async", "--max-staleness-steps", "2"],
     }
     try:
-        results = {name: _run(flags, work / name.split()[0].strip(",()"), model, train, num_rollout)
-                   for name, flags in modes.items()}
+        results = {
+            name: _run(flags, work / name.split()[0].strip(",()"), model, train, num_rollout)
+            for name, flags in modes.items()
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base = results["one-step-off (default)"]
-    rows = [[name, f"{r['samples_per_second']:.1f}", f"{r['samples_per_second'] / base['samples_per_second']:.2f}x",
-             f"{r['response_tokens_per_second']:.0f}",
-             f"{r['response_tokens_per_second'] / base['response_tokens_per_second']:.2f}x",
-             f"{r['response_len_mean']:.1f}", f"{r['engine_idle_frac']:.2f}", r["staleness_max"]]
-            for name, r in results.items()]
+    rows = [
+        [
+            name,
+            f"{r['samples_per_second']:.1f}",
+            f"{r['samples_per_second'] / base['samples_per_second']:.2f}x",
+            f"{r['response_tokens_per_second']:.0f}",
+            f"{r['response_tokens_per_second'] / base['response_tokens_per_second']:.2f}x",
+            f"{r['response_len_mean']:.1f}",
+            f"{r['engine_idle_frac']:.2f}",
+            r["staleness_max"],
+        ]
+        for name, r in results.items()
+    ]
     return {
         "results": results,
-        "tables": [table("Long-tailed generation (Pareto lengths, alpha 1.2, 8..256 tokens), tiny model",
-                         ["mode", "samples/s", "ratio", "trained response tokens/s", "ratio",
-                          "mean trained length", "engine idle", "max staleness"], rows,
-                         f"{num_rollout} rollouts of 8 prompts x 4 samples each; first step excluded")],
-        "notes": ["Both modes run the same prompts, lengths and seed in one invocation; only the ratio is meaningful "
-                  "on a shared machine.",
-                  "Fully-async drains groups in completion order, so it trains shorter responses first; compare "
-                  "the token rate as well as the sample rate."],
+        "tables": [
+            table(
+                "Long-tailed generation (Pareto lengths, alpha 1.2, 8..256 tokens), tiny model",
+                [
+                    "mode",
+                    "samples/s",
+                    "ratio",
+                    "trained response tokens/s",
+                    "ratio",
+                    "mean trained length",
+                    "engine idle",
+                    "max staleness",
+                ],
+                rows,
+                f"{num_rollout} rollouts of 8 prompts x 4 samples each; first step excluded",
+            )
+        ],
+        "notes": [
+            "Both modes run the same prompts, lengths and seed in one invocation; only the ratio is meaningful "
+            "on a shared machine.",
+            "Fully-async drains groups in completion order, so it trains shorter responses first; compare "
+            "the token rate as well as the sample rate.",
+        ],
     }
 
 
 def headline(entry: dict) -> list[list[str]]:
     r = entry["results"]
     base, fa = r["one-step-off (default)"], r["fully-async, staleness 2"]
-    return [["fully-async vs one-step-off, long-tailed response lengths",
-             f"{fa['samples_per_second'] / base['samples_per_second']:.2f}x samples/s, "
-             f"{fa['response_tokens_per_second'] / base['response_tokens_per_second']:.2f}x trained tokens/s, "
-             f"engine idle {fa['engine_idle_frac']:.0%} vs {base['engine_idle_frac']:.0%}"]]
+    return [
+        [
+            "fully-async vs one-step-off, long-tailed response lengths",
+            f"{fa['samples_per_second'] / base['samples_per_second']:.2f}x samples/s, "
+            f"{fa['response_tokens_per_second'] / base['response_tokens_per_second']:.2f}x trained tokens/s, "
+            f"engine idle {fa['engine_idle_frac']:.0%} vs {base['engine_idle_frac']:.0%}",
+        ]
+    ]

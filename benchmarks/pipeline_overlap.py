@@ -35,17 +35,40 @@ def ideal_seconds(mode: str, n: int, g: float, t: float) -> float:
 
 
 def _run(mode: str, out: Path, model: Path, data: Path, n: int, g: float, t: float) -> dict:
-    rows = run_train_async(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template",
-                            "--custom-rm-path", "benchmarks.workloads:constant_reward",
-                            "--custom-generate-function-path", "benchmarks.workloads:fixed_length_generate",
-                            "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-                            "--rollout-max-response-len", str(TOKENS), "--rollout-dtype", "float32",
-                            "--num-rollout", str(n), *MODES[mode]], out,
-                           extra_env={**fixed_step_cost_env(g / TOKENS), **fixed_train_cost_env(t)})
+    rows = run_train_async(
+        [
+            "--hf-checkpoint",
+            str(model),
+            "--prompt-data",
+            str(data),
+            "--apply-chat-template",
+            "--custom-rm-path",
+            "benchmarks.workloads:constant_reward",
+            "--custom-generate-function-path",
+            "benchmarks.workloads:fixed_length_generate",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--rollout-max-response-len",
+            str(TOKENS),
+            "--rollout-dtype",
+            "float32",
+            "--num-rollout",
+            str(n),
+            *MODES[mode],
+        ],
+        out,
+        extra_env={**fixed_step_cost_env(g / TOKENS), **fixed_train_cost_env(t)},
+    )
     wall = rows[-1]["train/finished_at"] - rows[0]["rollout/started_at"]
-    return {"wall_seconds": wall, "steps_per_second": n / wall, "steps": n,
-            "generate_seconds_mean": sum(r["rollout/finished_at"] - r["rollout/started_at"] for r in rows) / n,
-            "train_seconds_mean": sum(r["train/seconds"] for r in rows) / n}
+    return {
+        "wall_seconds": wall,
+        "steps_per_second": n / wall,
+        "steps": n,
+        "generate_seconds_mean": sum(r["rollout/finished_at"] - r["rollout/started_at"] for r in rows) / n,
+        "train_seconds_mean": sum(r["train/seconds"] for r in rows) / n,
+    }
 
 
 def run(quick: bool, out_dir: Path) -> dict:
@@ -59,8 +82,13 @@ def run(quick: bool, out_dir: Path) -> dict:
         for ratio in ratios:
             g, t = (unit, unit / ratio) if ratio >= 1 else (unit * ratio, unit)
             for mode in MODES:
-                results[f"{ratio}/{mode}"] = {"G": g, "T": t, "mode": mode, "ratio": ratio,
-                                              **_run(mode, work / f"{ratio}-{mode}", model, train, n, g, t)}
+                results[f"{ratio}/{mode}"] = {
+                    "G": g,
+                    "T": t,
+                    "mode": mode,
+                    "ratio": ratio,
+                    **_run(mode, work / f"{ratio}-{mode}", model, train, n, g, t),
+                }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for ratio in ratios:
@@ -77,28 +105,51 @@ def run(quick: bool, out_dir: Path) -> dict:
         for mode in MODES:
             r = results[f"{ratio}/{mode}"]
             limit = (r["G"] + r["T"]) / max(r["G"], r["T"]) if mode != "synchronous" else 1.0
-            rows.append([ratio, mode, f"{r['G']:.2f} ({r['G_measured']:.2f})", f"{r['T']:.2f} ({r['T_measured']:.2f})",
-                         f"{r['steps_per_second']:.3f}",
-                         f"{r['efficiency']:.3f}", f"{sync['wall_seconds'] / r['wall_seconds']:.2f}x",
-                         f"{limit:.2f}x"])
+            rows.append(
+                [
+                    ratio,
+                    mode,
+                    f"{r['G']:.2f} ({r['G_measured']:.2f})",
+                    f"{r['T']:.2f} ({r['T_measured']:.2f})",
+                    f"{r['steps_per_second']:.3f}",
+                    f"{r['efficiency']:.3f}",
+                    f"{sync['wall_seconds'] / r['wall_seconds']:.2f}x",
+                    f"{limit:.2f}x",
+                ]
+            )
     overlapped = [r for r in results.values() if r["mode"] != "synchronous"]
     worst = min(overlapped, key=lambda r: r["efficiency"])
     plots = _plot(results, ratios, out_dir)
     return {
         "results": results,
-        "tables": [table(f"Pipeline overlap, {n} steps per run, set costs G (generation) and T (training)",
-                         ["G/T", "mode", "G s set (measured)", "T s set (measured)", "steps/s", "efficiency", "speed-up vs sync",
-                          "limit (G+T)/max"], rows,
-                         "efficiency = ideal wall time / measured wall time, the ideal from the costs measured in "
-                         "the synchronous run: N(G+T) synchronous, N max(G,T) + min(G,T) overlapped; the limit is "
-                         "the best speed-up overlap can give")],
+        "tables": [
+            table(
+                f"Pipeline overlap, {n} steps per run, set costs G (generation) and T (training)",
+                [
+                    "G/T",
+                    "mode",
+                    "G s set (measured)",
+                    "T s set (measured)",
+                    "steps/s",
+                    "efficiency",
+                    "speed-up vs sync",
+                    "limit (G+T)/max",
+                ],
+                rows,
+                "efficiency = ideal wall time / measured wall time, the ideal from the costs measured in "
+                "the synchronous run: N(G+T) synchronous, N max(G,T) + min(G,T) overlapped; the limit is "
+                "the best speed-up overlap can give",
+            )
+        ],
         "plots": plots,
-        "notes": [f"Lowest overlapped efficiency: {worst['efficiency']:.3f} ({worst['mode']}, G/T {worst['ratio']}); "
-                  "what is lost is the per-step fixed cost (weight push with engine pause/resume, Ray hand-off, "
-                  "rewards) that no overlap hides.",
-                  "Fully-async can beat the batch-level ideal: with one batch of groups in flight, a group of the "
-                  "next step is admitted as soon as one of this step finishes and shares the engine's decode steps "
-                  "(continuous batching), so generation itself is pipelined, not only overlapped with training."],
+        "notes": [
+            f"Lowest overlapped efficiency: {worst['efficiency']:.3f} ({worst['mode']}, G/T {worst['ratio']}); "
+            "what is lost is the per-step fixed cost (weight push with engine pause/resume, Ray hand-off, "
+            "rewards) that no overlap hides.",
+            "Fully-async can beat the batch-level ideal: with one batch of groups in flight, a group of the "
+            "next step is admitted as soon as one of this step finishes and shares the engine's decode steps "
+            "(continuous batching), so generation itself is pipelined, not only overlapped with training.",
+        ],
     }
 
 
@@ -128,12 +179,16 @@ def headline(entry: dict) -> list[list[str]]:
     rows = []
     for mode in ("one-step-off", "fully-async"):
         effs = [v["efficiency"] for v in r.values() if v["mode"] == mode]
-        rows.append([f"pipeline efficiency, {mode}, over G/T 0.25..4 (target >= 0.95)",
-                     f"{min(effs):.3f} .. {max(effs):.3f}"])
+        rows.append(
+            [f"pipeline efficiency, {mode}, over G/T 0.25..4 (target >= 0.95)", f"{min(effs):.3f} .. {max(effs):.3f}"]
+        )
     even = [k for k, v in r.items() if v["ratio"] == 1.0]
     if even:
         sync = r["1.0/synchronous"]["wall_seconds"]
-        rows.append(["speed-up over synchronous at G = T (limit 2x)",
-                     " / ".join(f"{m} {sync / r['1.0/' + m]['wall_seconds']:.2f}x"
-                                for m in ("one-step-off", "fully-async"))])
+        rows.append(
+            [
+                "speed-up over synchronous at G = T (limit 2x)",
+                " / ".join(f"{m} {sync / r['1.0/' + m]['wall_seconds']:.2f}x" for m in ("one-step-off", "fully-async")),
+            ]
+        )
     return rows

@@ -25,8 +25,9 @@ class FixedTrainCost(FSDPTrainActor):
         self.train_seconds = seconds_from_env(TRAIN_SECONDS_ENV, type(self).__name__, "each training step takes")
         super().__init__(*args, **kwargs)
 
-    def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
-              values: list[list[float]] | None = None) -> dict:
+    def train(
+        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+    ) -> dict:
         t0 = time.time()
         time.sleep(self.train_seconds)
         return {"train/seconds": time.time() - t0, "train/started_at": t0, "train/finished_at": time.time()}

@@ -17,7 +17,6 @@ as ``"train_step": "benchmarks.train_step"``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import socket
 import sys
@@ -38,9 +37,20 @@ def _batch(vocab: int, seed: int = 0) -> dict:
     groups = []
     for g in range(N_PROMPTS):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN + rng.randrange(-4, 5))]
-        groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
-                              response_tokens=[rng.randrange(3, vocab) for _ in range(RESPONSE_LEN)],
-                              reward=float(rng.random() < 0.5)) for i in range(N_SAMPLES)])
+        groups.append(
+            [
+                Sample(
+                    uid=str(g),
+                    group_index=g,
+                    index=i,
+                    prompt="",
+                    prompt_tokens=prompt,
+                    response_tokens=[rng.randrange(3, vocab) for _ in range(RESPONSE_LEN)],
+                    reward=float(rng.random() < 0.5),
+                )
+                for i in range(N_SAMPLES)
+            ]
+        )
     for s in (s for g in groups for s in g):  # an engine's log-probs: --use-tis needs one per trained token
         s.rollout_logprobs = [-3.0] * s.response_length
     return to_train_batch(groups)
@@ -52,11 +62,31 @@ def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
 
     from miles_async.arguments import parse_args
 
-    cfg = parse_args(["--use-tis", "--hf-checkpoint", model, "--prompt-data", data,
-                      "--rollout-batch-size", str(N_PROMPTS), "--n-samples-per-prompt", str(N_SAMPLES),
-                      "--num-rollout", str(steps), "--rm-type", "integer", "--lr", "1e-6",
-                      "--train-num-threads", str(THREADS), "--output-dir", tempfile.mkdtemp(),
-                      "--train-backend", backend]).train
+    cfg = parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            model,
+            "--prompt-data",
+            data,
+            "--rollout-batch-size",
+            str(N_PROMPTS),
+            "--n-samples-per-prompt",
+            str(N_SAMPLES),
+            "--num-rollout",
+            str(steps),
+            "--rm-type",
+            "integer",
+            "--lr",
+            "1e-6",
+            "--train-num-threads",
+            str(THREADS),
+            "--output-dir",
+            tempfile.mkdtemp(),
+            "--train-backend",
+            backend,
+        ]
+    ).train
     t0 = time.time()
     if backend == "megatron":
         from miles_async.backends.megatron.actor import MegatronTrainActor
@@ -73,8 +103,13 @@ def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
     from transformers import AutoConfig
 
     batch = _batch(AutoConfig.from_pretrained(model).vocab_size)
-    conn.send({"build_seconds": time.time() - t0, "torch_threads": torch.get_num_threads(),
-               "tokens": sum(len(t) for t in batch["tokens"])})
+    conn.send(
+        {
+            "build_seconds": time.time() - t0,
+            "torch_threads": torch.get_num_threads(),
+            "tokens": sum(len(t) for t in batch["tokens"]),
+        }
+    )
     while (rollout := conn.recv()) is not None:
         m = actor.train(rollout, batch)
         conn.send({"seconds": m["train/seconds"], "loss": m["train/loss"], "rss_gib": _rss_gib()})
@@ -135,7 +170,7 @@ def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> d
         for b in BACKENDS:
             step(b, 0, timed=False)
         for rep in range(reps):
-            for b in (BACKENDS if rep % 2 == 0 else BACKENDS[::-1]):
+            for b in BACKENDS if rep % 2 == 0 else BACKENDS[::-1]:
                 step(b, rep + 1, timed=True)
         for b in BACKENDS:
             stop(b)
@@ -155,19 +190,38 @@ def run(quick: bool, out_dir: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         measured = measure(smollm2_path(), reps, Path(tmp))
     res = measured["backends"]
-    rows = [[b, fmt(median(r["seconds"])), fmt(min(r["seconds"])), fmt(max(r["seconds"])), len(r["seconds"]),
-             fmt(r["build_seconds"], 2), fmt(r["rss_gib"], 2)] for b, r in res.items()]
+    rows = [
+        [
+            b,
+            fmt(median(r["seconds"])),
+            fmt(min(r["seconds"])),
+            fmt(max(r["seconds"])),
+            len(r["seconds"]),
+            fmt(r["build_seconds"], 2),
+            fmt(r["rss_gib"], 2),
+        ]
+        for b, r in res.items()
+    ]
     ratio = median(res["megatron"]["seconds"]) / median(res["fsdp"]["seconds"])
     tokens = res["fsdp"]["tokens"]
     return {
-        "results": res, "mode": measured["mode"], "ratio_megatron_over_fsdp": ratio,
-        "tables": [table(f"Seconds per training step, SmolLM2-135M, {N_PROMPTS * N_SAMPLES} samples "
-                         f"({tokens} tokens), fp32, {THREADS} torch threads",
-                         ["backend", "median s/step", "min", "max", "steps", "build s", "peak RSS GiB"], rows,
-                         note=f"steps {measured['mode']}")],
-        "notes": [f"megatron / fsdp = {ratio:.2f}x per step on the same batch. On the CPU the Megatron path runs "
-                  "through cpu_compat (a TorchFunctionMode on every torch call) and computes logits for every "
-                  "position, where the torch backend keeps only the response's (logits_to_keep)."],
+        "results": res,
+        "mode": measured["mode"],
+        "ratio_megatron_over_fsdp": ratio,
+        "tables": [
+            table(
+                f"Seconds per training step, SmolLM2-135M, {N_PROMPTS * N_SAMPLES} samples "
+                f"({tokens} tokens), fp32, {THREADS} torch threads",
+                ["backend", "median s/step", "min", "max", "steps", "build s", "peak RSS GiB"],
+                rows,
+                note=f"steps {measured['mode']}",
+            )
+        ],
+        "notes": [
+            f"megatron / fsdp = {ratio:.2f}x per step on the same batch. On the CPU the Megatron path runs "
+            "through cpu_compat (a TorchFunctionMode on every torch call) and computes logits for every "
+            "position, where the torch backend keeps only the response's (logits_to_keep)."
+        ],
     }
 
 

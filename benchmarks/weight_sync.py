@@ -109,8 +109,11 @@ def run(quick: bool, out_dir: Path) -> dict:
 
             def push(bucket_bytes: int, version: int) -> float:
                 t0 = time.perf_counter()
-                sent = asyncio.run(push_buckets(iter_buckets(model.named_parameters(), torch_dtype, bucket_bytes),
-                                                [eng.url], version, TIMEOUT))
+                sent = asyncio.run(
+                    push_buckets(
+                        iter_buckets(model.named_parameters(), torch_dtype, bucket_bytes), [eng.url], version, TIMEOUT
+                    )
+                )
                 secs = time.perf_counter() - t0
                 if sent != nbytes:
                     raise RuntimeError(f"push_buckets sent {sent} bytes, expected {nbytes}")
@@ -125,9 +128,9 @@ def run(quick: bool, out_dir: Path) -> dict:
                 push(BUCKETS[-1], version)
                 _check_version(eng.url, version, "warm-up")
                 for rep in range(reps):
+
                     def record(route: str, secs: float, **extra) -> None:
-                        samples.append({"dtype": dtype, "route": route, "rep": rep, "seconds": round(secs, 4),
-                                        **extra})
+                        samples.append({"dtype": dtype, "route": route, "rep": rep, "seconds": round(secs, 4), **extra})
                         print(f"  {dtype} {route:14s} {secs:7.3f} s", flush=True)
 
                     record("memcopy", memcopy())
@@ -149,7 +152,6 @@ def run(quick: bool, out_dir: Path) -> dict:
                     _check_version(eng.url, version, "disk")
                     record("disk", saved + loaded, save_s=round(saved, 4), load_s=round(loaded, 4))
                     shutil.rmtree(folder)
-            del model, params, dst
 
     routes = ["memcopy"] + [f"tensor@{bb // MIB}MiB" for bb in BUCKETS] + ["disk"]
     summary = []
@@ -158,8 +160,14 @@ def run(quick: bool, out_dir: Path) -> dict:
         for route in routes:
             pick = [s for s in samples if s["dtype"] == dtype and s["route"] == route]
             secs = median([s["seconds"] for s in pick])
-            row = {"dtype": dtype, "route": route, "bytes": sizes[dtype], "seconds": round(secs, 4),
-                   "x_memcopy": round(secs / base, 1), "gb_per_s": round(sizes[dtype] / secs / 1e9, 3)}
+            row = {
+                "dtype": dtype,
+                "route": route,
+                "bytes": sizes[dtype],
+                "seconds": round(secs, 4),
+                "x_memcopy": round(secs / base, 1),
+                "gb_per_s": round(sizes[dtype] / secs / 1e9, 3),
+            }
             if route.startswith("tensor@"):
                 row["serialize_s"] = round(median([s["serialize_s"] for s in pick]), 4)
             if route == "disk":
@@ -175,19 +183,30 @@ def run(quick: bool, out_dir: Path) -> dict:
             detail = f"save {s['save_s']:.2f} s + load {s['load_s']:.2f} s"
         elif s["route"].startswith("tensor@"):
             detail = f"of which safetensors encoding alone ~{s['serialize_s']:.2f} s"
-        rows.append([s["dtype"], f"{s['bytes'] / MIB:.0f} MiB", s["route"], s["seconds"], s["x_memcopy"],
-                     s["gb_per_s"], detail])
+        rows.append(
+            [s["dtype"], f"{s['bytes'] / MIB:.0f} MiB", s["route"], s["seconds"], s["x_memcopy"], s["gb_per_s"], detail]
+        )
     return {
-        "settings": {"reps": reps, "dtypes": dtypes, "bucket_bytes": list(BUCKETS), "threads": THREADS,
-                     "model": str(model_path)},
+        "settings": {
+            "reps": reps,
+            "dtypes": dtypes,
+            "bucket_bytes": list(BUCKETS),
+            "threads": THREADS,
+            "model": str(model_path),
+        },
         "summary": summary,
         "samples": samples,
-        "tables": [table("Weight sync, SmolLM2-135M to one engine (seconds, median)",
-                         ["dtype", "size", "route", "seconds", "x memcopy", "GB/s", "detail"], rows,
-                         note=f"Median of {reps} repetitions; routes interleaved within each. 'x memcopy' = "
-                              "seconds / seconds of a plain copy_ of the same bytes measured in the same run. "
-                              "Engine and copy use 1 torch thread. The encoding time is measured separately, right "
-                              "after each push.")],
+        "tables": [
+            table(
+                "Weight sync, SmolLM2-135M to one engine (seconds, median)",
+                ["dtype", "size", "route", "seconds", "x memcopy", "GB/s", "detail"],
+                rows,
+                note=f"Median of {reps} repetitions; routes interleaved within each. 'x memcopy' = "
+                "seconds / seconds of a plain copy_ of the same bytes measured in the same run. "
+                "Engine and copy use 1 torch thread. The encoding time is measured separately, right "
+                "after each push.",
+            )
+        ],
         "plots": [plot],
         "notes": [
             "The model is held in the sent dtype, so no route pays a cast; a trainer holding fp32 "
@@ -211,9 +230,14 @@ def _plot(summary: list[dict], dtypes: list[str], routes: list[str], out_dir: Pa
         xs = [i + (k - (len(dtypes) - 1) / 2) * width for i in range(len(routes))]
         bars = ax.bar(xs, [rows[r]["seconds"] for r in routes], width, label=dtype)
         for bar, r in zip(bars, routes):
-            ax.annotate(f"{rows[r]['x_memcopy']:.0f}x" if r != "memcopy" else "1x",
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), textcoords="offset points",
-                        xytext=(0, 3), ha="center", fontsize=8)
+            ax.annotate(
+                f"{rows[r]['x_memcopy']:.0f}x" if r != "memcopy" else "1x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=8,
+            )
     ax.set_yscale("log")
     ax.set_xticks(range(len(routes)))
     ax.set_xticklabels(routes)
@@ -232,6 +256,10 @@ def headline(entry: dict) -> list[list[str]]:
     rows = []
     for s in entry["summary"]:
         if s["dtype"] == "bfloat16" and s["route"] != "memcopy":
-            rows.append([f"push SmolLM2 bf16 weights to an engine, {s['route']}",
-                         f"{s['seconds']:.2f} s = {s['x_memcopy']:.0f}x an in-memory copy of the same bytes"])
+            rows.append(
+                [
+                    f"push SmolLM2 bf16 weights to an engine, {s['route']}",
+                    f"{s['seconds']:.2f} s = {s['x_memcopy']:.0f}x an in-memory copy of the same bytes",
+                ]
+            )
     return rows

@@ -43,12 +43,38 @@ __all__ = ["ConfigError", "build_config", "build_parser", "parse_args"]
 logger = logging.getLogger(__name__)
 
 # --help's headings, in order; each component adds its flags under its headings.
-SECTIONS = ("cluster", "model and checkpoints", model.GROUPS[0].title, "rollout data", "fully async",
-            "rewards and plugins", "inference engines", "eval", "training", "megatron (--train-backend megatron)",
-            "critic (--advantage-estimator ppo)", "optimizer", "algorithm", "logging and debugging",
-            compat.GROUPS[-1].title)
-COMPONENTS = (tracking, cluster, train, checkpoint, model, rollout, loop, engine, evaluation, megatron, algorithm,
-              compat, report)
+SECTIONS = (
+    "cluster",
+    "model and checkpoints",
+    model.GROUPS[0].title,
+    "rollout data",
+    "fully async",
+    "rewards and plugins",
+    "inference engines",
+    "eval",
+    "training",
+    "megatron (--train-backend megatron)",
+    "critic (--advantage-estimator ppo)",
+    "optimizer",
+    "algorithm",
+    "logging and debugging",
+    compat.GROUPS[-1].title,
+)
+COMPONENTS = (
+    tracking,
+    cluster,
+    train,
+    checkpoint,
+    model,
+    rollout,
+    loop,
+    engine,
+    evaluation,
+    megatron,
+    algorithm,
+    compat,
+    report,
+)
 GROUPS = tuple(g for component in COMPONENTS for g in component.GROUPS)
 FLAGS: tuple[Flag, ...] = tuple(f for title in SECTIONS for g in GROUPS if g.title == title for f in g.flags)
 assert len(FLAGS) == sum(len(g.flags) for g in GROUPS), "a flag group's title is missing from SECTIONS"
@@ -119,7 +145,7 @@ def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> 
         if name is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown[i:])}")
         flag, eq, value = arg.partition("=")
-        out[name].append("--" + flag[len(f"--{name}-"):])
+        out[name].append("--" + flag[len(f"--{name}-") :])
         if eq:
             out[name].append(value)
         elif i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
@@ -152,8 +178,9 @@ def build_config(ns: argparse.Namespace) -> Config:
     num_workers = cluster.num_train_workers(ns)
     megatron_cfg = megatron.build(ns, num_workers, machine)
     engine.check_machine(ns, machine)
-    train.check_data_parallel(global_batch, num_workers // megatron_cfg.model_parallel_size,
-                              cluster.num_critic_workers(ns))
+    train.check_data_parallel(
+        global_batch, num_workers // megatron_cfg.model_parallel_size, cluster.num_critic_workers(ns)
+    )
     warnings += machine.warnings
     for message in warnings:
         logger.warning(message)

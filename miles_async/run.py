@@ -66,9 +66,19 @@ class Run:
         opts = actor_options(cfg.cluster, num_threads=1)
         self.controller = ray.remote(InferenceController).options(**opts).remote(cfg.engine, cfg.tracking.output_dir)
         engine_urls = await self.controller.start.remote()
-        self.executor = ray.remote(RolloutExecutor).options(**opts, max_concurrency=1000).remote(
-            cfg.rollout, cfg.eval, cfg.engine, engine_urls, cfg.checkpoint.load, self._load_rollout_id,
-            cfg.tracking.output_dir)
+        self.executor = (
+            ray.remote(RolloutExecutor)
+            .options(**opts, max_concurrency=1000)
+            .remote(
+                cfg.rollout,
+                cfg.eval,
+                cfg.engine,
+                engine_urls,
+                cfg.checkpoint.load,
+                self._load_rollout_id,
+                cfg.tracking.output_dir,
+            )
+        )
         await self.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout
         if cfg.engine.fault_tolerance is not None:
             await self.controller.attach.remote(self.executor)
@@ -76,11 +86,23 @@ class Run:
     async def _start_trainers(self) -> None:
         cfg = self.cfg
         total_steps = cfg.loop.num_rollout * cfg.train.num_steps_per_rollout
-        self.actor = TrainGroup(cfg.train, cfg.cluster, cfg.cluster.num_train_workers, total_steps,
-                                cfg.checkpoint.load, self._load_rollout_id)
+        self.actor = TrainGroup(
+            cfg.train,
+            cfg.cluster,
+            cfg.cluster.num_train_workers,
+            total_steps,
+            cfg.checkpoint.load,
+            self._load_rollout_id,
+        )
         if cfg.critic is not None:
-            self.critic = TrainGroup(cfg.critic, cfg.cluster, cfg.cluster.num_critic_workers, total_steps,
-                                     cfg.checkpoint.load, self._load_rollout_id)
+            self.critic = TrainGroup(
+                cfg.critic,
+                cfg.cluster,
+                cfg.cluster.num_critic_workers,
+                total_steps,
+                cfg.checkpoint.load,
+                self._load_rollout_id,
+            )
         await asyncio.gather(*[g.init() for g in self._models()])
 
     def _models(self) -> list[TrainGroup]:
@@ -88,25 +110,34 @@ class Run:
 
     async def _record_processes(self) -> dict:
         """Write every process the run started, so tests and operators can check none outlives it."""
-        procs = {"driver": os.getpid(), "controller": await self.controller.pid.remote(),
-                 "engines": await self.controller.engine_pids.remote(),
-                 "engines_started": await self.controller.all_engine_pids.remote(),
-                 "executor": await self.executor.pid.remote(),
-                 "train_workers": [pid for g in self._models() for pid in await g.pids()],
-                 "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path()}
+        procs = {
+            "driver": os.getpid(),
+            "controller": await self.controller.pid.remote(),
+            "engines": await self.controller.engine_pids.remote(),
+            "engines_started": await self.controller.all_engine_pids.remote(),
+            "executor": await self.executor.pid.remote(),
+            "train_workers": [pid for g in self._models() for pid in await g.pids()],
+            "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path(),
+        }
         atomic_write_json(self.processes_path, procs)
         return procs
 
     async def generate(self, rollout_id: int) -> dict:
         """One-step-off and --synchronous: generate rollout ``rollout_id`` now.
         Returns ``{"data": [batch ref], "metrics": {...}}``; the batch stays in the object store."""
-        return await wait_for(self.executor.generate.remote(rollout_id), self.cfg.rollout.timeout,
-                              f"rollout {rollout_id} (--rollout-timeout)")
+        return await wait_for(
+            self.executor.generate.remote(rollout_id),
+            self.cfg.rollout.timeout,
+            f"rollout {rollout_id} (--rollout-timeout)",
+        )
 
     async def drain(self, rollout_id: int) -> dict:
         """--fully-async: the next batch the producer, generating all along, has assembled; as ``generate``."""
-        return await wait_for(self.executor.drain.remote(rollout_id), self.cfg.rollout.timeout,
-                              f"rollout {rollout_id} (--rollout-timeout)")
+        return await wait_for(
+            self.executor.drain.remote(rollout_id),
+            self.cfg.rollout.timeout,
+            f"rollout {rollout_id} (--rollout-timeout)",
+        )
 
     async def evaluate(self, rollout_id: int) -> dict:
         return await self.executor.eval.remote(rollout_id)
@@ -129,13 +160,15 @@ class Run:
 
     async def update_weights(self, weight_version: int) -> dict:
         """The actor's weights to every serving engine; then the rollout side samples from ``weight_version``."""
-        return await weights.update_weights(self.cfg, self.controller, self.actor,
-                                            lambda version: self.executor.on_step.remote(version), weight_version)
+        return await weights.update_weights(
+            self.cfg, self.controller, self.actor, lambda version: self.executor.on_step.remote(version), weight_version
+        )
 
     async def save(self, rollout_id: int) -> None:
         save_dir = self.cfg.checkpoint.save
-        await asyncio.gather(*[g.save(save_dir, rollout_id, not self.cfg.checkpoint.no_save_optim)
-                               for g in self._models()])
+        await asyncio.gather(
+            *[g.save(save_dir, rollout_id, not self.cfg.checkpoint.no_save_optim) for g in self._models()]
+        )
         await self.executor.save.remote(rollout_id, save_dir)
         mark_complete(save_dir, rollout_id)  # last, and atomic: only now is this iteration "latest"
 
@@ -147,8 +180,9 @@ class Run:
         metrics too, and processes.json is rewritten when an engine was restarted, so whoever checks that
         no process outlives the run sees the new one too."""
         busy = await self.controller.busy_seconds.remote()
-        metrics = {"engine/idle_frac": max(0.0, 1 - (busy - self._engine_busy) /
-                                           (self.cfg.engine.num_engines * step_seconds))}
+        metrics = {
+            "engine/idle_frac": max(0.0, 1 - (busy - self._engine_busy) / (self.cfg.engine.num_engines * step_seconds))
+        }
         self._engine_busy = busy
         if self.cfg.engine.fault_tolerance is None:
             return metrics

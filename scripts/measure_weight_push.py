@@ -56,10 +56,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles_async.arguments import parse_args
+    from miles_async.inference.engines import make_client, make_engine_process
     from miles_async.weights import shared_memory
     from miles_async.weights.http import push_buckets
     from miles_async.weights.source import iter_buckets
-    from miles_async.inference.engines import make_client, make_engine_process
 
     if args.model:
         model_path = Path(args.model)
@@ -79,15 +79,35 @@ def main() -> None:
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
 
     def cfg(backend: str):
-        return parse_args(["--use-tis", "--hf-checkpoint", str(model_path), "--prompt-data", str(prompts), "--rollout-batch-size",
-                           "1", "--num-rollout", "1", "--rm-type", "first_integer", "--rollout-dtype", args.dtype,
-                           "--rollout-backend", backend, "--engine-startup-timeout", "600",
-                           "--output-dir", str(work)]).engine
+        return parse_args(
+            [
+                "--use-tis",
+                "--hf-checkpoint",
+                str(model_path),
+                "--prompt-data",
+                str(prompts),
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--rm-type",
+                "first_integer",
+                "--rollout-dtype",
+                args.dtype,
+                "--rollout-backend",
+                backend,
+                "--engine-startup-timeout",
+                "600",
+                "--output-dir",
+                str(work),
+            ]
+        ).engine
 
     def call(url: str, fn, backend: str = "embedded"):
         async def go():
             async with make_client(backend, url, 600) as c:
                 return await fn(c)
+
         return asyncio.run(go())
 
     results: dict[str, list[float]] = {}
@@ -172,16 +192,21 @@ def main() -> None:
                 for _ in range(args.reps):
                     version += 1
                     t0 = time.perf_counter()
-                    asyncio.run(shared_memory.push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url],
-                                                           version, 600))
+                    asyncio.run(
+                        shared_memory.push_buckets(
+                            iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600
+                        )
+                    )
                     results.setdefault("sglang tensor (shared memory)", []).append(time.perf_counter() - t0)
                     assert call(engine.url, lambda c: c.model_info(), "sglang")["weight_version"] == version
     shutil.rmtree(work, ignore_errors=True)
 
     floor = statistics.median(results["memcopy"])
-    print(f"SmolLM2-135M ({model_path.name}), {len(params)} tensors, {nbytes / 1e6:.1f} MB in {args.dtype}; "
-          f"{args.reps} reps, median (min); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          "server start: " + ", ".join(f"{k} {v:.0f}s" for k, v in startup.items()))
+    print(
+        f"SmolLM2-135M ({model_path.name}), {len(params)} tensors, {nbytes / 1e6:.1f} MB in {args.dtype}; "
+        f"{args.reps} reps, median (min); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+        "server start: " + ", ".join(f"{k} {v:.0f}s" for k, v in startup.items())
+    )
     print(f"{'route':34s} {'seconds':>16s} {'x memcopy':>10s} {'GB/s':>7s}")
     rows = {}
     for name, xs in results.items():
@@ -189,8 +214,9 @@ def main() -> None:
         rows[name] = {"median_s": med, "min_s": min(xs), "all_s": xs}
         print(f"{name:34s} {med:9.3f} ({min(xs):.3f}) {med / floor:10.1f} {nbytes / med / 1e9:7.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"bytes": nbytes, "dtype": args.dtype, "routes": rows,
-                                               "loadavg": os.getloadavg()}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"bytes": nbytes, "dtype": args.dtype, "routes": rows, "loadavg": os.getloadavg()}, indent=1)
+        )
 
 
 if __name__ == "__main__":

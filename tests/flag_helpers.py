@@ -18,5 +18,16 @@ def minimal_flags(tmp_path: Path, n_prompts: int = 16, data: Path | None = None,
     if data is None:
         data = tmp_path / "train.jsonl"
         data.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(n_prompts)))
-    return ["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--rollout-batch-size", "4",
-            "--rm-type", "integer", "--output-dir", str(tmp_path / "out")]
+    return [
+        "--use-tis",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(data),
+        "--rollout-batch-size",
+        "4",
+        "--rm-type",
+        "integer",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]

@@ -15,13 +15,24 @@ def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: 
 
     def sample(g: int, p: list[int], out: dict, i: int, n: int) -> Sample:
         logprobs = [x[0] for x in out["meta_info"]["output_token_logprobs"]]  # --use-tis weighs against them
-        return Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=p,
-                      response_tokens=out["output_ids"][:n], rollout_logprobs=logprobs[:n],
-                      reward=0.0 if i == 0 else 1.0)
+        return Sample(
+            uid=str(g),
+            group_index=g,
+            index=i,
+            prompt="",
+            prompt_tokens=p,
+            response_tokens=out["output_ids"][:n],
+            rollout_logprobs=logprobs[:n],
+            reward=0.0 if i == 0 else 1.0,
+        )
 
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
-    batch = to_train_batch([[sample(g, p, out, i, n) for i, n in enumerate([len(out["output_ids"]), 1])]
-                            for g, (p, out) in enumerate(zip(prompts, outputs))])
+    batch = to_train_batch(
+        [
+            [sample(g, p, out, i, n) for i, n in enumerate([len(out["output_ids"]), 1])]
+            for g, (p, out) in enumerate(zip(prompts, outputs))
+        ]
+    )
     for step in range(steps):
         actor.train(step, batch)
     return actor
@@ -30,7 +41,15 @@ def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: 
 def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[dict], abs_tol: float) -> None:
     """The engine's log-probs of its own outputs equal the trainer's for the same tokens (temperature 1)."""
     for p, o in zip(prompts, outputs):
-        trainer_lp = actor._logprobs_of(actor.module, {"tokens": [p + o["output_ids"]], "prompt_lengths": [len(p)],
-                                                       "response_lengths": [len(o["output_ids"])],
-                                                       "loss_masks": [[1] * len(o["output_ids"])]}, [0], 1.0)[0]
+        trainer_lp = actor._logprobs_of(
+            actor.module,
+            {
+                "tokens": [p + o["output_ids"]],
+                "prompt_lengths": [len(p)],
+                "response_lengths": [len(o["output_ids"])],
+                "loss_masks": [[1] * len(o["output_ids"])],
+            },
+            [0],
+            1.0,
+        )[0]
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=abs_tol)

@@ -175,8 +175,7 @@ def aggregate_loss(per_token: Tensor, loss_mask: Tensor, mode: AggMode = "token_
     _check_choice("mode", mode, _AGG_MODES)
     if per_token.dim() != 2 or per_token.shape != loss_mask.shape:
         raise ValueError(
-            f"per_token and loss_mask must both be [B, T]; got {tuple(per_token.shape)} "
-            f"and {tuple(loss_mask.shape)}"
+            f"per_token and loss_mask must both be [B, T]; got {tuple(per_token.shape)} and {tuple(loss_mask.shape)}"
         )
     if mode == "token_mean":
         return masked_mean(per_token, loss_mask)

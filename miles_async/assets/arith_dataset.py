@@ -83,9 +83,7 @@ def _records(
         orders = [(lo, hi)] if lo == hi else [(lo, hi), (hi, lo)]
         for a, b in orders:
             for k, template in enumerate(templates):
-                out.append(
-                    {"prompt": template.format(a=a, b=b), "label": str(op(a, b)), "uid": f"{task}-{a}-{b}-t{k}"}
-                )
+                out.append({"prompt": template.format(a=a, b=b), "label": str(op(a, b)), "uid": f"{task}-{a}-{b}-t{k}"})
     return out
 
 
@@ -197,7 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-fraction", type=float, default=0.2)
     parser.add_argument(
-        "--format", choices=("jsonl", "parquet"), default="jsonl",
+        "--format",
+        choices=("jsonl", "parquet"),
+        default="jsonl",
         help="parquet writes train/eval.parquet in addition to the JSONL files",
     )
     args = parser.parse_args(argv)

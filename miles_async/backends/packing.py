@@ -42,8 +42,9 @@ class MicroBatch:
     max_response_len: int
 
 
-def collate(prompts: list[list[int]], responses: list[list[int]], loss_masks: list[list[int]],
-            pad_id: int = 0) -> MicroBatch:
+def collate(
+    prompts: list[list[int]], responses: list[list[int]], loss_masks: list[list[int]], pad_id: int = 0
+) -> MicroBatch:
     b = len(prompts)
     p = max(len(x) for x in prompts)
     r = max(1, max(len(x) for x in responses))
@@ -52,13 +53,13 @@ def collate(prompts: list[list[int]], responses: list[list[int]], loss_masks: li
     resp = torch.full((b, r), pad_id, dtype=torch.long)
     mask = torch.zeros((b, r), dtype=torch.float32)
     for i, (pr, rs, lm) in enumerate(zip(prompts, responses, loss_masks)):
-        ids[i, p - len(pr):p] = torch.tensor(pr, dtype=torch.long)
-        attn[i, p - len(pr):p] = 1
+        ids[i, p - len(pr) : p] = torch.tensor(pr, dtype=torch.long)
+        attn[i, p - len(pr) : p] = 1
         if rs:
-            ids[i, p:p + len(rs)] = torch.tensor(rs, dtype=torch.long)
-            attn[i, p:p + len(rs)] = 1
-            resp[i, :len(rs)] = torch.tensor(rs, dtype=torch.long)
-            mask[i, :len(rs)] = torch.tensor(lm, dtype=torch.float32)
+            ids[i, p : p + len(rs)] = torch.tensor(rs, dtype=torch.long)
+            attn[i, p : p + len(rs)] = 1
+            resp[i, : len(rs)] = torch.tensor(rs, dtype=torch.long)
+            mask[i, : len(rs)] = torch.tensor(lm, dtype=torch.float32)
     # Positions count real tokens only, so left padding does not shift RoPE.
     pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
     return MicroBatch(ids, attn, pos, resp, mask, r)
@@ -68,5 +69,5 @@ def pad_rows(rows: list[list[float]], width: int, value: float = 0.0) -> torch.T
     out = torch.full((len(rows), width), value, dtype=torch.float32)
     for i, row in enumerate(rows):
         if row:
-            out[i, :len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+            out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
     return out

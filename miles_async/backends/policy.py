@@ -46,8 +46,9 @@ from miles_async.weights.source import iter_buckets
 from miles_async.weights.update import DTYPES, WeightUpdate
 
 # loss_of(micro_batch, sample_indices, logprobs [B, R], entropy [B, R]) -> (loss, metrics)
-LossOfOutputs = Callable[[MicroBatch, list[int], torch.Tensor, torch.Tensor],
-                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossOfOutputs = Callable[
+    [MicroBatch, list[int], torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
 
 
 @dataclass
@@ -84,9 +85,11 @@ def require_rollout_logprobs(batch: dict, rows: list[int], flag: str) -> None:
     for i in rows:
         gap = _rollout_logprob_gap(batch["rollout_logprobs"][i], batch["loss_masks"][i], batch["response_lengths"][i])
         if gap is not None:
-            raise ValueError(f"{flag}: sample uid={batch['uids'][i]} (index {i} of the rollout) has {gap}; "
-                             f"{flag} needs the engine's log-prob of every trained response token (a custom "
-                             f"generate function must fill Sample.rollout_logprobs, one per response token)")
+            raise ValueError(
+                f"{flag}: sample uid={batch['uids'][i]} (index {i} of the rollout) has {gap}; "
+                f"{flag} needs the engine's log-prob of every trained response token (a custom "
+                f"generate function must fill Sample.rollout_logprobs, one per response token)"
+            )
 
 
 def reduce_metrics(acc: dict[str, list[float]], prefix: str) -> dict[str, float]:
@@ -109,8 +112,9 @@ class PolicyMixin:
     def _logprobs_of(self, model, batch: dict, idx: list[int], temperature: float) -> dict[int, list[float]]:
         return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
 
-    def _logprobs_under_generating_weights(self, batch: dict, idx: list[int],
-                                           temperature: float) -> dict[int, list[float]]:
+    def _logprobs_under_generating_weights(
+        self, batch: dict, idx: list[int], temperature: float
+    ) -> dict[int, list[float]]:
         by_version: dict[int, list[int]] = {}
         for i in idx:
             versions, mask = batch["weight_versions"][i], batch["loss_masks"][i]
@@ -118,24 +122,33 @@ class PolicyMixin:
             # (--mask-offpolicy-in-partial-rollout), so only the newest version matters.
             newest = max(versions, default=-1)
             if any(v != newest and m for v, m in zip(versions, mask)):
-                raise RuntimeError(f"--keep-old-actor: sample {batch['uids'][i]} trains tokens of several weight "
-                                   f"versions {sorted(set(versions))}")
+                raise RuntimeError(
+                    f"--keep-old-actor: sample {batch['uids'][i]} trains tokens of several weight "
+                    f"versions {sorted(set(versions))}"
+                )
             by_version.setdefault(newest, []).append(i)
         out: dict[int, list[float]] = {i: [] for i in by_version.pop(-1, [])}
         for version, rows in sorted(by_version.items()):
             if version not in self._kept_weights:
-                raise RuntimeError(f"--keep-old-actor: weight version {version} (sample {batch['uids'][rows[0]]}) is "
-                                   f"no longer kept; kept versions: {sorted(self._kept_weights)}")
-            out.update(self._logprobs_of(self._model_with_weights(self._kept_weights[version]), batch, rows,
-                                         temperature))
+                raise RuntimeError(
+                    f"--keep-old-actor: weight version {version} (sample {batch['uids'][rows[0]]}) is "
+                    f"no longer kept; kept versions: {sorted(self._kept_weights)}"
+                )
+            out.update(
+                self._logprobs_of(self._model_with_weights(self._kept_weights[version]), batch, rows, temperature)
+            )
         return out
 
     # -- weights -------------------------------------------------------------------------
     def push_weights(self, update: WeightUpdate) -> dict:
         """Every rank calls it (a backend's source may gather); rank 0 sends the buckets by the update's route."""
         self._keep_weights(update.version)
-        return self._weight_source().read(lambda named: self._weight_sender.push(
-            iter_buckets(named, update.torch_dtype, update.bucket_bytes), update), {})
+        return self._weight_source().read(
+            lambda named: self._weight_sender.push(
+                iter_buckets(named, update.torch_dtype, update.bucket_bytes), update
+            ),
+            {},
+        )
 
     def save_weights_for_engines(self, update: WeightUpdate) -> dict:
         """The disk route: rank 0 writes the policy's weights, in the engines' dtype, to ``update.folder``."""
@@ -151,13 +164,14 @@ class PolicyMixin:
     def _keep_weights(self, weight_version: int) -> None:
         if self.cfg.algorithm.keep_old_actor:
             self._kept_weights[weight_version] = self._snapshot_weights()
-            for old in sorted(self._kept_weights)[:-self.cfg.max_kept_weight_versions]:
+            for old in sorted(self._kept_weights)[: -self.cfg.max_kept_weight_versions]:
                 del self._kept_weights[old]
 
     # -- one rollout -----------------------------------------------------------------------
     @torch.no_grad()
-    def prepare(self, rollout_id: int, batch: dict, temperature: float = 1.0,
-                values: list[list[float]] | None = None) -> list[list[float]] | None:
+    def prepare(
+        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+    ) -> list[list[float]] | None:
         """Old/ref log-probs and the whole batch's advantages; returns the critic's targets (ppo)."""
         alg = self.cfg.algorithm
         n = len(batch["rewards"])
@@ -184,20 +198,30 @@ class PolicyMixin:
         if alg.kl_coef > 0:
             # Per-token reward penalty over the whole batch: every worker needs every sample's KL.
             old_all, ref_all = self._all_gather_dict(old), self._all_gather_dict(ref)
-            kl = compute_approx_kl(_padded([old_all[i] for i in range(n)], width),
-                                   _padded([ref_all[i] for i in range(n)], width), "k1")
+            kl = compute_approx_kl(
+                _padded([old_all[i] for i in range(n)], width), _padded([ref_all[i] for i in range(n)], width), "k1"
+            )
         advantages, returns = compute_advantages(
-            alg.advantage_estimator, torch.tensor(batch["rewards"], dtype=torch.float32),
-            torch.tensor(batch["group_index"]), mask, normalize_std=alg.normalize_std,
-            values=_padded(values, width) if values is not None else None, kl=kl, kl_coef=alg.kl_coef,
-            gamma=alg.gamma, lambd=alg.lambd, normalize_advantages=alg.normalize_advantages)
+            alg.advantage_estimator,
+            torch.tensor(batch["rewards"], dtype=torch.float32),
+            torch.tensor(batch["group_index"]),
+            mask,
+            normalize_std=alg.normalize_std,
+            values=_padded(values, width) if values is not None else None,
+            kl=kl,
+            kl_coef=alg.kl_coef,
+            gamma=alg.gamma,
+            lambd=alg.lambd,
+            normalize_advantages=alg.normalize_advantages,
+        )
         self._prepared = Prepared(rollout_id, steps, advantages, mask, old, ref)
         if returns is None:
             return None
-        return [returns[i, :batch["response_lengths"][i]].tolist() for i in range(n)]
+        return [returns[i, : batch["response_lengths"][i]].tolist() for i in range(n)]
 
-    def train(self, rollout_id: int, batch: dict, temperature: float = 1.0,
-              values: list[list[float]] | None = None) -> dict:
+    def train(
+        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+    ) -> dict:
         t0 = time.time()
         if self._prepared is None or self._prepared.rollout_id != rollout_id:
             self.prepare(rollout_id, batch, temperature, values)
@@ -212,13 +236,26 @@ class PolicyMixin:
         for step_idx in prep.steps:
             self._train_step(batch, step_idx, temperature, loss_of, metrics_acc)
         metrics = reduce_metrics(metrics_acc, "train")
-        metrics.update({"train/lr": self._current_lr(), "train/seconds": time.time() - t0,
-                        "train/started_at": t0, "train/finished_at": time.time(),
-                        "train/optimizer_steps": self.optimizer_steps})
+        metrics.update(
+            {
+                "train/lr": self._current_lr(),
+                "train/seconds": time.time() - t0,
+                "train/started_at": t0,
+                "train/finished_at": time.time(),
+                "train/optimizer_steps": self.optimizer_steps,
+            }
+        )
         return metrics
 
-    def _policy_loss(self, batch: dict, prep: Prepared, mb: MicroBatch, rows: list[int], logprobs: torch.Tensor,
-                     entropy: torch.Tensor):
+    def _policy_loss(
+        self,
+        batch: dict,
+        prep: Prepared,
+        mb: MicroBatch,
+        rows: list[int],
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+    ):
         """One micro-batch's loss from its per-token log-probs and entropy (``[B, R]``, on any device)."""
         alg = self.cfg.algorithm
         device = logprobs.device
@@ -229,15 +266,28 @@ class PolicyMixin:
             adv = torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
         adv = adv.to(device)
         # With --use-tis, prepare() checked every trained token's log-prob; otherwise they only feed metrics.
-        has_rollout_lp = alg.use_tis or all(len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i]
-                                            for i in rows)
+        has_rollout_lp = alg.use_tis or all(
+            len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows
+        )
         rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(device)
         old_lp = logprobs.detach() if prep.old is None else pad_rows([prep.old[i] for i in rows], width).to(device)
         loss, m = policy_loss(
-            logprobs, old_lp, adv, mask, eps_clip=alg.eps_clip, eps_clip_high=alg.eps_clip_high,
-            eps_clip_c=alg.eps_clip_c, rollout_logprobs=rollout_lp if has_rollout_lp else None,
-            use_tis=alg.use_tis, tis_clip=alg.tis_clip, tis_clip_low=alg.tis_clip_low,
-            tis_level=alg.tis_level, tis_mode=alg.tis_mode, agg_mode=alg.loss_agg_mode, loss_type=alg.loss_type)
+            logprobs,
+            old_lp,
+            adv,
+            mask,
+            eps_clip=alg.eps_clip,
+            eps_clip_high=alg.eps_clip_high,
+            eps_clip_c=alg.eps_clip_c,
+            rollout_logprobs=rollout_lp if has_rollout_lp else None,
+            use_tis=alg.use_tis,
+            tis_clip=alg.tis_clip,
+            tis_clip_low=alg.tis_clip_low,
+            tis_level=alg.tis_level,
+            tis_mode=alg.tis_mode,
+            agg_mode=alg.loss_agg_mode,
+            loss_type=alg.loss_type,
+        )
         ent = aggregate_loss(entropy, mask, alg.loss_agg_mode)
         m["entropy"] = ent.detach()
         loss = loss - alg.entropy_coef * ent

@@ -26,9 +26,24 @@ from miles_async.config.tracking import TrackingConfig
 from miles_async.config.train import OptimizerConfig, TrainConfig
 
 __all__ = [
-    "ESTIMATORS", "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config", "DataConfig", "EngineConfig",
-    "EvalConfig", "FaultToleranceConfig", "FullyAsyncConfig", "LoopConfig", "MegatronConfig", "OptimizerConfig",
-    "RewardConfig", "RolloutConfig", "SamplingConfig", "TrackingConfig", "TrainConfig",
+    "ESTIMATORS",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "Config",
+    "DataConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "FaultToleranceConfig",
+    "FullyAsyncConfig",
+    "LoopConfig",
+    "MegatronConfig",
+    "OptimizerConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TrackingConfig",
+    "TrainConfig",
 ]
 
 

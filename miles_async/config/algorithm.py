@@ -65,47 +65,91 @@ USE_KL_LOSS = when_flag("--use-kl-loss")
 GROUPS = (
     group(
         "critic (--advantage-estimator ppo)",
-        flag("--value-clip", type=float, default=0.2, check=at_least(0, " (0 turns it off)"), effect_needs=PPO,
-             help="PPO value clipping; 0 turns it off"),
+        flag(
+            "--value-clip",
+            type=float,
+            default=0.2,
+            check=at_least(0, " (0 turns it off)"),
+            effect_needs=PPO,
+            help="PPO value clipping; 0 turns it off",
+        ),
     ),
     group(
         "algorithm",
-        flag("--advantage-estimator", default="grpo", choices=ESTIMATORS,
-             help="gspo = GRPO advantages with the sequence-level ratio loss; ppo trains a critic (GAE)"),
-        flag("--disable-grpo-std-normalization", action="store_true",
-             effect_needs=when_value("--advantage-estimator", "grpo", "gspo"),
-             help="Dr. GRPO: centre, do not scale"),
+        flag(
+            "--advantage-estimator",
+            default="grpo",
+            choices=ESTIMATORS,
+            help="gspo = GRPO advantages with the sequence-level ratio loss; ppo trains a critic (GAE)",
+        ),
+        flag(
+            "--disable-grpo-std-normalization",
+            action="store_true",
+            effect_needs=when_value("--advantage-estimator", "grpo", "gspo"),
+            help="Dr. GRPO: centre, do not scale",
+        ),
         flag("--normalize-advantages", action="store_true", help="whiten ppo's GAE advantages over the batch"),
-        flag("--gamma", type=float, default=1.0, check=within(0, 1),
-             effect_needs=when_value("--advantage-estimator", "reinforce_plus_plus", "ppo"),
-             help="discount (reinforce_plus_plus, ppo)"),
+        flag(
+            "--gamma",
+            type=float,
+            default=1.0,
+            check=within(0, 1),
+            effect_needs=when_value("--advantage-estimator", "reinforce_plus_plus", "ppo"),
+            help="discount (reinforce_plus_plus, ppo)",
+        ),
         flag("--lambd", type=float, default=1.0, check=within(0, 1), effect_needs=PPO, help="GAE lambda (ppo)"),
-        flag("--kl-coef", type=float, default=0.0, check=at_least(0),
-             help="KL to --ref-load as a per-token reward penalty (reinforce_plus_plus, ppo)"),
+        flag(
+            "--kl-coef",
+            type=float,
+            default=0.0,
+            check=at_least(0),
+            help="KL to --ref-load as a per-token reward penalty (reinforce_plus_plus, ppo)",
+        ),
         flag("--eps-clip", type=float, default=0.2, check=positive()),
         flag("--eps-clip-high", type=float, default=None),
         flag("--eps-clip-c", type=float, default=None, check=above(1, " (the dual clip's lower bound)")),
-        flag("--policy-loss-type", default=None, choices=("ppo", "gspo", "cispo"),
-             help="default: gspo for --advantage-estimator gspo, else ppo"),
-        flag("--loss-agg-mode", default="token_mean",
-             choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")),
-        flag("--use-kl-loss", action="store_true",
-             effect_needs=When("--kl-loss-coef > 0", lambda ns: ns.kl_loss_coef > 0)),
+        flag(
+            "--policy-loss-type",
+            default=None,
+            choices=("ppo", "gspo", "cispo"),
+            help="default: gspo for --advantage-estimator gspo, else ppo",
+        ),
+        flag(
+            "--loss-agg-mode", default="token_mean", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+        ),
+        flag(
+            "--use-kl-loss",
+            action="store_true",
+            effect_needs=When("--kl-loss-coef > 0", lambda ns: ns.kl_loss_coef > 0),
+        ),
         flag("--kl-loss-coef", type=float, default=0.0, effect_needs=USE_KL_LOSS),
-        flag("--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"),
-             effect_needs=USE_KL_LOSS),
+        flag(
+            "--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"), effect_needs=USE_KL_LOSS
+        ),
         flag("--entropy-coef", type=float, default=0.0),
         flag("--use-tis", action="store_true", help="truncated importance sampling against rollout log-probs"),
         flag("--tis-clip", type=float, default=2.0, effect_needs=USE_TIS),
         flag("--tis-clip-low", type=float, default=0.0, effect_needs=USE_TIS),
-        flag("--tis-level", default="token", choices=("token", "sequence"), effect_needs=USE_TIS,
-             help="importance ratio per token or per sequence (product over its tokens)"),
-        flag("--tis-mode", default="truncate", choices=("truncate", "mask"), effect_needs=USE_TIS,
-             help="truncate the ratio into [tis-clip-low, tis-clip], or mask tokens whose ratio leaves it "
-                  "(icepop)"),
-        flag("--keep-old-actor", action="store_true",
-             help="PPO's old policy = the trainer's copy of the weights that generated each sample "
-                  "(kept on the CPU per weight version), instead of the weights before this step"),
+        flag(
+            "--tis-level",
+            default="token",
+            choices=("token", "sequence"),
+            effect_needs=USE_TIS,
+            help="importance ratio per token or per sequence (product over its tokens)",
+        ),
+        flag(
+            "--tis-mode",
+            default="truncate",
+            choices=("truncate", "mask"),
+            effect_needs=USE_TIS,
+            help="truncate the ratio into [tis-clip-low, tis-clip], or mask tokens whose ratio leaves it (icepop)",
+        ),
+        flag(
+            "--keep-old-actor",
+            action="store_true",
+            help="PPO's old policy = the trainer's copy of the weights that generated each sample "
+            "(kept on the CPU per weight version), instead of the weights before this step",
+        ),
         flag("--use-rollout-logprobs", action="store_true", help="use the engine's log-probs as the PPO old policy"),
     ),
 )
@@ -117,20 +161,30 @@ def loss_type(ns: argparse.Namespace) -> str:
 
 def validate(ns: argparse.Namespace) -> None:
     require(ns.tis_clip > ns.tis_clip_low >= 0, "--tis-clip must be > --tis-clip-low >= 0")
-    require(not (ns.use_kl_loss and ns.ref_load is None and ns.kl_loss_coef > 0),
-            "--use-kl-loss with --kl-loss-coef > 0 needs --ref-load (the reference model)")
-    require(ns.kl_coef == 0 or ns.advantage_estimator in ("ppo", "reinforce_plus_plus"),
-            f"--kl-coef puts the KL into per-token rewards, which only ppo and reinforce_plus_plus use; "
-            f"with --advantage-estimator {ns.advantage_estimator} use --use-kl-loss")
+    require(
+        not (ns.use_kl_loss and ns.ref_load is None and ns.kl_loss_coef > 0),
+        "--use-kl-loss with --kl-loss-coef > 0 needs --ref-load (the reference model)",
+    )
+    require(
+        ns.kl_coef == 0 or ns.advantage_estimator in ("ppo", "reinforce_plus_plus"),
+        f"--kl-coef puts the KL into per-token rewards, which only ppo and reinforce_plus_plus use; "
+        f"with --advantage-estimator {ns.advantage_estimator} use --use-kl-loss",
+    )
     require(ns.kl_coef == 0 or ns.ref_load is not None, "--kl-coef > 0 needs --ref-load (the reference model)")
-    require(ns.advantage_estimator != "gspo" or ns.policy_loss_type in (None, "gspo"),
-            f"--advantage-estimator gspo is the sequence-level ratio loss; --policy-loss-type "
-            f"{ns.policy_loss_type} contradicts it")
-    require(ns.eps_clip_c is None or loss_type(ns) != "cispo",
-            "--eps-clip-c (dual clip) is not defined for --policy-loss-type cispo, which has no clipped surrogate "
-            "to bound: drop one")
-    require(not ns.normalize_advantages or ns.advantage_estimator == "ppo",
-            "--normalize-advantages applies to ppo's GAE (the other estimators normalise on their own)")
+    require(
+        ns.advantage_estimator != "gspo" or ns.policy_loss_type in (None, "gspo"),
+        f"--advantage-estimator gspo is the sequence-level ratio loss; --policy-loss-type "
+        f"{ns.policy_loss_type} contradicts it",
+    )
+    require(
+        ns.eps_clip_c is None or loss_type(ns) != "cispo",
+        "--eps-clip-c (dual clip) is not defined for --policy-loss-type cispo, which has no clipped surrogate "
+        "to bound: drop one",
+    )
+    require(
+        not ns.normalize_advantages or ns.advantage_estimator == "ppo",
+        "--normalize-advantages applies to ppo's GAE (the other estimators normalise on their own)",
+    )
 
 
 def build(ns: argparse.Namespace) -> AlgorithmConfig:

@@ -45,6 +45,7 @@ class Capability:
 
 class Feature(Protocol):
     """What the check reads of a feature's flag (``declare.Flag``, or an engine's passthrough flags)."""
+
     dest: str
     choices: tuple
 
@@ -55,40 +56,77 @@ class Feature(Protocol):
 
 _MEGATRON_ONLY = "a Megatron parallel layout"
 CAPABILITIES: tuple[Capability, ...] = (
-    Capability("--use-fault-tolerance", ROLLOUT_BACKEND, ("embedded",),
-               why="a restarted engine is seeded through the embedded engine's /get_weights"),
-    Capability("--use-fault-tolerance", ROUTER, ("builtin",),
-               why="retries and engine set changes are the builtin router's"),
-    Capability("--check-weight-update-equal", ROLLOUT_BACKEND, ("embedded",),
-               why="it compares the engines' /weights_checksum, which only the embedded engine serves"),
-    Capability("--check-weight-update-equal", TRAIN_BACKEND, ("fsdp",),
-               why="the megatron actor computes no weights_checksum yet"),
-    Capability("--rollout-router", ROLLOUT_BACKEND, ("embedded", "sglang"), value="sglang",
-               why="SGLang's router speaks SGLang's API"),
+    Capability(
+        "--use-fault-tolerance",
+        ROLLOUT_BACKEND,
+        ("embedded",),
+        why="a restarted engine is seeded through the embedded engine's /get_weights",
+    ),
+    Capability(
+        "--use-fault-tolerance", ROUTER, ("builtin",), why="retries and engine set changes are the builtin router's"
+    ),
+    Capability(
+        "--check-weight-update-equal",
+        ROLLOUT_BACKEND,
+        ("embedded",),
+        why="it compares the engines' /weights_checksum, which only the embedded engine serves",
+    ),
+    Capability(
+        "--check-weight-update-equal",
+        TRAIN_BACKEND,
+        ("fsdp",),
+        why="the megatron actor computes no weights_checksum yet",
+    ),
+    Capability(
+        "--rollout-router",
+        ROLLOUT_BACKEND,
+        ("embedded", "sglang"),
+        value="sglang",
+        why="SGLang's router speaks SGLang's API",
+    ),
     Capability("--sglang-*", ROLLOUT_BACKEND, ("sglang",), why="--sglang-<flag> goes to SGLang's server as --<flag>"),
     Capability("--vllm-*", ROLLOUT_BACKEND, ("vllm",), why="--vllm-<flag> goes to vLLM's server as --<flag>"),
-    *(Capability("--weight-update-method", ROLLOUT_BACKEND,
-                 tuple(b for b, methods in WEIGHT_UPDATE_METHODS.items() if method in methods), value=method)
-      for method in ("tensor", "disk", "distributed")),
-    Capability("--advantage-estimator", TRAIN_BACKEND, ("fsdp",), value="ppo",
-               why="it needs a critic, which the megatron backend does not have yet"),
-    Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",),
-               why="use --use-tis or --use-rollout-logprobs instead"),
-    *(Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
-      for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-                   "--sequence-parallel", "--use-distributed-optimizer")),
+    *(
+        Capability(
+            "--weight-update-method",
+            ROLLOUT_BACKEND,
+            tuple(b for b, methods in WEIGHT_UPDATE_METHODS.items() if method in methods),
+            value=method,
+        )
+        for method in ("tensor", "disk", "distributed")
+    ),
+    Capability(
+        "--advantage-estimator",
+        TRAIN_BACKEND,
+        ("fsdp",),
+        value="ppo",
+        why="it needs a critic, which the megatron backend does not have yet",
+    ),
+    Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",), why="use --use-tis or --use-rollout-logprobs instead"),
+    *(
+        Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
+        for name in (
+            "--tensor-model-parallel-size",
+            "--pipeline-model-parallel-size",
+            "--context-parallel-size",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+        )
+    ),
 )
 
 
 def resolve_weight_update_method(ns: argparse.Namespace) -> str:
     """--weight-update-method for --rollout-backend (auto: the first the engine supports); an unsupported
     choice is the capability check's to refuse."""
-    return WEIGHT_UPDATE_METHODS[ns.rollout_backend][0] if ns.weight_update_method == "auto" \
-        else ns.weight_update_method
+    return (
+        WEIGHT_UPDATE_METHODS[ns.rollout_backend][0] if ns.weight_update_method == "auto" else ns.weight_update_method
+    )
 
 
-def check_capabilities(ns: argparse.Namespace, features: Mapping[str, Feature],
-                       table: tuple[Capability, ...] = CAPABILITIES) -> None:
+def check_capabilities(
+    ns: argparse.Namespace, features: Mapping[str, Feature], table: tuple[Capability, ...] = CAPABILITIES
+) -> None:
     """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name)."""
     for row in table:
         current = getattr(ns, row.axis.dest)
@@ -98,15 +136,21 @@ def check_capabilities(ns: argparse.Namespace, features: Mapping[str, Feature],
             raise ConfigError(_refusal(row, current, feature, ns, table))
 
 
-def _refusal(row: Capability, current: Any, feature: Feature, ns: argparse.Namespace,
-             table: tuple[Capability, ...]) -> str:
+def _refusal(
+    row: Capability, current: Any, feature: Feature, ns: argparse.Namespace, table: tuple[Capability, ...]
+) -> str:
     axis = row.axis
     why = f" ({row.why})" if row.why else ""
     usable = ""
     if row.value is not None:
-        refused = {r.value for r in table if r.feature == row.feature and r.axis == axis and r.value is not None
-                   and current not in r.supported_by}
+        refused = {
+            r.value
+            for r in table
+            if r.feature == row.feature and r.axis == axis and r.value is not None and current not in r.supported_by
+        }
         ok = [str(c) for c in feature.choices if c not in refused]
         usable = f", which supports {row.feature} {', '.join(ok)}" if ok else ""
-    return (f"{feature.shown(ns)} is not supported by the {current} {axis.noun}{why}: runs with it need {axis.flag} "
-            f"{' or '.join(row.supported_by)} (this run uses {axis.flag} {current}{usable})")
+    return (
+        f"{feature.shown(ns)} is not supported by the {current} {axis.noun}{why}: runs with it need {axis.flag} "
+        f"{' or '.join(row.supported_by)} (this run uses {axis.flag} {current}{usable})"
+    )

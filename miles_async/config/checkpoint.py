@@ -28,8 +28,12 @@ GROUPS = (
         flag("--save", default=None, help="checkpoint folder"),
         flag("--save-interval", type=int, default=None, check=at_least(1), needs=SAVE),
         flag("--save-hf", default=None, help="write the final policy as an HF folder here"),
-        flag("--save-trigger-sentinel", default=None, needs=SAVE,
-             help="when this file exists after a step, save then delete it (preemption)"),
+        flag(
+            "--save-trigger-sentinel",
+            default=None,
+            needs=SAVE,
+            help="when this file exists after a step, save then delete it (preemption)",
+        ),
         flag("--no-save-optim", action="store_true", effect_needs=SAVE),
     ),
 )
@@ -44,11 +48,11 @@ def start_rollout_id(ns: argparse.Namespace, num_rollout: int) -> int:
     require(Path(ns.load).is_dir(), f"--load: not a folder: {ns.load}")
     last = latest_checkpointed_iteration(ns.load)
     require(last is not None, f"--load: no complete checkpoint in {ns.load}")
-    require(last + 1 < num_rollout,
-            f"--load: the checkpoint already reached rollout {last} of --num-rollout {num_rollout}")
+    require(
+        last + 1 < num_rollout, f"--load: the checkpoint already reached rollout {last} of --num-rollout {num_rollout}"
+    )
     return last + 1
 
 
 def build(ns: argparse.Namespace) -> CheckpointConfig:
-    return CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.save_hf, ns.save_trigger_sentinel,
-                            ns.no_save_optim)
+    return CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.save_hf, ns.save_trigger_sentinel, ns.no_save_optim)

@@ -22,15 +22,32 @@ GROUPS = (
         "cluster",
         flag("--ray-address", default=None, help="join an existing Ray cluster instead of starting a local one"),
         flag("--actor-num-nodes", type=int, default=1, check=at_least(1)),
-        flag("--actor-num-gpus-per-node", type=int, default=1, check=at_least(1),
-             help="training workers per node (CPU processes when no GPU is present)"),
+        flag(
+            "--actor-num-gpus-per-node",
+            type=int,
+            default=1,
+            check=at_least(1),
+            help="training workers per node (CPU processes when no GPU is present)",
+        ),
     ),
     group(
         "critic (--advantage-estimator ppo)",
-        flag("--critic-num-nodes", type=int, default=None, check=at_least(1), needs=CRITIC,
-             help="default: --actor-num-nodes"),
-        flag("--critic-num-gpus-per-node", type=int, default=None, check=at_least(1), needs=CRITIC,
-             help="default: --actor-num-gpus-per-node"),
+        flag(
+            "--critic-num-nodes",
+            type=int,
+            default=None,
+            check=at_least(1),
+            needs=CRITIC,
+            help="default: --actor-num-nodes",
+        ),
+        flag(
+            "--critic-num-gpus-per-node",
+            type=int,
+            default=None,
+            check=at_least(1),
+            needs=CRITIC,
+            help="default: --actor-num-gpus-per-node",
+        ),
     ),
 )
 
@@ -46,5 +63,9 @@ def num_critic_workers(ns: argparse.Namespace) -> int:
 
 
 def build(ns: argparse.Namespace, use_gpu: bool) -> ClusterConfig:
-    return ClusterConfig(ray_address=ns.ray_address, num_train_workers=num_train_workers(ns), use_gpu=use_gpu,
-                         num_critic_workers=num_critic_workers(ns))
+    return ClusterConfig(
+        ray_address=ns.ray_address,
+        num_train_workers=num_train_workers(ns),
+        use_gpu=use_gpu,
+        num_critic_workers=num_critic_workers(ns),
+    )

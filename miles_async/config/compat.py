@@ -19,9 +19,15 @@ WANDB = "log in with `wandb login` or WANDB_API_KEY / WANDB_BASE_URL / WANDB_ENT
 
 
 def _refuse_colocate(name: str, value: bool) -> str | None:
-    return (f"{name} is not supported for asynchronous training: the engines generate rollout N+1 while the trainer "
+    return (
+        (
+            f"{name} is not supported for asynchronous training: the engines generate rollout N+1 while the trainer "
             f"trains on rollout N, so they cannot share GPUs (Miles' train_async.py refuses it too). Drop {name} "
-            f"and give the engines their own GPUs (--rollout-num-gpus)") if value else None
+            f"and give the engines their own GPUs (--rollout-num-gpus)"
+        )
+        if value
+        else None
+    )
 
 
 def _switch(name: str, why: str):
@@ -38,10 +44,15 @@ def _value(name: str, why: str, type_: Any = str, nargs: str | None = None):
 GROUPS = (
     group(
         "cluster",
-        flag("--colocate", action="store_true", check=_refuse_colocate,
-             help="refused: asynchronous training keeps the trainer and the engines on separate GPUs"),
-        _value("--num-gpus-per-node", "the GPUs of each group are --actor-num-gpus-per-node and --rollout-num-gpus",
-               int),
+        flag(
+            "--colocate",
+            action="store_true",
+            check=_refuse_colocate,
+            help="refused: asynchronous training keeps the trainer and the engines on separate GPUs",
+        ),
+        _value(
+            "--num-gpus-per-node", "the GPUs of each group are --actor-num-gpus-per-node and --rollout-num-gpus", int
+        ),
         _value("--train-memory-margin-bytes", OFFLOAD, int),
         _switch("--offload-train", OFFLOAD),
         _switch("--no-offload-train", OFFLOAD),
@@ -50,13 +61,18 @@ GROUPS = (
     ),
     group(
         "accepted from Miles, slime and Megatron-LM launchers (no effect here)",
-        _switch("--balance-data", "each optimizer step's samples are dealt to the data-parallel ranks in turn; "
-                                  "micro-batches are then packed by tokens"),
+        _switch(
+            "--balance-data",
+            "each optimizer step's samples are dealt to the data-parallel ranks in turn; "
+            "micro-batches are then packed by tokens",
+        ),
         _value("--micro-batch-size", PACKING, int),
         _value("--seq-length", PACKING + "; each sample keeps its own length", int),
         _value("--log-probs-chunk-size", "log-probs are computed per packed micro-batch", int),
-        _switch("--calculate-per-token-loss", "the loss is aggregated by --loss-agg-mode (token_mean by default: per "
-                                              "token over the whole step)"),
+        _switch(
+            "--calculate-per-token-loss",
+            "the loss is aggregated by --loss-agg-mode (token_mean by default: per token over the whole step)",
+        ),
         _value("--loss-mask-type", "the loss mask comes with each sample from its generation"),
         _switch("--optimizer-cpu-offload", "the optimizer state stays on the training GPU"),
         _switch("--overlap-cpu-optimizer-d2h-h2d", "the optimizer state stays on the training GPU"),
@@ -65,12 +81,21 @@ GROUPS = (
         _switch("--no-gradient-accumulation-fusion", FUSION),
         _switch("--no-rope-fusion", FUSION),
         _switch("--no-masked-softmax-fusion", FUSION),
-        _value("--spec", "the layer spec is Transformer Engine's when it is installed, else Megatron's local one",
-               nargs="+"),
-        _value("--transformer-impl", "the layer spec is Transformer Engine's when it is installed, else Megatron's "
-                                     "local one"),
-        _value("--rotary-scaling-factor", "it scales YaRN RoPE (Megatron's MLA models); llama3-style scaling is "
-                                          "--use-rope-scaling --rope-scaling-factor", float),
+        _value(
+            "--spec",
+            "the layer spec is Transformer Engine's when it is installed, else Megatron's local one",
+            nargs="+",
+        ),
+        _value(
+            "--transformer-impl",
+            "the layer spec is Transformer Engine's when it is installed, else Megatron's local one",
+        ),
+        _value(
+            "--rotary-scaling-factor",
+            "it scales YaRN RoPE (Megatron's MLA models); llama3-style scaling is "
+            "--use-rope-scaling --rope-scaling-factor",
+            float,
+        ),
         _value("--decoder-last-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
         _value("--decoder-first-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
         _value("--wandb-key", WANDB),

@@ -32,6 +32,7 @@ Check = Callable[[str, Any], "str | None"]
 @dataclass(frozen=True)
 class When:
     """A condition on the parsed flags, and the words naming it in messages ("--use-fault-tolerance")."""
+
     text: str
     holds: Callable[[argparse.Namespace], bool]
 
@@ -45,8 +46,9 @@ def when_flag(name: str, why: str = "") -> When:
 def when_value(name: str, *values: Any, why: str = "") -> When:
     """True when flag ``name`` has one of ``values``."""
     dest = name.lstrip("-").replace("-", "_")
-    return When(f"{name} {' or '.join(map(str, values))}" + (f" ({why})" if why else ""),
-                lambda ns: getattr(ns, dest) in values)
+    return When(
+        f"{name} {' or '.join(map(str, values))}" + (f" ({why})" if why else ""), lambda ns: getattr(ns, dest) in values
+    )
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,14 @@ class Flag:
         return f"{self.name} {value}"
 
 
-def flag(*names: str, check: Check | Sequence[Check] = (), needs: When | None = None,
-         effect_needs: When | None = None, ignored: str | None = None, **options: Any) -> Flag:
+def flag(
+    *names: str,
+    check: Check | Sequence[Check] = (),
+    needs: When | None = None,
+    effect_needs: When | None = None,
+    ignored: str | None = None,
+    **options: Any,
+) -> Flag:
     """One flag: ``names`` and argparse's ``options`` (type, default, help, choices, action, ...), the ``check``s
     its own value must pass, ``needs`` (refused without it), ``effect_needs`` (warned about without it) and
     ``ignored`` (accepted so launchers run as written, never with an effect: a warning says why)."""
@@ -102,6 +110,7 @@ def flag(*names: str, check: Check | Sequence[Check] = (), needs: When | None = 
 @dataclass(frozen=True)
 class Group:
     """Flags under one --help heading; several components may add to the same heading."""
+
     title: str
     flags: tuple[Flag, ...]
 
@@ -129,10 +138,12 @@ def above(bound: float, note: str = "") -> Check:
 
 def within(low: float, high: float, low_open: bool = False) -> Check:
     """In [low, high], or (low, high] with ``low_open``."""
+
     def check(name: str, v: Any) -> str | None:
         if v is None or (low < v if low_open else low <= v) and v <= high:
             return None
         return f"{name} must lie in {'(' if low_open else '['}{low}, {high}]"
+
     return check
 
 
@@ -140,6 +151,7 @@ def within(low: float, high: float, low_open: bool = False) -> Check:
 class OnMachine:
     """A check only the machine that runs the job can answer (an installed package): ``check_values`` hands its
     problem to ``Machine``, which refuses the run, or under --check-config warns."""
+
     check: Check
 
     def __call__(self, name: str, v: Any) -> str | None:
@@ -148,10 +160,12 @@ class OnMachine:
 
 def importable(module: str, install: str, value: Any = True) -> Check:
     """The flag, when it has ``value``, needs ``module`` installed; ``install`` says how."""
+
     def check(name: str, v: Any) -> str | None:
         if v != value or module_installed(module):
             return None
         return f"{name if value is True else f'{name} {value}'} needs {install}"
+
     return OnMachine(check)
 
 
@@ -169,11 +183,14 @@ def hf_folder(name: str, path: str | None) -> str | None:
         return f"{name}: not a folder: {path}"
     config = Path(path) / "config.json"
     if not config.is_file() and _megatron_checkpoint(Path(path)):
-        return (f"{name}: {path} is a Megatron (torch_dist) checkpoint, not an HF model folder: {name} is read "
-                f"from HF weights here (give the HF folder it was converted from, e.g. --hf-checkpoint's)")
+        return (
+            f"{name}: {path} is a Megatron (torch_dist) checkpoint, not an HF model folder: {name} is read "
+            f"from HF weights here (give the HF folder it was converted from, e.g. --hf-checkpoint's)"
+        )
     if not config.is_file():
-        return (f"{name}: {path} has no config.json (an HF model folder holds config.json, the weights and the "
-                f"tokenizer)")
+        return (
+            f"{name}: {path} has no config.json (an HF model folder holds config.json, the weights and the tokenizer)"
+        )
     try:
         parsed = json.loads(config.read_text())
     except (OSError, ValueError) as e:
@@ -183,8 +200,11 @@ def hf_folder(name: str, path: str | None) -> str | None:
 
 def _megatron_checkpoint(path: Path) -> bool:
     """A Megatron-LM / Miles / slime checkpoint folder (what their launchers pass as --ref-load)."""
-    return (path / "latest_checkpointed_iteration.txt").is_file() or (path / ".metadata").is_file() or \
-        any(path.glob("iter_*"))
+    return (
+        (path / "latest_checkpointed_iteration.txt").is_file()
+        or (path / ".metadata").is_file()
+        or any(path.glob("iter_*"))
+    )
 
 
 # -- the runners ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from miles_async.config.machine import Machine
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     """--use-fault-tolerance: engines are health-checked, quarantined, restarted and re-seeded with the weights."""
+
     health_check_interval: float  # seconds between two rounds of health checks
     health_check_timeout: float  # seconds one health check may take
     max_engine_restarts: int  # restarts per engine over the run before it is given up
@@ -66,6 +67,7 @@ PASSTHROUGH_ENGINES = ("sglang", "vllm")
 @dataclass(frozen=True)
 class Passthrough:
     """The ``--<engine>-<flag> [value]`` arguments no flag here declares: they go to that engine's server."""
+
     engine: str
     choices: tuple = ()
 
@@ -89,67 +91,127 @@ DISK_ROUTE = When("--weight-update-method disk", lambda ns: resolve_weight_updat
 GROUPS = (
     group(
         "cluster",
-        flag("--rollout-num-threads", type=int, default=None, check=at_least(1), effect_needs=EMBEDDED,
-             help="torch threads per embedded engine (default: half the cores)"),
+        flag(
+            "--rollout-num-threads",
+            type=int,
+            default=None,
+            check=at_least(1),
+            effect_needs=EMBEDDED,
+            help="torch threads per embedded engine (default: half the cores)",
+        ),
     ),
     group(
         "inference engines",
-        flag("--rollout-backend", default="embedded", choices=("embedded", "sglang", "vllm"),
-             help="embedded: the project's own CPU engine server; sglang: SGLang's server "
-                  "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh); "
-                  "vllm: vLLM's server (vllm.entrypoints.openai.api_server, in vLLM's environment: "
-                  "scripts/setup_vllm_env.sh). Any --sglang-<flag> [value] / --vllm-<flag> [value] not listed "
-                  "here goes to that server as --<flag> [value], e.g. --sglang-mem-fraction-static 0.7, "
-                  "--vllm-gpu-memory-utilization 0.7"),
-        flag("--sglang-python", default=None, effect_needs=when_value("--rollout-backend", "sglang"),
-             help="python of SGLang's environment (default: $MILES_ASYNC_SGLANG_PYTHON, else "
-                  "~/.cache/miles-async/venv-sglang/bin/python if present, else this python)"),
-        flag("--vllm-python", default=None, effect_needs=when_value("--rollout-backend", "vllm"),
-             help="python of vLLM's environment (default: $MILES_ASYNC_VLLM_PYTHON, else "
-                  "~/.cache/miles-async/venv-vllm/bin/python if present, else this python)"),
-        flag("--weight-update-dir", default=None, effect_needs=DISK_ROUTE,
-             help="--rollout-backend sglang / vllm: where the trainer writes the weights the engines load "
-                  "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir"),
-        flag("--weight-update-method", default="auto", choices=("auto", "tensor", "disk", "distributed"),
-             help="how a weight update reaches the engines. tensor: buckets of tensors over HTTP (the embedded "
-                  "engine; SGLang on the trainer's node: shared-memory / CUDA IPC handles, "
-                  "/update_weights_from_tensor); disk: an HF folder the engines load (SGLang, vLLM); distributed: "
-                  "broadcast from the trainer's rank 0 in a process group with the engines, NCCL on GPUs, gloo on "
-                  "the CPU (SGLang's update_weights_from_distributed). auto: tensor for embedded, distributed for "
-                  "sglang, disk for vllm"),
+        flag(
+            "--rollout-backend",
+            default="embedded",
+            choices=("embedded", "sglang", "vllm"),
+            help="embedded: the project's own CPU engine server; sglang: SGLang's server "
+            "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh); "
+            "vllm: vLLM's server (vllm.entrypoints.openai.api_server, in vLLM's environment: "
+            "scripts/setup_vllm_env.sh). Any --sglang-<flag> [value] / --vllm-<flag> [value] not listed "
+            "here goes to that server as --<flag> [value], e.g. --sglang-mem-fraction-static 0.7, "
+            "--vllm-gpu-memory-utilization 0.7",
+        ),
+        flag(
+            "--sglang-python",
+            default=None,
+            effect_needs=when_value("--rollout-backend", "sglang"),
+            help="python of SGLang's environment (default: $MILES_ASYNC_SGLANG_PYTHON, else "
+            "~/.cache/miles-async/venv-sglang/bin/python if present, else this python)",
+        ),
+        flag(
+            "--vllm-python",
+            default=None,
+            effect_needs=when_value("--rollout-backend", "vllm"),
+            help="python of vLLM's environment (default: $MILES_ASYNC_VLLM_PYTHON, else "
+            "~/.cache/miles-async/venv-vllm/bin/python if present, else this python)",
+        ),
+        flag(
+            "--weight-update-dir",
+            default=None,
+            effect_needs=DISK_ROUTE,
+            help="--rollout-backend sglang / vllm: where the trainer writes the weights the engines load "
+            "(/update_weights_from_disk); default a folder in /dev/shm when present, else the output dir",
+        ),
+        flag(
+            "--weight-update-method",
+            default="auto",
+            choices=("auto", "tensor", "disk", "distributed"),
+            help="how a weight update reaches the engines. tensor: buckets of tensors over HTTP (the embedded "
+            "engine; SGLang on the trainer's node: shared-memory / CUDA IPC handles, "
+            "/update_weights_from_tensor); disk: an HF folder the engines load (SGLang, vLLM); distributed: "
+            "broadcast from the trainer's rank 0 in a process group with the engines, NCCL on GPUs, gloo on "
+            "the CPU (SGLang's update_weights_from_distributed). auto: tensor for embedded, distributed for "
+            "sglang, disk for vllm",
+        ),
         flag("--rollout-num-gpus", type=int, default=1, check=at_least(1), help="engine slots in all"),
         flag("--rollout-num-gpus-per-engine", type=int, default=1, check=at_least(1)),
         flag("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32")),
-        flag("--sglang-server-concurrency", type=int, default=64, check=at_least(1),
-             help="max running requests per engine"),
+        flag(
+            "--sglang-server-concurrency",
+            type=int,
+            default=64,
+            check=at_least(1),
+            help="max running requests per engine",
+        ),
         flag("--engine-host", default="127.0.0.1"),
         flag("--engine-startup-timeout", type=float, default=600.0, check=positive()),
         flag("--engine-request-timeout", type=float, default=600.0, check=positive()),
-        flag("--use-fault-tolerance", action="store_true",
-             help="health-check the engines; one that dies or stops answering is taken out of the router, "
-                  "its requests are retried on the others, and it is restarted with the current weights "
-                  "(copied from a serving engine). Without it a dead engine fails the run"),
-        flag("--rollout-health-check-interval", type=float, default=10.0, check=positive(),
-             effect_needs=FAULT_TOLERANCE, help="seconds between health checks (--use-fault-tolerance)"),
-        flag("--rollout-health-check-timeout", type=float, default=5.0, check=positive(),
-             effect_needs=FAULT_TOLERANCE, help="seconds a health check may take before it counts as failed"),
-        flag("--max-engine-restarts", type=int, default=3, check=at_least(0), effect_needs=FAULT_TOLERANCE,
-             help="restarts per engine over the run before it is given up (the run fails once no engine "
-                  "is left)"),
-        flag("--check-weight-update-equal", action="store_true",
-             help="after every weight update, compare a checksum of each engine's weights with the "
-                  "trainer's (in the engine dtype) and fail naming the first tensor that differs"),
-        flag("--rollout-router", default="builtin", choices=("builtin", "sglang"),
-             check=importable("sglang_router", "the sglang_router package: pip install sglang-router", "sglang"),
-             help="builtin: least outstanding requests (with --use-fault-tolerance: retries on engine "
-                  "failure); sglang: SGLang's own router, needs sglang-router (untested)"),
+        flag(
+            "--use-fault-tolerance",
+            action="store_true",
+            help="health-check the engines; one that dies or stops answering is taken out of the router, "
+            "its requests are retried on the others, and it is restarted with the current weights "
+            "(copied from a serving engine). Without it a dead engine fails the run",
+        ),
+        flag(
+            "--rollout-health-check-interval",
+            type=float,
+            default=10.0,
+            check=positive(),
+            effect_needs=FAULT_TOLERANCE,
+            help="seconds between health checks (--use-fault-tolerance)",
+        ),
+        flag(
+            "--rollout-health-check-timeout",
+            type=float,
+            default=5.0,
+            check=positive(),
+            effect_needs=FAULT_TOLERANCE,
+            help="seconds a health check may take before it counts as failed",
+        ),
+        flag(
+            "--max-engine-restarts",
+            type=int,
+            default=3,
+            check=at_least(0),
+            effect_needs=FAULT_TOLERANCE,
+            help="restarts per engine over the run before it is given up (the run fails once no engine is left)",
+        ),
+        flag(
+            "--check-weight-update-equal",
+            action="store_true",
+            help="after every weight update, compare a checksum of each engine's weights with the "
+            "trainer's (in the engine dtype) and fail naming the first tensor that differs",
+        ),
+        flag(
+            "--rollout-router",
+            default="builtin",
+            choices=("builtin", "sglang"),
+            check=importable("sglang_router", "the sglang_router package: pip install sglang-router", "sglang"),
+            help="builtin: least outstanding requests (with --use-fault-tolerance: retries on engine "
+            "failure); sglang: SGLang's own router, needs sglang-router (untested)",
+        ),
     ),
 )
 
 
 def validate(ns: argparse.Namespace) -> None:
-    require(ns.rollout_num_gpus >= ns.rollout_num_gpus_per_engine,
-            "--rollout-num-gpus must be >= --rollout-num-gpus-per-engine")
+    require(
+        ns.rollout_num_gpus >= ns.rollout_num_gpus_per_engine,
+        "--rollout-num-gpus must be >= --rollout-num-gpus-per-engine",
+    )
 
 
 def check_machine(ns: argparse.Namespace, machine: Machine) -> None:
@@ -161,16 +223,19 @@ def check_machine(ns: argparse.Namespace, machine: Machine) -> None:
     from miles_async.inference.launcher import engine_python
 
     python = engine_python(name, getattr(ns, f"{name}_python"))
-    machine.expect(machine.python_has(python, name),
-                   f"--rollout-backend {name}: {python} cannot import {name} on this machine (scripts/setup_{name}"
-                   f"_env.sh builds its environment; --{name}-python names another interpreter)")
+    machine.expect(
+        machine.python_has(python, name),
+        f"--rollout-backend {name}: {python} cannot import {name} on this machine (scripts/setup_{name}"
+        f"_env.sh builds its environment; --{name}-python names another interpreter)",
+    )
 
 
 def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConfig:
     ft = None
     if ns.use_fault_tolerance:
-        ft = FaultToleranceConfig(ns.rollout_health_check_interval, ns.rollout_health_check_timeout,
-                                  ns.max_engine_restarts)
+        ft = FaultToleranceConfig(
+            ns.rollout_health_check_interval, ns.rollout_health_check_timeout, ns.max_engine_restarts
+        )
     return EngineConfig(
         backend=ns.rollout_backend,
         model_path=ns.hf_checkpoint,

@@ -32,10 +32,16 @@ EVALS = when_flag("--eval-interval")
 GROUPS = (
     group(
         "eval",
-        flag("--eval-prompt-data", nargs="+", default=None, metavar="NAME PATH", check=_pairs, effect_needs=EVALS,
-             help="pairs of name and file (a single PATH is named 'eval')"),
-        flag("--eval-interval", type=int, default=None, check=at_least(1),
-             needs=when_flag("--eval-prompt-data")),
+        flag(
+            "--eval-prompt-data",
+            nargs="+",
+            default=None,
+            metavar="NAME PATH",
+            check=_pairs,
+            effect_needs=EVALS,
+            help="pairs of name and file (a single PATH is named 'eval')",
+        ),
+        flag("--eval-interval", type=int, default=None, check=at_least(1), needs=when_flag("--eval-prompt-data")),
         flag("--n-samples-per-eval-prompt", type=int, default=1, check=at_least(1), effect_needs=EVALS),
         flag("--eval-temperature", type=float, default=0.0, check=at_least(0), effect_needs=EVALS),
         flag("--eval-top-p", type=float, default=1.0, check=within(0, 1, low_open=True), effect_needs=EVALS),
@@ -61,8 +67,9 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
     return EvalConfig(
         datasets=eval_datasets,
         n_samples_per_prompt=ns.n_samples_per_eval_prompt,
-        sampling=SamplingConfig(ns.eval_temperature, ns.eval_top_p, -1,
-                                ns.eval_max_response_len or ns.rollout_max_response_len),
+        sampling=SamplingConfig(
+            ns.eval_temperature, ns.eval_top_p, -1, ns.eval_max_response_len or ns.rollout_max_response_len
+        ),
         skip_before_train=ns.skip_eval_before_train,
         max_in_flight=ns.max_in_flight_evals,
         input_key=ns.input_key,

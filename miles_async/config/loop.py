@@ -43,24 +43,61 @@ GROUPS = (
     ),
     group(
         "fully async",
-        flag("--synchronous", action="store_true",
-             help="no overlap: generate each rollout only after the previous step's weights reached the "
-                  "engines (on-policy with --update-weights-interval 1; the baseline the async modes beat)"),
-        flag("--fully-async", action="store_true",
-             help="a persistent producer keeps groups generating across training steps"),
-        flag("--max-staleness-steps", "--max-weight-staleness", dest="max_staleness_steps", type=int, default=1,
-             check=at_least(0), effect_needs=FULLY_ASYNC,
-             help="how many policy versions a trained group may lag behind (groups-ahead bound)"),
-        flag("--async-max-concurrent-groups", type=int, default=None, effect_needs=FULLY_ASYNC,
-             help="groups generating at once (default: rollout-batch-size * (max-staleness-steps + 1))"),
-        flag("--zero-variance-filter", action="store_true", needs=when_flag("--fully-async", why="for now"),
-             help="drop groups whose rewards are all equal and keep pulling until a full batch"),
-        flag("--zero-variance-tol", type=float, default=1e-6, check=at_least(0),
-             effect_needs=when_flag("--zero-variance-filter")),
-        flag("--rollout-watchdog-seconds", type=float, default=60.0, check=positive(), effect_needs=FULLY_ASYNC,
-             help="warn when no group finishes for this long"),
-        flag("--pause-generation-mode", default="in_place", choices=("in_place", "abort"),
-             help="what in-flight requests do during a weight update: freeze, or return partial output"),
+        flag(
+            "--synchronous",
+            action="store_true",
+            help="no overlap: generate each rollout only after the previous step's weights reached the "
+            "engines (on-policy with --update-weights-interval 1; the baseline the async modes beat)",
+        ),
+        flag(
+            "--fully-async",
+            action="store_true",
+            help="a persistent producer keeps groups generating across training steps",
+        ),
+        flag(
+            "--max-staleness-steps",
+            "--max-weight-staleness",
+            dest="max_staleness_steps",
+            type=int,
+            default=1,
+            check=at_least(0),
+            effect_needs=FULLY_ASYNC,
+            help="how many policy versions a trained group may lag behind (groups-ahead bound)",
+        ),
+        flag(
+            "--async-max-concurrent-groups",
+            type=int,
+            default=None,
+            effect_needs=FULLY_ASYNC,
+            help="groups generating at once (default: rollout-batch-size * (max-staleness-steps + 1))",
+        ),
+        flag(
+            "--zero-variance-filter",
+            action="store_true",
+            needs=when_flag("--fully-async", why="for now"),
+            help="drop groups whose rewards are all equal and keep pulling until a full batch",
+        ),
+        flag(
+            "--zero-variance-tol",
+            type=float,
+            default=1e-6,
+            check=at_least(0),
+            effect_needs=when_flag("--zero-variance-filter"),
+        ),
+        flag(
+            "--rollout-watchdog-seconds",
+            type=float,
+            default=60.0,
+            check=positive(),
+            effect_needs=FULLY_ASYNC,
+            help="warn when no group finishes for this long",
+        ),
+        flag(
+            "--pause-generation-mode",
+            default="in_place",
+            choices=("in_place", "abort"),
+            help="what in-flight requests do during a weight update: freeze, or return partial output",
+        ),
     ),
     group(
         "training",
@@ -68,8 +105,14 @@ GROUPS = (
     ),
     group(
         "critic (--advantage-estimator ppo)",
-        flag("--num-critic-only-steps", type=int, default=0, check=at_least(0), needs=CRITIC,
-             help="train only the critic on the first N rollouts (the actor waits for a useful baseline)"),
+        flag(
+            "--num-critic-only-steps",
+            type=int,
+            default=0,
+            check=at_least(0),
+            needs=CRITIC,
+            help="train only the critic on the first N rollouts (the actor waits for a useful baseline)",
+        ),
     ),
     group(
         "logging and debugging",
@@ -95,40 +138,61 @@ def validate_async_off_policy_correction(ns: argparse.Namespace) -> None:
     Without any of them the update is silently biased, so the run is refused."""
     on_policy = ns.synchronous and ns.update_weights_interval == 1
     if not (ns.use_tis or ns.use_rollout_logprobs or ns.keep_old_actor or on_policy):
-        mode = "--fully-async" if ns.fully_async else "--synchronous with --update-weights-interval > 1" \
-            if ns.synchronous else "the one-step-off loop"
-        raise ConfigError(f"{mode} trains on samples generated by an older policy: add --use-tis (truncated "
-                          "importance sampling against the rollout log-probs), --use-rollout-logprobs or "
-                          "--keep-old-actor")
-    require(not (ns.use_rollout_logprobs and ns.use_tis),
-            "--use-tis has no effect with --use-rollout-logprobs (the old policy is then the rollout policy, "
-            "so every importance weight is 1): drop one")
-    require(not (ns.use_rollout_logprobs and ns.keep_old_actor),
-            "--keep-old-actor and --use-rollout-logprobs both choose PPO's old policy: drop one")
-    require(not (ns.keep_old_actor and ns.partial_rollout and not ns.mask_offpolicy_in_partial_rollout),
-            "--keep-old-actor recomputes each sample under the one weight version that generated it, but "
-            "--partial-rollout mixes versions within a sample: add --mask-offpolicy-in-partial-rollout")
-    require(not (ns.keep_old_actor and ns.fully_async and ns.pause_generation_mode == "in_place"),
-            "--fully-async --keep-old-actor needs --pause-generation-mode abort: the default in-place pause "
-            "continues a request under the new weights, so one sample holds tokens of two weight versions and "
-            "no kept copy generated it. With abort an interrupted sample is generated again (or, with "
-            "--partial-rollout --mask-offpolicy-in-partial-rollout, resumed with its older tokens masked); "
-            "or use --use-tis instead of --keep-old-actor")
+        mode = (
+            "--fully-async"
+            if ns.fully_async
+            else "--synchronous with --update-weights-interval > 1"
+            if ns.synchronous
+            else "the one-step-off loop"
+        )
+        raise ConfigError(
+            f"{mode} trains on samples generated by an older policy: add --use-tis (truncated "
+            "importance sampling against the rollout log-probs), --use-rollout-logprobs or "
+            "--keep-old-actor"
+        )
+    require(
+        not (ns.use_rollout_logprobs and ns.use_tis),
+        "--use-tis has no effect with --use-rollout-logprobs (the old policy is then the rollout policy, "
+        "so every importance weight is 1): drop one",
+    )
+    require(
+        not (ns.use_rollout_logprobs and ns.keep_old_actor),
+        "--keep-old-actor and --use-rollout-logprobs both choose PPO's old policy: drop one",
+    )
+    require(
+        not (ns.keep_old_actor and ns.partial_rollout and not ns.mask_offpolicy_in_partial_rollout),
+        "--keep-old-actor recomputes each sample under the one weight version that generated it, but "
+        "--partial-rollout mixes versions within a sample: add --mask-offpolicy-in-partial-rollout",
+    )
+    require(
+        not (ns.keep_old_actor and ns.fully_async and ns.pause_generation_mode == "in_place"),
+        "--fully-async --keep-old-actor needs --pause-generation-mode abort: the default in-place pause "
+        "continues a request under the new weights, so one sample holds tokens of two weight versions and "
+        "no kept copy generated it. With abort an interrupted sample is generated again (or, with "
+        "--partial-rollout --mask-offpolicy-in-partial-rollout, resumed with its older tokens masked); "
+        "or use --use-tis instead of --keep-old-actor",
+    )
 
 
 def validate(ns: argparse.Namespace) -> None:
     require(not (ns.synchronous and ns.fully_async), "--synchronous and --fully-async exclude each other")
     validate_async_off_policy_correction(ns)
     if ns.fully_async:
-        require(ns.update_weights_interval == 1, "--fully-async needs --update-weights-interval 1 (the staleness "
-                                                 "bound counts weight versions)")
-        require(ns.rollout_function_path is None, "--rollout-function-path cannot be used with --fully-async "
-                                                  "(the producer generates group by group)")
+        require(
+            ns.update_weights_interval == 1,
+            "--fully-async needs --update-weights-interval 1 (the staleness bound counts weight versions)",
+        )
+        require(
+            ns.rollout_function_path is None,
+            "--rollout-function-path cannot be used with --fully-async (the producer generates group by group)",
+        )
         most = _most_concurrent_groups(ns)
         concurrent = ns.async_max_concurrent_groups or most
-        require(ns.rollout_batch_size <= concurrent <= most,
-                f"--async-max-concurrent-groups {concurrent} must lie between --rollout-batch-size "
-                f"{ns.rollout_batch_size} and rollout-batch-size * (max-staleness-steps + 1)")
+        require(
+            ns.rollout_batch_size <= concurrent <= most,
+            f"--async-max-concurrent-groups {concurrent} must lie between --rollout-batch-size "
+            f"{ns.rollout_batch_size} and rollout-batch-size * (max-staleness-steps + 1)",
+        )
     require(ns.num_rollout is not None or ns.num_epoch is not None, "give --num-rollout or --num-epoch")
     require(ns.num_rollout is None or ns.num_epoch is None, "give only one of --num-rollout and --num-epoch")
 
@@ -136,8 +200,13 @@ def validate(ns: argparse.Namespace) -> None:
 def fully_async_config(ns: argparse.Namespace) -> FullyAsyncConfig | None:
     if not ns.fully_async:
         return None
-    return FullyAsyncConfig(ns.max_staleness_steps, ns.async_max_concurrent_groups or _most_concurrent_groups(ns),
-                            ns.zero_variance_filter, ns.zero_variance_tol, ns.rollout_watchdog_seconds)
+    return FullyAsyncConfig(
+        ns.max_staleness_steps,
+        ns.async_max_concurrent_groups or _most_concurrent_groups(ns),
+        ns.zero_variance_filter,
+        ns.zero_variance_tol,
+        ns.rollout_watchdog_seconds,
+    )
 
 
 def _most_concurrent_groups(ns: argparse.Namespace) -> int:
@@ -149,9 +218,10 @@ def num_rollout(ns: argparse.Namespace, num_prompts: int) -> tuple[int, int]:
     """(rollouts in the run, rollouts per epoch of --prompt-data)."""
     per_epoch = num_prompts // ns.rollout_batch_size
     total = ns.num_rollout if ns.num_rollout is not None else ns.num_epoch * per_epoch
-    require(ns.num_critic_only_steps < total,
-            f"--num-critic-only-steps {ns.num_critic_only_steps} leaves no rollout of --num-rollout {total} "
-            f"for the actor")
+    require(
+        ns.num_critic_only_steps < total,
+        f"--num-critic-only-steps {ns.num_critic_only_steps} leaves no rollout of --num-rollout {total} for the actor",
+    )
     return total, per_epoch
 
 

@@ -19,6 +19,7 @@ from miles_async.config.machine import Machine
 @dataclass(frozen=True)
 class MegatronConfig:
     """Megatron-core's parallel layout (--train-backend megatron); data parallel = workers / (TP * PP * CP)."""
+
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -35,15 +36,19 @@ class MegatronConfig:
 
 
 MEGATRON = when_value("--train-backend", "megatron")
-FULL_RECOMPUTE = When("--train-backend megatron --recompute-granularity full",
-                      lambda ns: ns.train_backend == "megatron" and ns.recompute_granularity == "full")
+FULL_RECOMPUTE = When(
+    "--train-backend megatron --recompute-granularity full",
+    lambda ns: ns.train_backend == "megatron" and ns.recompute_granularity == "full",
+)
 
 
 def _no_moe_yet(name: str, value: int | None) -> str | None:
     if value is None or value == 1:
         return None
-    return (f"{name} {value}: expert parallelism is for MoE layers, which the megatron backend does not build yet "
-            f"(give 1 or leave it out)")
+    return (
+        f"{name} {value}: expert parallelism is for MoE layers, which the megatron backend does not build yet "
+        f"(give 1 or leave it out)"
+    )
 
 
 GROUPS = (
@@ -52,34 +57,60 @@ GROUPS = (
         flag("--tensor-model-parallel-size", type=int, default=1, check=at_least(1)),
         flag("--pipeline-model-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
         flag("--context-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
-        flag("--sequence-parallel", action="store_true",
-             needs=When("--tensor-model-parallel-size > 1", lambda ns: ns.tensor_model_parallel_size > 1),
-             help="needs --tensor-model-parallel-size > 1"),
-        flag("--use-distributed-optimizer", action="store_true",
-             help="shard the optimizer state over the data-parallel ranks"),
+        flag(
+            "--sequence-parallel",
+            action="store_true",
+            needs=When("--tensor-model-parallel-size > 1", lambda ns: ns.tensor_model_parallel_size > 1),
+            help="needs --tensor-model-parallel-size > 1",
+        ),
+        flag(
+            "--use-distributed-optimizer",
+            action="store_true",
+            help="shard the optimizer state over the data-parallel ranks",
+        ),
         flag("--expert-model-parallel-size", type=int, default=1, check=_no_moe_yet),
         flag("--expert-tensor-parallel-size", type=int, default=1, check=_no_moe_yet),
-        flag("--recompute-method", default=None, choices=("uniform", "block"), effect_needs=FULL_RECOMPUTE,
-             help="full recompute: checkpoint --recompute-num-layers layers per chunk (uniform) or the first "
-                  "--recompute-num-layers layers (block)"),
+        flag(
+            "--recompute-method",
+            default=None,
+            choices=("uniform", "block"),
+            effect_needs=FULL_RECOMPUTE,
+            help="full recompute: checkpoint --recompute-num-layers layers per chunk (uniform) or the first "
+            "--recompute-num-layers layers (block)",
+        ),
         flag("--recompute-num-layers", type=int, default=None, check=at_least(1), effect_needs=FULL_RECOMPUTE),
-        flag("--attention-backend", default="auto", choices=("flash", "fused", "unfused", "local", "auto"),
-             effect_needs=MEGATRON,
-             help="Transformer Engine's attention implementation (sets NVTE_FLASH_ATTN/NVTE_FUSED_ATTN/"
-                  "NVTE_UNFUSED_ATTN); without Transformer Engine Megatron's local attention runs"),
-        flag("--attention-softmax-in-fp32", action="store_true", effect_needs=MEGATRON,
-             help="always on with --train-backend megatron (megatron-core's default); the torch backend's "
-                  "attention is transformers'"),
-        flag("--accumulate-allreduce-grads-in-fp32", action="store_true",
-             help="always on: both backends accumulate and all-reduce gradients in fp32 (Megatron's "
-                  "grad_reduce_in_fp32; the torch backend keeps fp32 parameters and gradients)"),
+        flag(
+            "--attention-backend",
+            default="auto",
+            choices=("flash", "fused", "unfused", "local", "auto"),
+            effect_needs=MEGATRON,
+            help="Transformer Engine's attention implementation (sets NVTE_FLASH_ATTN/NVTE_FUSED_ATTN/"
+            "NVTE_UNFUSED_ATTN); without Transformer Engine Megatron's local attention runs",
+        ),
+        flag(
+            "--attention-softmax-in-fp32",
+            action="store_true",
+            effect_needs=MEGATRON,
+            help="always on with --train-backend megatron (megatron-core's default); the torch backend's "
+            "attention is transformers'",
+        ),
+        flag(
+            "--accumulate-allreduce-grads-in-fp32",
+            action="store_true",
+            help="always on: both backends accumulate and all-reduce gradients in fp32 (Megatron's "
+            "grad_reduce_in_fp32; the torch backend keeps fp32 parameters and gradients)",
+        ),
     ),
     group(
         "training",
-        flag("--recompute-granularity", default=None, choices=("full", "selective"),
-             help="activation recompute. megatron: Megatron's own (full needs --recompute-method and "
-                  "--recompute-num-layers; selective recomputes core attention); fsdp: HF gradient checkpointing "
-                  "of every layer, for either value"),
+        flag(
+            "--recompute-granularity",
+            default=None,
+            choices=("full", "selective"),
+            help="activation recompute. megatron: Megatron's own (full needs --recompute-method and "
+            "--recompute-num-layers; selective recomputes core attention); fsdp: HF gradient checkpointing "
+            "of every layer, for either value",
+        ),
     ),
 )
 
@@ -88,13 +119,17 @@ def validate(ns: argparse.Namespace) -> None:
     if ns.train_backend != "megatron" or ns.recompute_granularity is None:
         return
     if ns.recompute_granularity == "selective":
-        require(ns.recompute_method is None and ns.recompute_num_layers is None,
-                "--recompute-granularity selective recomputes core attention in every layer: drop "
-                "--recompute-method and --recompute-num-layers (they choose layers for full recompute)")
+        require(
+            ns.recompute_method is None and ns.recompute_num_layers is None,
+            "--recompute-granularity selective recomputes core attention in every layer: drop "
+            "--recompute-method and --recompute-num-layers (they choose layers for full recompute)",
+        )
     else:
-        require(ns.recompute_method is not None and ns.recompute_num_layers is not None,
-                "--recompute-granularity full needs --recompute-method (uniform or block) and "
-                "--recompute-num-layers, as in Megatron-LM (e.g. uniform 1: every layer)")
+        require(
+            ns.recompute_method is not None and ns.recompute_num_layers is not None,
+            "--recompute-granularity full needs --recompute-method (uniform or block) and "
+            "--recompute-num-layers, as in Megatron-LM (e.g. uniform 1: every layer)",
+        )
 
 
 def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> MegatronConfig:
@@ -105,36 +140,63 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         granularity, method, layers = "full", "uniform", 1  # every layer, as HF gradient checkpointing does
     else:
         method, layers = ns.recompute_method, ns.recompute_num_layers
-    mcfg = MegatronConfig(ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size,
-                          ns.sequence_parallel, ns.use_distributed_optimizer, granularity, method, layers,
-                          ns.attention_backend)
+    mcfg = MegatronConfig(
+        ns.tensor_model_parallel_size,
+        ns.pipeline_model_parallel_size,
+        ns.context_parallel_size,
+        ns.sequence_parallel,
+        ns.use_distributed_optimizer,
+        granularity,
+        method,
+        layers,
+        ns.attention_backend,
+    )
     if ns.train_backend != "megatron":
         return mcfg
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    require(pp == 1, "--pipeline-model-parallel-size > 1 is not supported by the megatron backend yet (weight "
-                     "export and the micro-batch path assume one pipeline stage)")
-    require(cp == 1, "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
-                     "gathered from whole sequences)")
-    require(num_workers % mcfg.model_parallel_size == 0,
-            f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups")
+    require(
+        pp == 1,
+        "--pipeline-model-parallel-size > 1 is not supported by the megatron backend yet (weight "
+        "export and the micro-batch path assume one pipeline stage)",
+    )
+    require(
+        cp == 1,
+        "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
+        "gathered from whole sequences)",
+    )
+    require(
+        num_workers % mcfg.model_parallel_size == 0,
+        f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",
+    )
     te = machine.has_module("transformer_engine")
-    machine.require(not ns.sequence_parallel or te,
-                    "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, "
-                    "which refuse sequence parallelism)")
-    machine.expect(ns.attention_backend == "auto" or te,
-                   f"--attention-backend {ns.attention_backend} chooses among Transformer Engine's attentions; "
-                   f"without Transformer Engine Megatron's local attention runs")
+    machine.require(
+        not ns.sequence_parallel or te,
+        "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, "
+        "which refuse sequence parallelism)",
+    )
+    machine.expect(
+        ns.attention_backend == "auto" or te,
+        f"--attention-backend {ns.attention_backend} chooses among Transformer Engine's attentions; "
+        f"without Transformer Engine Megatron's local attention runs",
+    )
     config = json.loads((Path(ns.hf_checkpoint) / "config.json").read_text())
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
-    require(heads % tp == 0 and kv_heads % tp == 0,
-            f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
-            f"{kv_heads} key/value heads")
+    require(
+        heads % tp == 0 and kv_heads % tp == 0,
+        f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
+        f"{kv_heads} key/value heads",
+    )
     experts = config.get("num_experts") or config.get("num_local_experts")
-    require(not experts, f"--train-backend megatron does not build MoE models yet ({ns.hf_checkpoint}/config.json: "
-                         f"model_type {config.get('model_type')}, {experts} experts); --train-backend fsdp trains "
-                         f"it as an HF model")
+    require(
+        not experts,
+        f"--train-backend megatron does not build MoE models yet ({ns.hf_checkpoint}/config.json: "
+        f"model_type {config.get('model_type')}, {experts} experts); --train-backend fsdp trains "
+        f"it as an HF model",
+    )
     num_layers = config.get("num_hidden_layers")
-    require(layers is None or num_layers is None or layers <= num_layers,
-            f"--recompute-num-layers {layers} is more than the model's {num_layers} layers")
+    require(
+        layers is None or num_layers is None or layers <= num_layers,
+        f"--recompute-num-layers {layers} is more than the model's {num_layers} layers",
+    )
     return mcfg

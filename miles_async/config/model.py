@@ -78,6 +78,7 @@ def _always(hf: Mapping[str, Any]) -> bool:
 @dataclass(frozen=True)
 class Row:
     """One Megatron-LM flag: the config.json keys it is read from, its value, and for which configs it applies."""
+
     flag: str
     keys: tuple[str, ...]
     value: Callable[[Mapping[str, Any]], Any]
@@ -96,10 +97,14 @@ TABLE: tuple[Row, ...] = (
     Row("--hidden-size", ("hidden_size",), lambda hf: hf["hidden_size"]),
     Row("--ffn-hidden-size", ("intermediate_size",), lambda hf: hf["intermediate_size"]),
     Row("--num-attention-heads", ("num_attention_heads",), lambda hf: hf["num_attention_heads"]),
-    Row("--num-query-groups", ("num_key_value_heads",),
-        lambda hf: hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-    Row("--kv-channels", ("head_dim",),
-        lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+    Row(
+        "--num-query-groups",
+        ("num_key_value_heads",),
+        lambda hf: hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    ),
+    Row(
+        "--kv-channels", ("head_dim",), lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    ),
     Row("--swiglu", ("hidden_act",), lambda hf: hf.get("hidden_act", "silu") == "silu"),
     Row("--normalization", ("model_type",), lambda hf: "RMSNorm", _known),
     Row("--norm-epsilon", ("rms_norm_eps",), lambda hf: hf.get("rms_norm_eps")),
@@ -110,20 +115,34 @@ TABLE: tuple[Row, ...] = (
     Row("--rope-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), _llama3_rope),
     Row("--max-position-embeddings", ("max_position_embeddings",), lambda hf: hf.get("max_position_embeddings")),
     Row("--vocab-size", ("vocab_size",), lambda hf: hf["vocab_size"]),
-    Row("--untie-embeddings-and-output-weights", ("tie_word_embeddings",),
-        lambda hf: not hf.get("tie_word_embeddings", False)),
+    Row(
+        "--untie-embeddings-and-output-weights",
+        ("tie_word_embeddings",),
+        lambda hf: not hf.get("tie_word_embeddings", False),
+    ),
     Row("--qk-layernorm", ("model_type",), lambda hf: hf["model_type"] in QK_NORM, _known),
-    Row("--add-qkv-bias", ("model_type", "attention_bias"),
-        lambda hf: hf["model_type"] in QKV_BIAS or bool(hf.get("attention_bias")), _known),
+    Row(
+        "--add-qkv-bias",
+        ("model_type", "attention_bias"),
+        lambda hf: hf["model_type"] in QKV_BIAS or bool(hf.get("attention_bias")),
+        _known,
+    ),
     Row("--disable-bias-linear", ("attention_bias", "mlp_bias"), _bias_linear, _known),
     Row("--num-experts", ("num_experts",), _num_experts),
     Row("--moe-router-topk", ("num_experts_per_tok",), lambda hf: hf.get("num_experts_per_tok"), _is_moe),
-    Row("--moe-ffn-hidden-size", ("moe_intermediate_size",),
-        lambda hf: hf.get("moe_intermediate_size") or hf["intermediate_size"], _is_moe),
+    Row(
+        "--moe-ffn-hidden-size",
+        ("moe_intermediate_size",),
+        lambda hf: hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        _is_moe,
+    ),
     Row("--moe-layer-freq", ("decoder_sparse_step", "mlp_only_layers"), _moe_layers, _is_moe),
-    Row("--moe-shared-expert-intermediate-size", ("shared_expert_intermediate_size",),
+    Row(
+        "--moe-shared-expert-intermediate-size",
+        ("shared_expert_intermediate_size",),
         lambda hf: hf.get("shared_expert_intermediate_size"),
-        lambda hf: _is_moe(hf) and bool(hf.get("shared_expert_intermediate_size"))),
+        lambda hf: _is_moe(hf) and bool(hf.get("shared_expert_intermediate_size")),
+    ),
     Row("--moe-router-score-function", ("model_type",), lambda hf: "softmax", lambda hf: _is_moe(hf) and _known(hf)),
 )
 ROWS = {row.flag: row for row in TABLE}
@@ -140,8 +159,12 @@ def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
 def _source(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
     """The config.json keys a row reads, with their values, for messages."""
     rope = _rope(hf)
-    special = {"rope_theta": rope.get("rope_theta"), "rope_type": rope["rope_type"], "factor": rope.get("factor"),
-               "num_experts": _num_experts(hf)}
+    special = {
+        "rope_theta": rope.get("rope_theta"),
+        "rope_type": rope["rope_type"],
+        "factor": rope.get("factor"),
+        "num_experts": _num_experts(hf),
+    }
     return ", ".join(f"{k} {special[k] if k in special else hf.get(k)}" for k in keys)
 
 
@@ -149,6 +172,7 @@ def _source(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
 @dataclass(frozen=True)
 class Effective:
     """A flag's value as Megatron-LM would use it, and how to say so when it was not given."""
+
     value: Any
     given: bool
     default_note: str = ""
@@ -165,8 +189,7 @@ def _moe_freq(text: str | None, num_layers: int | None) -> list[int] | None:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
-        raise ConfigError(f"--moe-layer-freq {text}: not an integer or a list expression such as [0]*3+[1]*45") \
-            from e
+        raise ConfigError(f"--moe-layer-freq {text}: not an integer or a list expression such as [0]*3+[1]*45") from e
     allowed = (ast.Expression, ast.BinOp, ast.Add, ast.Mult, ast.List, ast.Tuple, ast.Constant, ast.Load)
     if not all(isinstance(node, allowed) for node in ast.walk(tree)):
         raise ConfigError(f"--moe-layer-freq {text}: not an integer or a list expression such as [0]*3+[1]*45")
@@ -197,8 +220,9 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
         "--ffn-hidden-size": value("--ffn-hidden-size", 4 * hidden if hidden else None, "4 x --hidden-size"),
         "--num-attention-heads": value("--num-attention-heads"),
         "--num-query-groups": groups,
-        "--kv-channels": value("--kv-channels", hidden // heads if hidden and heads else None,
-                               "--hidden-size / --num-attention-heads"),
+        "--kv-channels": value(
+            "--kv-channels", hidden // heads if hidden and heads else None, "--hidden-size / --num-attention-heads"
+        ),
         "--swiglu": switch("--swiglu"),
         "--normalization": value("--normalization", "LayerNorm"),
         "--norm-epsilon": value("--norm-epsilon", 1e-5),
@@ -217,15 +241,19 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
     }
     if experts.value is not None:
         ffn = out["--ffn-hidden-size"].value
-        out.update({
-            "--moe-router-topk": value("--moe-router-topk", 2),
-            "--moe-ffn-hidden-size": value("--moe-ffn-hidden-size", ffn, "--ffn-hidden-size"),
-            "--moe-layer-freq": Effective(_moe_freq(ns.moe_layer_freq or "1", ns.num_layers),
-                                          ns.moe_layer_freq is not None, "every layer"),
-            "--moe-shared-expert-intermediate-size": value("--moe-shared-expert-intermediate-size", None,
-                                                           "no shared expert"),
-            "--moe-router-score-function": value("--moe-router-score-function", "softmax"),
-        })
+        out.update(
+            {
+                "--moe-router-topk": value("--moe-router-topk", 2),
+                "--moe-ffn-hidden-size": value("--moe-ffn-hidden-size", ffn, "--ffn-hidden-size"),
+                "--moe-layer-freq": Effective(
+                    _moe_freq(ns.moe_layer_freq or "1", ns.num_layers), ns.moe_layer_freq is not None, "every layer"
+                ),
+                "--moe-shared-expert-intermediate-size": value(
+                    "--moe-shared-expert-intermediate-size", None, "no shared expert"
+                ),
+                "--moe-router-score-function": value("--moe-router-score-function", "softmax"),
+            }
+        )
     return out
 
 
@@ -271,8 +299,10 @@ def mismatches(ns: argparse.Namespace, hf: Mapping[str, Any], where: str) -> lis
         if name not in wanted or (eff.value is None and not eff.given and name not in NONE_MEANS_ABSENT):
             continue
         if not _same(name, eff.value, wanted[name], ns):
-            problems.append(f"{_shown(name, eff)} does not match {where}: {_source(hf, ROWS[name].keys)} "
-                            f"(that is {_wanted(name, wanted[name])})")
+            problems.append(
+                f"{_shown(name, eff)} does not match {where}: {_source(hf, ROWS[name].keys)} "
+                f"(that is {_wanted(name, wanted[name])})"
+            )
     return problems
 
 
@@ -285,9 +315,19 @@ def _archflag(name: str, type_: Callable | None = None, **options: Any):
     return flag(name, type=type_, default=None, **options)
 
 
-VALUE_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
-               "--kv-channels", "--norm-epsilon", "--rotary-base", "--max-position-embeddings", "--vocab-size",
-               "--num-experts")
+VALUE_FLAGS = (
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--num-query-groups",
+    "--kv-channels",
+    "--norm-epsilon",
+    "--rotary-base",
+    "--max-position-embeddings",
+    "--vocab-size",
+    "--num-experts",
+)
 
 GROUPS = (
     group(
@@ -298,29 +338,46 @@ GROUPS = (
         _archflag("--num-attention-heads", int, check=at_least(1)),
         _archflag("--group-query-attention"),
         _archflag("--num-query-groups", int, check=at_least(1), help="with --group-query-attention"),
-        _archflag("--kv-channels", int, check=at_least(1),
-                  help="head dimension; Megatron-LM's default: --hidden-size / --num-attention-heads"),
+        _archflag(
+            "--kv-channels",
+            int,
+            check=at_least(1),
+            help="head dimension; Megatron-LM's default: --hidden-size / --num-attention-heads",
+        ),
         _archflag("--swiglu", help="gated SiLU MLP (without it Megatron-LM builds a GELU MLP)"),
         _archflag("--qk-layernorm"),
         _archflag("--disable-bias-linear"),
         _archflag("--add-qkv-bias"),
         _archflag("--normalization", str, choices=("LayerNorm", "RMSNorm"), help="Megatron-LM's default: LayerNorm"),
         _archflag("--norm-epsilon", float, help="Megatron-LM's default: 1e-5"),
-        _archflag("--position-embedding-type", str,
-                  choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
-                  help="Megatron-LM's default: learned_absolute"),
-        _archflag("--use-rotary-position-embeddings", help="Megatron-LM's older spelling of "
-                                                           "--position-embedding-type rope"),
+        _archflag(
+            "--position-embedding-type",
+            str,
+            choices=("learned_absolute", "rope", "yarn", "mrope", "relative", "none"),
+            help="Megatron-LM's default: learned_absolute",
+        ),
+        _archflag(
+            "--use-rotary-position-embeddings", help="Megatron-LM's older spelling of --position-embedding-type rope"
+        ),
         _archflag("--rotary-base", float, help="RoPE theta; Megatron-LM's default: 10000"),
         _archflag("--rotary-percent", float, help="Megatron-LM's default: 1.0"),
         _archflag("--use-rope-scaling", help="llama3-style RoPE frequency scaling"),
         _archflag("--rope-scaling-factor", float, help="with --use-rope-scaling; Megatron-LM's default: 8.0"),
         _archflag("--max-position-embeddings", int, check=at_least(1)),
-        _archflag("--vocab-size", int, check=at_least(1),
-                  help="config.json's vocab_size, or that padded to --make-vocab-size-divisible-by"),
-        flag("--make-vocab-size-divisible-by", type=int, default=128, check=at_least(1),
-             help="Megatron-LM's vocabulary padding, used to compare --vocab-size with config.json (the backends "
-                  "pad the embedding to a multiple of TP and never train or sample the padding)"),
+        _archflag(
+            "--vocab-size",
+            int,
+            check=at_least(1),
+            help="config.json's vocab_size, or that padded to --make-vocab-size-divisible-by",
+        ),
+        flag(
+            "--make-vocab-size-divisible-by",
+            type=int,
+            default=128,
+            check=at_least(1),
+            help="Megatron-LM's vocabulary padding, used to compare --vocab-size with config.json (the backends "
+            "pad the embedding to a multiple of TP and never train or sample the padding)",
+        ),
         _archflag("--untie-embeddings-and-output-weights"),
         _archflag("--num-experts", int, check=at_least(1), help="MoE: experts per MoE layer"),
         _archflag("--moe-router-topk", int, check=at_least(1), help="MoE; Megatron-LM's default: 2"),

@@ -21,11 +21,14 @@ from miles_async.config.machine import Machine
 GROUPS = (
     group(
         "logging and debugging",
-        flag("--check-config", action="store_true",
-             help="check everything that needs no worker (flags, files, --hf-checkpoint's config.json against the "
-                  "model flags, data keys, plugins), print the resolved configuration and the worker plan, and "
-                  "exit: 0 when the run would start, 2 with the reason otherwise. What only the job's machine can "
-                  "tell (GPUs, Transformer Engine, megatron-core, the engines' packages) is a warning"),
+        flag(
+            "--check-config",
+            action="store_true",
+            help="check everything that needs no worker (flags, files, --hf-checkpoint's config.json against the "
+            "model flags, data keys, plugins), print the resolved configuration and the worker plan, and "
+            "exit: 0 when the run would start, 2 with the reason otherwise. What only the job's machine can "
+            "tell (GPUs, Transformer Engine, megatron-core, the engines' packages) is a warning",
+        ),
     ),
 )
 
@@ -39,8 +42,10 @@ class WorkerGroup:
 
     def line(self) -> str:
         unit = "engine" if self.name == "rollout" else "worker"
-        return (f"{self.name}: {_count(self.workers, unit)} x {_count(self.gpus_per_worker, 'GPU')} = "
-                f"{_count(self.workers * self.gpus_per_worker, 'GPU')}; {self.detail}")
+        return (
+            f"{self.name}: {_count(self.workers, unit)} x {_count(self.gpus_per_worker, 'GPU')} = "
+            f"{_count(self.workers * self.gpus_per_worker, 'GPU')}; {self.detail}"
+        )
 
 
 def _count(n: int, noun: str) -> str:
@@ -50,8 +55,10 @@ def _count(n: int, noun: str) -> str:
 def _trainer(name: str, cfg: TrainConfig, workers: int) -> WorkerGroup:
     if cfg.backend == "megatron":
         m = cfg.megatron
-        layout = (f"megatron TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
-                  f"{m.context_parallel_size}, data parallel {workers // m.model_parallel_size}")
+        layout = (
+            f"megatron TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
+            f"{m.context_parallel_size}, data parallel {workers // m.model_parallel_size}"
+        )
     else:
         layout = f"fsdp (torch DDP), data parallel {workers}"
     return WorkerGroup(name, workers, 1, layout)
@@ -62,8 +69,14 @@ def worker_plan(cfg: Config) -> tuple[WorkerGroup, ...]:
     if cfg.critic is not None:
         groups.append(_trainer("critic", cfg.critic, cfg.cluster.num_critic_workers))
     engine = cfg.engine
-    groups.append(WorkerGroup("rollout", engine.num_engines, engine.num_gpus_per_engine,
-                              f"{engine.backend} engines, weights by {engine.weight_update_method}"))
+    groups.append(
+        WorkerGroup(
+            "rollout",
+            engine.num_engines,
+            engine.num_gpus_per_engine,
+            f"{engine.backend} engines, weights by {engine.weight_update_method}",
+        )
+    )
     return tuple(groups)
 
 
@@ -75,8 +88,10 @@ def render(cfg: Config) -> str:
     gpus = Machine.cuda_devices()
     lines = ["# resolved configuration", yaml.safe_dump(plain, sort_keys=False).rstrip(), "", "# worker plan"]
     lines += [f"  {g.line()}" for g in plan]
-    lines.append(f"  GPUs asked for: {sum(g.workers * g.gpus_per_worker for g in plan)}; visible on this machine: "
-                 f"{gpus}" + ("" if gpus else " (here every worker and engine would run on the CPU)"))
+    lines.append(
+        f"  GPUs asked for: {sum(g.workers * g.gpus_per_worker for g in plan)}; visible on this machine: "
+        f"{gpus}" + ("" if gpus else " (here every worker and engine would run on the CPU)")
+    )
     lines += ["", f"# warnings ({len(cfg.warnings)})"] + [f"  - {w}" for w in cfg.warnings]
     lines += ["", "check-config: OK, the run would start"]
     return "\n".join(lines)

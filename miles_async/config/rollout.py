@@ -83,13 +83,24 @@ GROUPS = (
         flag("--label-key", default="label"),
         flag("--metadata-key", default=None),
         flag("--apply-chat-template", action="store_true"),
-        flag("--rollout-max-prompt-len", type=int, default=None, check=at_least(1),
-             help="drop prompts longer than this (tokens)"),
+        flag(
+            "--rollout-max-prompt-len",
+            type=int,
+            default=None,
+            check=at_least(1),
+            help="drop prompts longer than this (tokens)",
+        ),
         flag("--rollout-shuffle", action="store_true"),
         # A --data-source-path plugin receives the seed with the rest of the data config.
-        flag("--rollout-seed", type=int, default=42,
-             effect_needs=When("--rollout-shuffle or --data-source-path",
-                               lambda ns: ns.rollout_shuffle or ns.data_source_path is not None)),
+        flag(
+            "--rollout-seed",
+            type=int,
+            default=42,
+            effect_needs=When(
+                "--rollout-shuffle or --data-source-path",
+                lambda ns: ns.rollout_shuffle or ns.data_source_path is not None,
+            ),
+        ),
         flag("--rollout-batch-size", type=int, default=None, check=(given(), positive()), help="prompts per rollout"),
         flag("--n-samples-per-prompt", type=int, default=1, check=at_least(1)),
         flag("--rollout-max-response-len", type=int, default=128, check=at_least(1)),
@@ -97,25 +108,40 @@ GROUPS = (
         flag("--rollout-top-p", type=float, default=1.0, check=within(0, 1, low_open=True)),
         flag("--rollout-top-k", type=int, default=-1),
         flag("--rollout-max-concurrent-requests", type=int, default=256, check=at_least(1)),
-        flag("--rollout-timeout", type=float, default=1800.0, check=positive(),
-             help="seconds one rollout may take before the run fails"),
+        flag(
+            "--rollout-timeout",
+            type=float,
+            default=1800.0,
+            check=positive(),
+            help="seconds one rollout may take before the run fails",
+        ),
     ),
     group(
         "fully async",
-        flag("--partial-rollout", action="store_true",
-             help="continue a sample aborted by a weight update from its tokens instead of regenerating it "
-                  "(only abort-mode pauses abort samples)"),
-        flag("--mask-offpolicy-in-partial-rollout", action="store_true",
-             needs=when_flag("--partial-rollout", why="without it no sample mixes weight versions across an abort"),
-             help="loss mask 0 on tokens from weights older than the sample's newest; needs --partial-rollout"),
+        flag(
+            "--partial-rollout",
+            action="store_true",
+            help="continue a sample aborted by a weight update from its tokens instead of regenerating it "
+            "(only abort-mode pauses abort samples)",
+        ),
+        flag(
+            "--mask-offpolicy-in-partial-rollout",
+            action="store_true",
+            needs=when_flag("--partial-rollout", why="without it no sample mixes weight versions across an abort"),
+            help="loss mask 0 on tokens from weights older than the sample's newest; needs --partial-rollout",
+        ),
     ),
     group(
         "rewards and plugins",
         flag("--rm-type", default=None, choices=RM_TYPES),
         flag("--custom-rm-path", default=None, help="module:function (or module.function) computing a reward"),
-        flag("--reward-on-error", default="raise", choices=("raise", "zero"),
-             help="raise: a reward function that raises fails the run, naming the sample; "
-                  "zero: the sample gets reward 0 and is counted in rollout/reward_errors"),
+        flag(
+            "--reward-on-error",
+            default="raise",
+            choices=("raise", "zero"),
+            help="raise: a reward function that raises fails the run, naming the sample; "
+            "zero: the sample gets reward 0 and is counted in rollout/reward_errors",
+        ),
         flag("--custom-generate-function-path", default=None),
         flag("--rollout-function-path", default=None),
         flag("--data-source-path", default=None),
@@ -128,8 +154,10 @@ def validate(ns: argparse.Namespace) -> None:
     from miles_async.rollout.rewards import validate_reward_flags
     from miles_async.utils.plugins import load_function
 
-    require((ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
-            "give exactly one of --rm-type and --custom-rm-path")
+    require(
+        (ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
+        "give exactly one of --rm-type and --custom-rm-path",
+    )
     validate_reward_flags(ns.rm_type, ns.custom_rm_path)
     for dest in PLUGIN_FLAGS:
         value = getattr(ns, dest)
@@ -142,18 +170,29 @@ def count_prompts(ns: argparse.Namespace) -> int:
     from miles_async.rollout.data_source import count_and_validate_prompts
 
     num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
-    require(num_prompts >= ns.rollout_batch_size,
-            f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}")
+    require(
+        num_prompts >= ns.rollout_batch_size,
+        f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}",
+    )
     return num_prompts
 
 
 def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> RolloutConfig:
     return RolloutConfig(
-        data=DataConfig(ns.prompt_data, ns.input_key, ns.label_key, ns.metadata_key, ns.apply_chat_template,
-                        ns.rollout_max_prompt_len, ns.rollout_shuffle, ns.rollout_seed),
+        data=DataConfig(
+            ns.prompt_data,
+            ns.input_key,
+            ns.label_key,
+            ns.metadata_key,
+            ns.apply_chat_template,
+            ns.rollout_max_prompt_len,
+            ns.rollout_shuffle,
+            ns.rollout_seed,
+        ),
         reward=RewardConfig(ns.rm_type, ns.custom_rm_path, ns.reward_on_error),
-        sampling=SamplingConfig(ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k,
-                                ns.rollout_max_response_len),
+        sampling=SamplingConfig(
+            ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, ns.rollout_max_response_len
+        ),
         tokenizer_path=ns.hf_checkpoint,
         rollout_batch_size=ns.rollout_batch_size,
         n_samples_per_prompt=ns.n_samples_per_prompt,

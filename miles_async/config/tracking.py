@@ -28,8 +28,11 @@ GROUPS = (
     group(
         "logging and debugging",
         flag("--output-dir", default=None, help="metrics JSONL, plot and logs (default: outputs/<time>)"),
-        flag("--use-wandb", action="store_true",
-             check=importable("wandb", "the wandb package: pip install 'miles_async[wandb]'")),
+        flag(
+            "--use-wandb",
+            action="store_true",
+            check=importable("wandb", "the wandb package: pip install 'miles_async[wandb]'"),
+        ),
         flag("--wandb-project", default="miles-async", effect_needs=USE_WANDB),
         flag("--wandb-group", default=None, effect_needs=USE_WANDB),
         flag("--wandb-run-name", default=None, effect_needs=USE_WANDB),
@@ -42,5 +45,13 @@ GROUPS = (
 
 def build(ns: argparse.Namespace) -> TrackingConfig:
     output_dir = ns.output_dir or os.path.join("outputs", time.strftime("%Y%m%d-%H%M%S"))
-    return TrackingConfig(output_dir, ns.use_wandb, ns.wandb_project, ns.wandb_group, ns.wandb_run_name,
-                          ns.use_tensorboard, ns.tensorboard_dir, not ns.no_plot)
+    return TrackingConfig(
+        output_dir,
+        ns.use_wandb,
+        ns.wandb_project,
+        ns.wandb_group,
+        ns.wandb_run_name,
+        ns.use_tensorboard,
+        ns.tensorboard_dir,
+        not ns.no_plot,
+    )

@@ -68,68 +68,129 @@ SGD = when_value("--optimizer", "sgd")
 GROUPS = (
     group(
         "cluster",
-        flag("--train-num-threads", type=int, default=None, check=at_least(1),
-             help="torch threads per training worker (default: half the cores)"),
+        flag(
+            "--train-num-threads",
+            type=int,
+            default=None,
+            check=at_least(1),
+            help="torch threads per training worker (default: half the cores)",
+        ),
     ),
     group(
         "model and checkpoints",
-        flag("--hf-checkpoint", required=False, default=None, check=(given(" (an HF model folder)"), hf_folder),
-             help="HF model folder the policy starts from"),
+        flag(
+            "--hf-checkpoint",
+            required=False,
+            default=None,
+            check=(given(" (an HF model folder)"), hf_folder),
+            help="HF model folder the policy starts from",
+        ),
         flag("--ref-load", default=None, check=hf_folder, help="HF folder of the reference model for the KL loss"),
     ),
     group(
         "inference engines",
-        flag("--update-weight-buffer-size", type=int, default=512 * 1024**2, check=positive(),
-             effect_needs=When("--weight-update-method tensor or distributed",
-                               lambda ns: resolve_weight_update_method(ns) != "disk"),
-             help="bytes per weight bucket"),
+        flag(
+            "--update-weight-buffer-size",
+            type=int,
+            default=512 * 1024**2,
+            check=positive(),
+            effect_needs=When(
+                "--weight-update-method tensor or distributed", lambda ns: resolve_weight_update_method(ns) != "disk"
+            ),
+            help="bytes per weight bucket",
+        ),
     ),
     group(
         "training",
-        flag("--train-backend", default="fsdp", choices=("fsdp", "megatron"),
-             check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
-             help="fsdp: HF transformers models under torch DDP; megatron: Megatron-core GPTModel "
-                  "(pip install -r requirements-megatron.txt)"),
-        flag("--bf16", action="store_true",
-             help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
+        flag(
+            "--train-backend",
+            default="fsdp",
+            choices=("fsdp", "megatron"),
+            check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
+            help="fsdp: HF transformers models under torch DDP; megatron: Megatron-core GPTModel "
+            "(pip install -r requirements-megatron.txt)",
+        ),
+        flag("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
         flag("--global-batch-size", type=int, default=None, check=at_least(1), help="samples per optimizer step"),
         flag("--num-steps-per-rollout", type=int, default=None, check=at_least(1)),
-        flag("--max-tokens-per-gpu", type=int, default=8192, check=at_least(1),
-             help="token budget of one micro-batch: samples are packed in order while (longest sample x samples) "
-                  "fits, a longer sample gets a micro-batch of its own"),
-        flag("--use-dynamic-batch-size", action="store_true",
-             help="always on: micro-batches are packed to --max-tokens-per-gpu (Miles' dynamic batch size), "
-                  "counting padded tokens"),
-        flag("--gradient-checkpointing", action="store_true",
-             help="recompute activations in backward: HF gradient checkpointing (fsdp); Megatron's full recompute "
-                  "of every layer (megatron), as --recompute-granularity full --recompute-method uniform "
-                  "--recompute-num-layers 1"),
-        flag("--attention-dropout", type=float, default=0.0, check=within(0, 1),
-             help="RL trains without dropout (the engines sample without it; Megatron-LM's default is 0.1). "
-                  "Applied in training passes on both backends"),
-        flag("--hidden-dropout", type=float, default=0.0, check=within(0, 1),
-             effect_needs=when_value("--train-backend", "megatron",
-                                     why="the HF models of the torch backend have no hidden dropout"),
-             help="as --attention-dropout, for Megatron's residual dropout"),
+        flag(
+            "--max-tokens-per-gpu",
+            type=int,
+            default=8192,
+            check=at_least(1),
+            help="token budget of one micro-batch: samples are packed in order while (longest sample x samples) "
+            "fits, a longer sample gets a micro-batch of its own",
+        ),
+        flag(
+            "--use-dynamic-batch-size",
+            action="store_true",
+            help="always on: micro-batches are packed to --max-tokens-per-gpu (Miles' dynamic batch size), "
+            "counting padded tokens",
+        ),
+        flag(
+            "--gradient-checkpointing",
+            action="store_true",
+            help="recompute activations in backward: HF gradient checkpointing (fsdp); Megatron's full recompute "
+            "of every layer (megatron), as --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 1",
+        ),
+        flag(
+            "--attention-dropout",
+            type=float,
+            default=0.0,
+            check=within(0, 1),
+            help="RL trains without dropout (the engines sample without it; Megatron-LM's default is 0.1). "
+            "Applied in training passes on both backends",
+        ),
+        flag(
+            "--hidden-dropout",
+            type=float,
+            default=0.0,
+            check=within(0, 1),
+            effect_needs=when_value(
+                "--train-backend", "megatron", why="the HF models of the torch backend have no hidden dropout"
+            ),
+            help="as --attention-dropout, for Megatron's residual dropout",
+        ),
         flag("--seed", type=int, default=1234),
     ),
     group(
         "critic (--advantage-estimator ppo)",
-        flag("--critic-load", default=None, check=hf_folder, needs=CRITIC,
-             help="HF folder the critic starts from (default: --hf-checkpoint; its value head starts random)"),
+        flag(
+            "--critic-load",
+            default=None,
+            check=hf_folder,
+            needs=CRITIC,
+            help="HF folder the critic starts from (default: --hf-checkpoint; its value head starts random)",
+        ),
         flag("--critic-lr", type=float, default=None, check=positive(), needs=CRITIC, help="default: --lr"),
-        flag("--critic-lr-warmup-iters", type=int, default=None, check=at_least(0), needs=CRITIC,
-             help="default: --lr-warmup-iters"),
+        flag(
+            "--critic-lr-warmup-iters",
+            type=int,
+            default=None,
+            check=at_least(0),
+            needs=CRITIC,
+            help="default: --lr-warmup-iters",
+        ),
     ),
     group(
         "optimizer",
-        flag("--optimizer", default="adam", choices=("adam", "sgd"),
-             help="adam: AdamW (decoupled weight decay, as Megatron's); sgd: SGD with --sgd-momentum, weight "
-                  "decay as L2"),
+        flag(
+            "--optimizer",
+            default="adam",
+            choices=("adam", "sgd"),
+            help="adam: AdamW (decoupled weight decay, as Megatron's); sgd: SGD with --sgd-momentum, weight "
+            "decay as L2",
+        ),
         flag("--sgd-momentum", type=float, default=0.9, check=within(0, 1), effect_needs=SGD),
         flag("--lr", type=float, default=1e-6, check=positive()),
-        flag("--min-lr", type=float, default=0.0, check=at_least(0),
-             effect_needs=when_value("--lr-decay-style", "linear", "cosine")),
+        flag(
+            "--min-lr",
+            type=float,
+            default=0.0,
+            check=at_least(0),
+            effect_needs=when_value("--lr-decay-style", "linear", "cosine"),
+        ),
         flag("--lr-warmup-iters", type=int, default=0, check=at_least(0)),
         flag("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine")),
         flag("--weight-decay", type=float, default=0.0),
@@ -149,32 +210,63 @@ def batch_split(ns: argparse.Namespace) -> tuple[int, int]:
         return samples, 1
     if ns.global_batch_size is None:
         steps = ns.num_steps_per_rollout
-        require(samples % steps == 0, f"--num-steps-per-rollout {steps} must divide rollout-batch-size * "
-                                      f"n-samples-per-prompt = {samples}")
+        require(
+            samples % steps == 0,
+            f"--num-steps-per-rollout {steps} must divide rollout-batch-size * n-samples-per-prompt = {samples}",
+        )
         return samples // steps, steps
     batch = ns.global_batch_size
-    require(batch <= samples, f"--global-batch-size {batch} is larger than one rollout "
-                              f"(--rollout-batch-size * --n-samples-per-prompt = {samples})")
-    require(samples % batch == 0,
-            f"--global-batch-size {batch} must divide rollout-batch-size * n-samples-per-prompt = {samples}")
+    require(
+        batch <= samples,
+        f"--global-batch-size {batch} is larger than one rollout "
+        f"(--rollout-batch-size * --n-samples-per-prompt = {samples})",
+    )
+    require(
+        samples % batch == 0,
+        f"--global-batch-size {batch} must divide rollout-batch-size * n-samples-per-prompt = {samples}",
+    )
     steps = samples // batch
-    require(ns.num_steps_per_rollout in (None, steps), f"--num-steps-per-rollout {ns.num_steps_per_rollout} "
-                                                       f"contradicts --global-batch-size {batch} (which gives {steps})")
+    require(
+        ns.num_steps_per_rollout in (None, steps),
+        f"--num-steps-per-rollout {ns.num_steps_per_rollout} "
+        f"contradicts --global-batch-size {batch} (which gives {steps})",
+    )
     return batch, steps
 
 
 def check_data_parallel(global_batch: int, data_parallel: int, num_critic_workers: int) -> None:
-    require(global_batch % data_parallel == 0, f"the global batch ({global_batch} samples) must split evenly over "
-                                               f"{data_parallel} data-parallel training workers")
-    require(num_critic_workers == 0 or global_batch % num_critic_workers == 0,
-            f"the global batch ({global_batch} samples) must split evenly over {num_critic_workers} critic workers")
+    require(
+        global_batch % data_parallel == 0,
+        f"the global batch ({global_batch} samples) must split evenly over "
+        f"{data_parallel} data-parallel training workers",
+    )
+    require(
+        num_critic_workers == 0 or global_batch % num_critic_workers == 0,
+        f"the global batch ({global_batch} samples) must split evenly over {num_critic_workers} critic workers",
+    )
 
 
-def build(ns: argparse.Namespace, algorithm: AlgorithmConfig, megatron: MegatronConfig, global_batch: int,
-          num_steps: int, num_threads: int) -> TrainConfig:
-    optimizer = OptimizerConfig(ns.optimizer, ns.lr, ns.min_lr, ns.lr_warmup_iters, ns.lr_decay_style,
-                                ns.weight_decay, ns.adam_beta1, ns.adam_beta2, ns.adam_eps, ns.clip_grad,
-                                ns.sgd_momentum)
+def build(
+    ns: argparse.Namespace,
+    algorithm: AlgorithmConfig,
+    megatron: MegatronConfig,
+    global_batch: int,
+    num_steps: int,
+    num_threads: int,
+) -> TrainConfig:
+    optimizer = OptimizerConfig(
+        ns.optimizer,
+        ns.lr,
+        ns.min_lr,
+        ns.lr_warmup_iters,
+        ns.lr_decay_style,
+        ns.weight_decay,
+        ns.adam_beta1,
+        ns.adam_beta2,
+        ns.adam_eps,
+        ns.clip_grad,
+        ns.sgd_momentum,
+    )
     return TrainConfig(
         backend=ns.train_backend,
         model_path=ns.hf_checkpoint,
@@ -203,5 +295,9 @@ def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | No
     lr = ns.critic_lr or ns.lr
     warmup = ns.lr_warmup_iters if ns.critic_lr_warmup_iters is None else ns.critic_lr_warmup_iters
     return dataclasses.replace(
-        actor, role="critic", model_path=ns.critic_load or ns.hf_checkpoint, ref_model_path=None,
-        optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup))
+        actor,
+        role="critic",
+        model_path=ns.critic_load or ns.hf_checkpoint,
+        ref_model_path=None,
+        optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup),
+    )

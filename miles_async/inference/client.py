@@ -198,8 +198,10 @@ class EngineClient:
         return await self._request(
             "POST",
             "/update_weights_from_disk",
-            json_body={"model_path": model_path,
-                       "weight_version": None if weight_version is None else str(int(weight_version))},
+            json_body={
+                "model_path": model_path,
+                "weight_version": None if weight_version is None else str(int(weight_version)),
+            },
         )
 
     async def begin_weight_update(self) -> None:
@@ -246,7 +248,8 @@ def normalize_meta(meta: dict[str, Any], num_output_tokens: int) -> None:
             per_token += [as_version(span["version"])] * max(0, int(span["end"]) - int(span["start"]))
         if len(per_token) < num_output_tokens:
             per_token += [meta.get("weight_version", per_token[-1] if per_token else 0)] * (
-                num_output_tokens - len(per_token))
+                num_output_tokens - len(per_token)
+            )
         meta["output_token_weight_versions"] = per_token[:num_output_tokens]
 
 

@@ -37,12 +37,20 @@ class EngineSpec:
     tensor_route: str = "http"
 
 
-ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in (
-    EngineSpec("embedded", EmbeddedEngineClient, EmbeddedEngineProcess, weight_routes=("tensor",)),
-    EngineSpec("sglang", SGLangEngineClient, SGLangEngineProcess, weight_routes=("distributed", "disk", "tensor"),
-               tensor_route="shared_memory"),
-    EngineSpec("vllm", VLLMEngineClient, VLLMEngineProcess, weight_routes=("disk",)),
-)}
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec("embedded", EmbeddedEngineClient, EmbeddedEngineProcess, weight_routes=("tensor",)),
+        EngineSpec(
+            "sglang",
+            SGLangEngineClient,
+            SGLangEngineProcess,
+            weight_routes=("distributed", "disk", "tensor"),
+            tensor_route="shared_memory",
+        ),
+        EngineSpec("vllm", VLLMEngineClient, VLLMEngineProcess, weight_routes=("disk",)),
+    )
+}
 
 
 def engine_spec(backend: str) -> EngineSpec:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,16 @@ class EngineSupervisor:
     router must learn it). ``describe(i)``: text for error messages (e.g. its log tail).
     """
 
-    def __init__(self, num_engines: int, policy: FaultTolerancePolicy, clock: Callable[[], float],
-                 probe: ProbeFn, restart: RestartFn, on_change: ChangeFn,
-                 describe: Callable[[int], str] = lambda i: ""):
+    def __init__(
+        self,
+        num_engines: int,
+        policy: FaultTolerancePolicy,
+        clock: Callable[[], float],
+        probe: ProbeFn,
+        restart: RestartFn,
+        on_change: ChangeFn,
+        describe: Callable[[int], str] = lambda i: "",
+    ):
         if num_engines < 1:
             raise ValueError("EngineSupervisor needs at least one engine")
         self.policy = policy
@@ -120,12 +127,14 @@ class EngineSupervisor:
 
     def metrics(self) -> dict[str, float]:
         count = {s: sum(h.state == s for h in self.engines) for s in EngineState}
-        return {"engine/serving": float(len(self.serving())),
-                "engine/quarantined": float(count[EngineState.QUARANTINED] + count[EngineState.RESTARTING]),
-                "engine/gave_up": float(count[EngineState.GAVE_UP]),
-                "engine/quarantines": float(self.quarantines_total),
-                "engine/restarts": float(self.restarts_succeeded),
-                "engine/restart_attempts": float(self.restarts_total)}
+        return {
+            "engine/serving": float(len(self.serving())),
+            "engine/quarantined": float(count[EngineState.QUARANTINED] + count[EngineState.RESTARTING]),
+            "engine/gave_up": float(count[EngineState.GAVE_UP]),
+            "engine/quarantines": float(self.quarantines_total),
+            "engine/restarts": float(self.restarts_succeeded),
+            "engine/restart_attempts": float(self.restarts_total),
+        }
 
     # -- events ------------------------------------------------------------------------------
     async def tick(self) -> None:
@@ -163,8 +172,13 @@ class EngineSupervisor:
             self._quarantine(h)
         else:
             h.state = EngineState.SUSPECT
-            logger.warning("engine %d is suspect (%d/%d failed checks): %s", i, h.consecutive_failures,
-                           self.policy.failure_threshold, detail)
+            logger.warning(
+                "engine %d is suspect (%d/%d failed checks): %s",
+                i,
+                h.consecutive_failures,
+                self.policy.failure_threshold,
+                detail,
+            )
 
     async def wait_recoveries(self) -> None:
         """Await the restarts in progress (tests; shutdown)."""
@@ -187,9 +201,14 @@ class EngineSupervisor:
     def _quarantine(self, h: EngineHealth) -> None:
         self.quarantines_total += 1
         self._after_failure(h)
-        logger.warning("engine %d quarantined (%s); %s", h.index, h.last_error,
-                       f"restart in {self.policy.backoff(h.restarts):.1f}s" if h.state == EngineState.QUARANTINED
-                       else "no restart left (--max-engine-restarts)")
+        logger.warning(
+            "engine %d quarantined (%s); %s",
+            h.index,
+            h.last_error,
+            f"restart in {self.policy.backoff(h.restarts):.1f}s"
+            if h.state == EngineState.QUARANTINED
+            else "no restart left (--max-engine-restarts)",
+        )
 
     def _after_failure(self, h: EngineHealth) -> None:
         """The engine is down: wait for its next restart, or give it up if none is left."""
@@ -243,11 +262,14 @@ class EngineSupervisor:
             raise self.failed
 
     def _failure_report(self) -> str:
-        lines = ["no inference engine is left serving (--use-fault-tolerance restarts an engine by copying "
-                 "the current weights from a serving one):"]
+        lines = [
+            "no inference engine is left serving (--use-fault-tolerance restarts an engine by copying "
+            "the current weights from a serving one):"
+        ]
         for h in self.engines:
-            lines.append(f"  engine {h.index}: {h.state.value} after {h.restarts} restart(s); last error: "
-                         f"{h.last_error or '-'}")
+            lines.append(
+                f"  engine {h.index}: {h.state.value} after {h.restarts} restart(s); last error: {h.last_error or '-'}"
+            )
             detail = self._describe(h.index)
             if detail:
                 lines.append("    " + detail.replace("\n", "\n    "))

@@ -80,8 +80,9 @@ class EngineProcess:
 
     def env(self) -> dict:
         """The server's environment: this one's, offline, with ``--rollout-num-threads`` CPU threads."""
-        return dict(os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1",
-                    TOKENIZERS_PARALLELISM="false")
+        return dict(
+            os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+        )
 
     def start(self) -> None:
         env = self.env()
@@ -90,8 +91,9 @@ class EngineProcess:
             out = self.log_path.open("ab")
         else:
             out = subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
 
     def __enter__(self) -> EngineProcess:
         """Start and wait until healthy (``cfg.startup_timeout``); stopped on leaving the block."""
@@ -112,8 +114,10 @@ class EngineProcess:
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
                 code = self.proc.returncode if self.proc else None
-                raise EngineStartError(f"engine {self.index} exited with code {code} before becoming healthy; "
-                                       f"see {self.log_path}:\n{self.tail_log()}")
+                raise EngineStartError(
+                    f"engine {self.index} exited with code {code} before becoming healthy; "
+                    f"see {self.log_path}:\n{self.tail_log()}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -121,8 +125,10 @@ class EngineProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise EngineStartError(f"engine {self.index} at {self.url} not healthy after {timeout:.0f}s "
-                               f"(--engine-startup-timeout); see {self.log_path}")
+        raise EngineStartError(
+            f"engine {self.index} at {self.url} not healthy after {timeout:.0f}s "
+            f"(--engine-startup-timeout); see {self.log_path}"
+        )
 
     def tail_log(self, n: int = 30) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -150,8 +156,9 @@ class ServerEngineProcess(EngineProcess):
     """An external engine's server (SGLang, vLLM) run in its own environment; ``weight_version`` is the version it
     reports until the first update, and ``passthrough`` its --<engine>-* flags."""
 
-    def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None,
-                 weight_version: int = 0):
+    def __init__(
+        self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None, weight_version: int = 0
+    ):
         super().__init__(cfg, index, log_dir, model_path)
         self.weight_version = weight_version
 

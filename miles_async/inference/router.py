@@ -51,9 +51,16 @@ def is_engine_failure(e: EngineError) -> bool:
 
 
 class Router:
-    def __init__(self, urls: list[str], timeout: float, retry: bool = False, cooldown: float = 5.0,
-                 max_attempts: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 client_factory: Callable[[str, float], Any] = lambda url, timeout: EngineClient(url, timeout=timeout)):
+    def __init__(
+        self,
+        urls: list[str],
+        timeout: float,
+        retry: bool = False,
+        cooldown: float = 5.0,
+        max_attempts: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        client_factory: Callable[[str, float], Any] = lambda url, timeout: EngineClient(url, timeout=timeout),
+    ):
         if not urls:
             raise ValueError("Router needs at least one engine URL")
         self.timeout = timeout
@@ -118,14 +125,16 @@ class Router:
             except TimeoutError:
                 pass
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                       rid: str | None = None) -> dict[str, Any]:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+    ) -> dict[str, Any]:
         errors: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
             url = await self._acquire() if self.retry else min(self.clients, key=lambda u: self.outstanding[u])
             self.outstanding[url] += 1
-            task = asyncio.ensure_future(self.clients[url].generate(input_ids, sampling_params,
-                                                                    return_logprob=return_logprob, rid=rid))
+            task = asyncio.ensure_future(
+                self.clients[url].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+            )
             self._inflight[url].add(task)
             try:
                 return await task
@@ -136,9 +145,14 @@ class Router:
                 errors.append(f"{url}: taken out of rotation by the health check")
             except EngineError as e:
                 if not self.retry:
-                    raise EngineError(e.url, e.endpoint, f"{e.message} (the engine may have died; see its "
-                                      f"engine_<i>.log in the output folder; --use-fault-tolerance would retry "
-                                      f"the request on another engine)", e.status) from e
+                    raise EngineError(
+                        e.url,
+                        e.endpoint,
+                        f"{e.message} (the engine may have died; see its "
+                        f"engine_<i>.log in the output folder; --use-fault-tolerance would retry "
+                        f"the request on another engine)",
+                        e.status,
+                    ) from e
                 if not is_engine_failure(e):
                     raise
                 errors.append(str(e))
@@ -149,10 +163,17 @@ class Router:
                     self.outstanding[url] -= 1
                     self._inflight[url].discard(task)
             self.retries += 1
-            logger.warning("router: request failed on %s (attempt %d of %d), retrying on another engine: %s",
-                           url, attempt, self.max_attempts, errors[-1])
-        raise NoEngineError(f"a request failed on {self.max_attempts} engines in a row (is the request itself "
-                            f"killing them?): " + "; ".join(errors))
+            logger.warning(
+                "router: request failed on %s (attempt %d of %d), retrying on another engine: %s",
+                url,
+                attempt,
+                self.max_attempts,
+                errors[-1],
+            )
+        raise NoEngineError(
+            f"a request failed on {self.max_attempts} engines in a row (is the request itself "
+            f"killing them?): " + "; ".join(errors)
+        )
 
     async def close(self) -> None:
         for c in self.clients.values():
@@ -173,8 +194,21 @@ class SGLangRouter:
         self.url = f"http://{host}:{port}"
         self.timeout = timeout
         self.engines = list(urls)
-        self.proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", host,
-                                      "--port", str(port), "--policy", policy, "--worker-urls", *urls])
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--policy",
+                policy,
+                "--worker-urls",
+                *urls,
+            ]
+        )
         self.client = EngineClient(self.url, timeout=timeout)
         self.fatal: str | None = None
         self.retries = 0
@@ -191,8 +225,9 @@ class SGLangRouter:
         self.engines = list(urls)
         self.fatal = fatal or self.fatal
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True,
-                       rid: str | None = None) -> dict[str, Any]:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+    ) -> dict[str, Any]:
         if self.fatal is not None:
             raise NoEngineError(self.fatal)
         return await self.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
@@ -208,13 +243,20 @@ def sglang_router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
 
 
-def make_router(urls: list[str], timeout: float, kind: str = "builtin", retry: bool = False,
-                cooldown: float = 5.0, backend: str = "embedded") -> Router | SGLangRouter:
+def make_router(
+    urls: list[str],
+    timeout: float,
+    kind: str = "builtin",
+    retry: bool = False,
+    cooldown: float = 5.0,
+    backend: str = "embedded",
+) -> Router | SGLangRouter:
     """``kind``: "builtin" (this module's Router), "sglang" (SGLang's router; must be installed). ``backend``:
     the engines' --rollout-backend, which picks the client the builtin router talks to them with."""
     if kind == "sglang":
         if not sglang_router_available():
             raise RuntimeError("--rollout-router sglang needs the sglang_router package (pip install sglang-router)")
         return SGLangRouter(urls, timeout)
-    return Router(urls, timeout, retry=retry, cooldown=cooldown,
-                  client_factory=lambda url, t: make_client(backend, url, t))
+    return Router(
+        urls, timeout, retry=retry, cooldown=cooldown, client_factory=lambda url, t: make_client(backend, url, t)
+    )

@@ -20,15 +20,22 @@ def init_ray(cfg: ClusterConfig) -> None:
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     else:
         # address="local": always a fresh cluster of our own, even if another one runs on this machine.
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env={"env_vars": env},
-                 logging_level=logging.WARNING)
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            runtime_env={"env_vars": env},
+            logging_level=logging.WARNING,
+        )
 
 
 def actor_options(cfg: ClusterConfig, num_threads: int, gpu: bool = False) -> dict:
     """Resource requests: CPU-only actors ask for no Ray CPUs (their threads are bounded instead),
     so a 2-core laptop can host the executor, the controller and a trainer at once."""
-    opts: dict = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads),
-                                                                "MKL_NUM_THREADS": str(num_threads)}}}
+    opts: dict = {
+        "num_cpus": 0,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)}},
+    }
     if gpu and cfg.use_gpu:
         opts["num_gpus"] = 1
     return opts

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
 
 class EvalDispatcher:
-    def __init__(self, run_eval: Callable[[int], Awaitable[dict]], on_result: Callable[[int, dict], None],
-                 max_in_flight: int, timeout: float):
+    def __init__(
+        self,
+        run_eval: Callable[[int], Awaitable[dict]],
+        on_result: Callable[[int, dict], None],
+        max_in_flight: int,
+        timeout: float,
+    ):
         self.run_eval = run_eval
         self.on_result = on_result
         self.max_in_flight = max_in_flight

@@ -66,10 +66,18 @@ class InferenceController:
         self.clients = [make_client(self.cfg.backend, e.url, self.cfg.request_timeout) for e in self.engines]
         ft = self.cfg.fault_tolerance
         if ft is not None:
-            policy = FaultTolerancePolicy(ft.failure_threshold, ft.max_engine_restarts, ft.restart_backoff_base,
-                                          ft.restart_backoff_cap)
-            self.supervisor = EngineSupervisor(len(self.engines), policy, time.monotonic, self._probe, self._restart,
-                                               self._on_serving_changed, self._describe)
+            policy = FaultTolerancePolicy(
+                ft.failure_threshold, ft.max_engine_restarts, ft.restart_backoff_base, ft.restart_backoff_cap
+            )
+            self.supervisor = EngineSupervisor(
+                len(self.engines),
+                policy,
+                time.monotonic,
+                self._probe,
+                self._restart,
+                self._on_serving_changed,
+                self._describe,
+            )
             self._health_task = asyncio.ensure_future(self._health_loop())
         return self.urls()
 
@@ -157,13 +165,23 @@ class InferenceController:
             if got != version:
                 raise RuntimeError(f"engine {i} reports weight version {got} after being given version {version}")
             if self.cfg.check_weight_update_equal:
-                mismatch = first_mismatch((await self.clients[peer].weights_checksum())["checksums"],
-                                          (await self.clients[i].weights_checksum())["checksums"])
+                mismatch = first_mismatch(
+                    (await self.clients[peer].weights_checksum())["checksums"],
+                    (await self.clients[i].weights_checksum())["checksums"],
+                )
                 if mismatch:
-                    raise RuntimeError(f"--check-weight-update-equal: restarted engine {i} does not hold engine "
-                                       f"{peer}'s weights: {mismatch}")
-        logger.warning("engine %d restarted: pid %d at %s, weight version %d copied from engine %d",
-                       i, self.engines[i].proc.pid, self.engines[i].url, version, peer)
+                    raise RuntimeError(
+                        f"--check-weight-update-equal: restarted engine {i} does not hold engine "
+                        f"{peer}'s weights: {mismatch}"
+                    )
+        logger.warning(
+            "engine %d restarted: pid %d at %s, weight version %d copied from engine %d",
+            i,
+            self.engines[i].proc.pid,
+            self.engines[i].url,
+            version,
+            peer,
+        )
 
     async def _on_serving_changed(self, serving: list[int]) -> None:
         await self._notify([self.engines[i].url for i in serving], None)
@@ -186,16 +204,18 @@ class InferenceController:
         dead = [e for e in self.engines if not e.alive()]
         if dead:
             e = dead[0]
-            raise RuntimeError(f"engine {e.index} ({e.url}) died with code {e.proc.returncode}; "
-                               f"last log lines:\n{e.tail_log()}")
+            raise RuntimeError(
+                f"engine {e.index} ({e.url}) died with code {e.proc.returncode}; last log lines:\n{e.tail_log()}"
+            )
 
     async def _each(self, method: str, *args) -> dict[int, object]:
         """Call ``method`` on every serving engine. With fault tolerance an engine that fails the call is
         reported to the supervisor and left out of the answer instead of failing it."""
         self._check_alive()
         idx = self._serving()
-        results = await asyncio.gather(*[getattr(self.clients[i], method)(*args) for i in idx],
-                                       return_exceptions=self.supervisor is not None)
+        results = await asyncio.gather(
+            *[getattr(self.clients[i], method)(*args) for i in idx], return_exceptions=self.supervisor is not None
+        )
         out = {}
         for i, r in zip(idx, results):
             if isinstance(r, BaseException):

@@ -42,19 +42,29 @@ def worker_class(cfg: TrainConfig) -> type:
         return cls
     double = load_function(path, f"${ACTOR_CLASS_ENV}")
     if not (isinstance(double, type) and issubclass(double, cls)):
-        raise PluginError(f"${ACTOR_CLASS_ENV}: {path!r} is not a subclass of {cls.__module__}.{cls.__qualname__} "
-                          f"(--train-backend {cfg.backend})")
+        raise PluginError(
+            f"${ACTOR_CLASS_ENV}: {path!r} is not a subclass of {cls.__module__}.{cls.__qualname__} "
+            f"(--train-backend {cfg.backend})"
+        )
     return double
 
 
 class TrainGroup:
-    def __init__(self, cfg: TrainConfig, cluster: ClusterConfig, num_workers: int, total_optimizer_steps: int,
-                 load_dir: str | None, load_rollout_id: int | None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        cluster: ClusterConfig,
+        num_workers: int,
+        total_optimizer_steps: int,
+        load_dir: str | None,
+        load_rollout_id: int | None,
+    ):
         remote_cls = ray.remote(worker_class(cfg))
         opts = actor_options(cluster, num_threads=cfg.num_threads, gpu=True)
-        self.actors = [remote_cls.options(**opts).remote(cfg, rank, num_workers, total_optimizer_steps, load_dir,
-                                                         load_rollout_id)
-                       for rank in range(num_workers)]
+        self.actors = [
+            remote_cls.options(**opts).remote(cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id)
+            for rank in range(num_workers)
+        ]
 
     async def init(self) -> None:
         addr, port = await self.actors[0].address.remote()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from miles_async.config import DataConfig
 
@@ -55,17 +56,20 @@ def _iter_records(path: str, flag: str) -> Iterator[tuple[int, dict]]:
             yield i, rec
 
 
-def load_prompts(path: str, input_key: str, label_key: str | None, metadata_key: str | None = None,
-                 flag: str = "--prompt-data") -> list[PromptItem]:
+def load_prompts(
+    path: str, input_key: str, label_key: str | None, metadata_key: str | None = None, flag: str = "--prompt-data"
+) -> list[PromptItem]:
     items: list[PromptItem] = []
     seen: set[str] = set()
     for line_no, rec in _iter_records(path, flag):
         if input_key not in rec:
-            raise DataError(f"{flag}: {path}:{line_no}: missing key '{input_key}' (--input-key); "
-                            f"keys present: {sorted(rec)}")
+            raise DataError(
+                f"{flag}: {path}:{line_no}: missing key '{input_key}' (--input-key); keys present: {sorted(rec)}"
+            )
         if label_key is not None and label_key not in rec:
-            raise DataError(f"{flag}: {path}:{line_no}: missing key '{label_key}' (--label-key); "
-                            f"keys present: {sorted(rec)}")
+            raise DataError(
+                f"{flag}: {path}:{line_no}: missing key '{label_key}' (--label-key); keys present: {sorted(rec)}"
+            )
         uid = str(rec.get("uid", f"{Path(path).name}:{line_no}"))
         if uid in seen:
             raise DataError(f"{flag}: {path}:{line_no}: duplicate uid '{uid}'")
@@ -91,8 +95,9 @@ class DataSource:
     def __init__(self, cfg: DataConfig, batch_size: int, items: list[PromptItem] | None = None):
         self.cfg = cfg
         self.batch_size = batch_size
-        self.items = items if items is not None else load_prompts(cfg.path, cfg.input_key, cfg.label_key,
-                                                                  cfg.metadata_key)
+        self.items = (
+            items if items is not None else load_prompts(cfg.path, cfg.input_key, cfg.label_key, cfg.metadata_key)
+        )
         if len(self.items) < batch_size:
             raise DataError(f"--prompt-data: {len(self.items)} usable prompts, fewer than the batch {batch_size}")
         self.epoch = 0
@@ -112,7 +117,7 @@ class DataSource:
             self.epoch += 1
             self.offset = 0
             self._order = self._epoch_order(self.epoch)
-        idx = self._order[self.offset:self.offset + self.batch_size]
+        idx = self._order[self.offset : self.offset + self.batch_size]
         self.offset += self.batch_size
         return [self.items[i] for i in idx]
 
@@ -131,8 +136,10 @@ class DataSource:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_items") != len(self.items):
-            raise DataError(f"--load: the checkpoint's data source had {state.get('num_items')} prompts, "
-                            f"--prompt-data now has {len(self.items)}")
+            raise DataError(
+                f"--load: the checkpoint's data source had {state.get('num_items')} prompts, "
+                f"--prompt-data now has {len(self.items)}"
+            )
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
         self._order = self._epoch_order(self.epoch)

@@ -14,8 +14,9 @@ async def evaluate(ctx: RolloutContext, cfg: EvalConfig, datasets: dict[str, lis
     params = cfg.sampling.to_sglang()
     metrics: dict[str, float] = {}
     for name, items in datasets.items():
-        groups = await gather_fail_fast(generate_group(ctx, item, gi, cfg.n_samples_per_prompt, params)
-                                        for gi, item in enumerate(items))
+        groups = await gather_fail_fast(
+            generate_group(ctx, item, gi, cfg.n_samples_per_prompt, params) for gi, item in enumerate(items)
+        )
         samples = [s for g in groups for s in g]
         versions = [v for s in samples for v in s.weight_versions]
         metrics[f"eval/{name}/accuracy"] = statistics.fmean(float(s.reward) for s in samples)

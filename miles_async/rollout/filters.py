@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from miles_async.rollout.sample import Sample
 
@@ -66,8 +67,10 @@ class BatchAssembler:
             raise ValueError(f"BatchAssembler.add: a group must share one uid, got {sorted(uids)}")
         missing = [s.index for s in group if s.reward is None]
         if missing:
-            raise ValueError(f"BatchAssembler.add: group {group[0].uid!r} has unscored samples "
-                             f"(indices {missing}); reward it before adding")
+            raise ValueError(
+                f"BatchAssembler.add: group {group[0].uid!r} has unscored samples "
+                f"(indices {missing}); reward it before adding"
+            )
         return [float(s.reward) for s in group]
 
     def add(self, group: Group) -> Literal["kept", "dropped"]:

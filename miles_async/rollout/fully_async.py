@@ -13,8 +13,9 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.filters import BatchAssembler, starved_by_filter
@@ -46,9 +47,16 @@ class ProducedBatch(NamedTuple):
 
 
 class FullyAsyncProducer:
-    def __init__(self, ctx: RolloutContext, data_source: Any, staleness: StalenessManager,
-                 assembler: BatchAssembler, watchdog_seconds: float, timeout: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        data_source: Any,
+        staleness: StalenessManager,
+        assembler: BatchAssembler,
+        watchdog_seconds: float,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.ctx = ctx
         self.data_source = data_source
         self.staleness = staleness
@@ -91,8 +99,9 @@ class FullyAsyncProducer:
         t0 = self.clock()
         self._group_counter += 1
         group_index = self._group_counter
-        group = await generate_group(self.ctx, ticket.item, group_index, self.ctx.n_samples_per_prompt,
-                                     self.ctx.sampling_params)
+        group = await generate_group(
+            self.ctx, ticket.item, group_index, self.ctx.n_samples_per_prompt, self.ctx.sampling_params
+        )
         self.completion_seconds.append(self.clock() - t0)
         self.last_completion = self.clock()
         self.staleness.on_accepted()
@@ -119,7 +128,8 @@ class FullyAsyncProducer:
                 f"--zero-variance-filter dropped {in_a_row} groups in a row, a full pass over the {prompts} prompts "
                 f"of the data: every sample of each group got the same reward (the last group: "
                 f"{[s.reward for s in group]}), so no batch can be trained. Check the reward (--rm-type, "
-                f"--custom-rm-path, --label-key) or run without --zero-variance-filter.")
+                f"--custom-rm-path, --label-key) or run without --zero-variance-filter."
+            )
 
     def _consume(self, epoch: int, uid: str) -> None:
         self._open.discard((epoch, uid))
@@ -184,14 +194,19 @@ class FullyAsyncProducer:
                 exc = self._task.exception() if not self._task.cancelled() else None
                 raise ProducerError(f"the fully-async producer stopped: {exc!r}") from exc
             waiter = asyncio.create_task(self._consumer_wake.wait())
-            done, _ = await asyncio.wait({waiter, self._task}, timeout=self.watchdog_seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {waiter, self._task}, timeout=self.watchdog_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
             if not waiter.done():
                 waiter.cancel()
             if not done:
                 stalled = self.clock() - self.last_completion
-                logger.warning("watchdog: no group finished for %.0fs (running %d, buffered %d)", stalled,
-                               self.staleness.running, self.assembler.num_ready())
+                logger.warning(
+                    "watchdog: no group finished for %.0fs (running %d, buffered %d)",
+                    stalled,
+                    self.staleness.running,
+                    self.assembler.num_ready(),
+                )
                 if self.clock() - t_start > self.timeout:
                     raise ProducerError(f"no training batch after {self.timeout:.0f}s (--rollout-timeout)")
         groups = self.assembler.take()
@@ -202,18 +217,23 @@ class FullyAsyncProducer:
         metrics = self._metrics(groups, tickets, buffered_at_start, self.clock() - t_start)
         return ProducedBatch(groups, [t.epoch for t in tickets], metrics)
 
-    def _metrics(self, groups: list[list[Sample]], tickets: list[_Ticket], buffered: int,
-                 waited: float) -> dict[str, float]:
+    def _metrics(
+        self, groups: list[list[Sample]], tickets: list[_Ticket], buffered: int, waited: float
+    ) -> dict[str, float]:
         ages = [age for g, t in zip(groups, tickets) for age in self._ages(g, t)]
         now = self.clock()
         window = max(now - self._window_start, 1e-9)
         idle = self._idle_total + (now - self._idle_since if self._idle_since is not None else 0.0)
         times = sorted(self.completion_seconds) or [0.0]
         metrics = {
-            "async/staleness_min": min(ages), "async/staleness_mean": statistics.fmean(ages),
-            "async/staleness_max": max(ages), "async/buffer_at_wait_start": buffered,
-            "async/wait_seconds": waited, "async/producer_idle_frac": min(1.0, idle / window),
-            "async/groups_kept": self.assembler.kept, "async/groups_dropped": self.assembler.dropped,
+            "async/staleness_min": min(ages),
+            "async/staleness_mean": statistics.fmean(ages),
+            "async/staleness_max": max(ages),
+            "async/buffer_at_wait_start": buffered,
+            "async/wait_seconds": waited,
+            "async/producer_idle_frac": min(1.0, idle / window),
+            "async/groups_kept": self.assembler.kept,
+            "async/groups_dropped": self.assembler.dropped,
             "async/group_seconds_mean": statistics.fmean(times),
             "async/group_seconds_p90": times[int(0.9 * (len(times) - 1))],
             "async/running_groups": self.staleness.running,
@@ -230,13 +250,17 @@ class FullyAsyncProducer:
         """Consumed uids of every epoch that still has prompts to give; in-flight and buffered
         groups are not saved: a resumed run draws their prompts again."""
         oldest = min([self.data_source.epoch, *(e for e, _ in self._open)])  # _open includes the retries
-        return {"epoch": oldest, "step": trained_steps,
-                "consumed": {str(e): sorted(u) for e, u in self.consumed.items() if e >= oldest}}
+        return {
+            "epoch": oldest,
+            "step": trained_steps,
+            "consumed": {str(e): sorted(u) for e, u in self.consumed.items() if e >= oldest},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = {int(e): set(u) for e, u in state["consumed"].items()}
-        self.data_source.load_state_dict({"epoch": state["epoch"], "offset": 0,
-                                          "num_items": len(self.data_source.items)})
+        self.data_source.load_state_dict(
+            {"epoch": state["epoch"], "offset": 0, "num_items": len(self.data_source.items)}
+        )
         self.current_step = int(state["step"])
         self.staleness.resume_at_step(self.current_step)
 

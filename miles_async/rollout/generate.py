@@ -11,8 +11,9 @@ sample whose trained tokens lack one.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from miles_async.inference.router import Router
 from miles_async.rollout.sample import Sample, SampleStatus
@@ -69,8 +70,10 @@ def continuation_request(sample: Sample, sampling_params: dict) -> tuple[list[in
     the original budget. None when the budget is already spent.
     """
     if "max_new_tokens" not in sampling_params:
-        raise ValueError("partial rollouts need an explicit sampling_params['max_new_tokens'] to know how many "
-                         "tokens a resumed sample may still generate")
+        raise ValueError(
+            "partial rollouts need an explicit sampling_params['max_new_tokens'] to know how many "
+            "tokens a resumed sample may still generate"
+        )
     remaining = sample.remaining_budget(int(sampling_params["max_new_tokens"]))
     if remaining <= 0:
         return None
@@ -112,7 +115,8 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     apply_engine_output(sample, out, append=resuming)
     if resuming and ctx.tokenizer is not None:
         # Decoding pieces separately can split a multi-byte character at the resume point.
-        sample.response = ctx.tokenizer.decode(sample.response_tokens,
-                                               skip_special_tokens=params.get("skip_special_tokens", True))
+        sample.response = ctx.tokenizer.decode(
+            sample.response_tokens, skip_special_tokens=params.get("skip_special_tokens", True)
+        )
     sample.finished_at = time.time()
     return sample

@@ -19,7 +19,8 @@ import inspect
 import logging
 import os
 import re
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from miles_async.config import RewardConfig
 from miles_async.rollout.sample import Sample
@@ -111,8 +112,11 @@ class RewardModel:
         self.fn = resolve_reward_fn(cfg)
         self.errors = 0
         self.timeouts = 0
-        self._pool = (VerifierPool(min(4, os.cpu_count() or 1), MATH_VERIFY_DEADLINE_S, preload=("math_verify",))
-                      if self.fn is math_reward else None)
+        self._pool = (
+            VerifierPool(min(4, os.cpu_count() or 1), MATH_VERIFY_DEADLINE_S, preload=("math_verify",))
+            if self.fn is math_reward
+            else None
+        )
 
     async def score(self, sample: Sample) -> float:
         try:
@@ -124,13 +128,16 @@ class RewardModel:
             return float(value)
         except VerifierTimeout as e:
             self.timeouts += 1
-            logger.warning("reward of sample uid=%s index=%s scored 0: %s (its worker was replaced)",
-                           sample.uid, sample.index, e)
+            logger.warning(
+                "reward of sample uid=%s index=%s scored 0: %s (its worker was replaced)", sample.uid, sample.index, e
+            )
             return 0.0
         except Exception as e:
             if self.cfg.on_error == "raise":
-                raise RewardError(f"reward function failed on sample uid={sample.uid} index={sample.index}: "
-                                  f"{e!r} (use --reward-on-error zero to score such samples 0)") from e
+                raise RewardError(
+                    f"reward function failed on sample uid={sample.uid} index={sample.index}: "
+                    f"{e!r} (use --reward-on-error zero to score such samples 0)"
+                ) from e
             self.errors += 1
             logger.warning("reward failed on sample uid=%s (scored 0): %r", sample.uid, e)
             return 0.0

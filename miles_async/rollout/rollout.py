@@ -60,8 +60,10 @@ async def _generate_until_done(ctx: RolloutContext, sample: Sample, sampling_par
             progressed = sample.response_length > generated_before
             aborts_without_progress = 0 if progressed else aborts_without_progress + 1
             if aborts_without_progress > MAX_ABORT_RETRIES:
-                raise RuntimeError(f"sample uid={sample.uid} was aborted {aborts_without_progress} times in a row "
-                                   f"without generating a token")
+                raise RuntimeError(
+                    f"sample uid={sample.uid} was aborted {aborts_without_progress} times in a row "
+                    f"without generating a token"
+                )
             if sample.response_tokens:  # with nothing kept, going again is a plain retry, not a resume
                 sample.partial_resumes += 1
         else:
@@ -81,15 +83,27 @@ async def generate_one(ctx: RolloutContext, sample: Sample, sampling_params: dic
     return sample
 
 
-async def generate_group(ctx: RolloutContext, item: PromptItem, group_index: int, n: int,
-                         sampling_params: dict) -> list[Sample]:
+async def generate_group(
+    ctx: RolloutContext, item: PromptItem, group_index: int, n: int, sampling_params: dict
+) -> list[Sample]:
     tokens = ctx.prompt_tokens(item)
-    samples = [Sample(uid=item.uid, group_index=group_index, index=i, prompt=item.prompt, label=item.label,
-                      metadata=dict(item.metadata), prompt_tokens=list(tokens)) for i in range(n)]
+    samples = [
+        Sample(
+            uid=item.uid,
+            group_index=group_index,
+            index=i,
+            prompt=item.prompt,
+            label=item.label,
+            metadata=dict(item.metadata),
+            prompt_tokens=list(tokens),
+        )
+        for i in range(n)
+    ]
     return await gather_fail_fast(generate_one(ctx, s, sampling_params) for s in samples)
 
 
 async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> list[list[Sample]]:
     items = ctx.data_source.next_batch()
-    return await gather_fail_fast(generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params)
-                                  for gi, item in enumerate(items))
+    return await gather_fail_fast(
+        generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params) for gi, item in enumerate(items)
+    )

@@ -65,8 +65,10 @@ class Sample:
     def append_output(self, tokens: list[int], logprobs: list[float], versions: list[int]) -> None:
         """Extend the response with the continuation of an aborted generation."""
         if not len(tokens) == len(logprobs) == len(versions):
-            raise ValueError(f"sample uid={self.uid}: continuation of {len(tokens)} tokens came with "
-                             f"{len(logprobs)} log-probs and {len(versions)} weight versions")
+            raise ValueError(
+                f"sample uid={self.uid}: continuation of {len(tokens)} tokens came with "
+                f"{len(logprobs)} log-probs and {len(versions)} weight versions"
+            )
         self.response_tokens.extend(tokens)
         self.rollout_logprobs.extend(logprobs)
         self.weight_versions.extend(versions)
@@ -84,12 +86,15 @@ class Sample:
         if not self.weight_versions:
             return 0
         if len(self.weight_versions) != self.response_length:
-            raise ValueError(f"sample uid={self.uid}: {len(self.weight_versions)} weight versions for "
-                             f"{self.response_length} response tokens; cannot tell which tokens are off-policy")
+            raise ValueError(
+                f"sample uid={self.uid}: {len(self.weight_versions)} weight versions for "
+                f"{self.response_length} response tokens; cannot tell which tokens are off-policy"
+            )
         mask = list(self.effective_loss_mask())
         if len(mask) != self.response_length:
-            raise ValueError(f"sample uid={self.uid}: loss mask of {len(mask)} tokens for "
-                             f"{self.response_length} response tokens")
+            raise ValueError(
+                f"sample uid={self.uid}: loss mask of {len(mask)} tokens for {self.response_length} response tokens"
+            )
         newest = max(self.weight_versions)
         masked = 0
         for i, version in enumerate(self.weight_versions):

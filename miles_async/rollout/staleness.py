@@ -40,9 +40,11 @@ class StalenessManager:
     """
 
     def __init__(self, max_concurrent_groups: int, batch_size: int, max_staleness_steps: int):
-        for name, value, low in (("max_concurrent_groups", max_concurrent_groups, 1),
-                                 ("batch_size", batch_size, 1),
-                                 ("max_staleness_steps", max_staleness_steps, 0)):
+        for name, value, low in (
+            ("max_concurrent_groups", max_concurrent_groups, 1),
+            ("batch_size", batch_size, 1),
+            ("max_staleness_steps", max_staleness_steps, 0),
+        ):
             # bool is an int subclass; True as a group count is always a wiring mistake.
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"StalenessManager: {name} must be an int, got {value!r}")
@@ -112,8 +114,9 @@ class StalenessManager:
         """An accepted, not yet trained group is dropped from training; its capacity comes back."""
         if self.pending <= 0:
             # Filtering a trained group would hand out capacity for work already used.
-            raise RuntimeError("StalenessManager.on_filtered() with no accepted group pending training "
-                               f"({self._counts()})")
+            raise RuntimeError(
+                f"StalenessManager.on_filtered() with no accepted group pending training ({self._counts()})"
+            )
         self.accepted -= 1
         self.filtered += 1
 
@@ -126,12 +129,15 @@ class StalenessManager:
         if not isinstance(new_step, int) or isinstance(new_step, bool):
             raise ValueError(f"StalenessManager.on_step: step must be an int, got {new_step!r}")
         if new_step < self.current_step:
-            raise ValueError(f"StalenessManager.on_step: steps never go backwards "
-                             f"(current {self.current_step}, got {new_step})")
+            raise ValueError(
+                f"StalenessManager.on_step: steps never go backwards (current {self.current_step}, got {new_step})"
+            )
         if self.accepted < new_step * self.batch_size:
-            raise ValueError(f"StalenessManager.on_step({new_step}): {new_step} steps need "
-                             f"{new_step * self.batch_size} trained groups but only {self.accepted} "
-                             f"were ever accepted ({self._counts()})")
+            raise ValueError(
+                f"StalenessManager.on_step({new_step}): {new_step} steps need "
+                f"{new_step * self.batch_size} trained groups but only {self.accepted} "
+                f"were ever accepted ({self._counts()})"
+            )
         self.current_step = new_step
 
     def resume_at_step(self, step: int) -> None:
@@ -149,9 +155,11 @@ class StalenessManager:
         self.submitted = self.accepted = step * self.batch_size
 
     def _counts(self) -> str:
-        return (f"step={self.current_step} submitted={self.submitted} accepted={self.accepted} "
-                f"running={self.running} filtered={self.filtered} batch_size={self.batch_size} "
-                f"max_staleness_steps={self.max_staleness_steps} max_concurrent_groups={self.max_concurrent_groups}")
+        return (
+            f"step={self.current_step} submitted={self.submitted} accepted={self.accepted} "
+            f"running={self.running} filtered={self.filtered} batch_size={self.batch_size} "
+            f"max_staleness_steps={self.max_staleness_steps} max_concurrent_groups={self.max_concurrent_groups}"
+        )
 
 
 def staleness_of(sample: Sample, trained_step: int, unrecorded_version: int) -> int:
@@ -170,7 +178,8 @@ def staleness_of(sample: Sample, trained_step: int, unrecorded_version: int) -> 
     versions = sample.weight_versions or [unrecorded_version] * sample.response_length
     mask = sample.effective_loss_mask()
     if len(mask) != len(versions):
-        raise ValueError(f"sample uid={sample.uid}: {len(versions)} weight versions but a loss mask of "
-                         f"{len(mask)} tokens")
+        raise ValueError(
+            f"sample uid={sample.uid}: {len(versions)} weight versions but a loss mask of {len(mask)} tokens"
+        )
     trained = [v for v, m in zip(versions, mask) if m]
     return max(0, trained_step - min(trained)) if trained else 0

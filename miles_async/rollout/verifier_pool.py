@@ -14,8 +14,9 @@ import asyncio
 import importlib
 import multiprocessing
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 # Starting a worker (a fresh interpreter importing sympy) is not the verifier's time.
 STARTUP_TIMEOUT_S = 120.0
@@ -106,10 +107,11 @@ class VerifierPool:
                 worker.ready = True
             worker.conn.send((fn, args))
             return await _receive(worker.conn, self.deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             what = "call" if worker.ready else "start"
-            raise VerifierTimeout(f"verifier {what} took longer than "
-                                  f"{self.deadline if worker.ready else STARTUP_TIMEOUT_S:.0f} s") from None
+            raise VerifierTimeout(
+                f"verifier {what} took longer than {self.deadline if worker.ready else STARTUP_TIMEOUT_S:.0f} s"
+            ) from None
         except EOFError:
             worker.process.join(5)
             raise VerifierError(f"verifier worker exited with code {worker.process.exitcode}") from None

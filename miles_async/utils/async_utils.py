@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Coroutine, Iterable, TypeVar
+from collections.abc import Awaitable, Coroutine, Iterable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -16,7 +17,7 @@ async def wait_for(aw: Awaitable[T], timeout: float | None, what: str) -> T:
     """``asyncio.wait_for`` whose timeout error says what was being waited for."""
     try:
         return await asyncio.wait_for(aw, timeout)
-    except asyncio.TimeoutError as e:
+    except TimeoutError as e:
         raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}") from e
 
 

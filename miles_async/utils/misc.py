@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None,
-                               num_rollout: int) -> bool:
+def should_run_periodic_action(
+    rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None, num_rollout: int
+) -> bool:
     """True after every ``interval``-th rollout, at the end of each epoch and after the last rollout."""
     if interval is None:
         return False

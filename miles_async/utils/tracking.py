@@ -52,9 +52,14 @@ class Tracker:
             import wandb
 
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-            self._wandb = wandb.init(project=self.cfg.wandb_project, group=self.cfg.wandb_group,
-                                     name=self.cfg.wandb_run_name, config=dataclasses.asdict(cfg), mode=mode,
-                                     dir=str(self.dir))
+            self._wandb = wandb.init(
+                project=self.cfg.wandb_project,
+                group=self.cfg.wandb_group,
+                name=self.cfg.wandb_run_name,
+                config=dataclasses.asdict(cfg),
+                mode=mode,
+                dir=str(self.dir),
+            )
             for step_key in STEP_KEYS.values():
                 self._wandb.define_metric(step_key)
             self._wandb.define_metric("eval/*", step_metric=STEP_KEYS["eval"])

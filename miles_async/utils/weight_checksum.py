@@ -9,7 +9,7 @@ The float64 sum travels along only to make a mismatch readable.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -21,8 +21,12 @@ def tensor_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
     for name, t in named_tensors:
         t = t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()
-        out[name] = {"sha256": hashlib.sha256(raw).hexdigest(), "sum": float(t.double().sum()),
-                     "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        out[name] = {
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "sum": float(t.double().sum()),
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+        }
     return out
 
 
@@ -37,6 +41,8 @@ def first_mismatch(expected: Checksums, actual: Checksums) -> str | None:
         what = f"tensor {name!r} is missing"
     else:
         e, a = expected[name], actual[name]
-        what = (f"tensor {name!r} differs (expected sum {e['sum']!r} {e['dtype']}{e['shape']}, "
-                f"got sum {a['sum']!r} {a['dtype']}{a['shape']})")
+        what = (
+            f"tensor {name!r} differs (expected sum {e['sum']!r} {e['dtype']}{e['shape']}, "
+            f"got sum {a['sum']!r} {a['dtype']}{a['shape']})"
+        )
     return what + (f"; {len(bad)} of {len(expected)} tensors differ" if len(bad) > 1 else "")

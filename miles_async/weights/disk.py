@@ -18,9 +18,14 @@ from miles_async.weights.update import WeightUpdate
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin")
 
 
-def save_hf_folder(named: Iterable[tuple[str, torch.Tensor]], src: str | Path, out: str | Path,
-                   max_shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None,
-                   side_files: str = "all") -> int:
+def save_hf_folder(
+    named: Iterable[tuple[str, torch.Tensor]],
+    src: str | Path,
+    out: str | Path,
+    max_shard_bytes: int = 2 << 30,
+    dtype: torch.dtype | None = None,
+    side_files: str = "all",
+) -> int:
     """Write streamed HF-named tensors (cast to ``dtype`` if given) as safetensors shards, plus the source
     folder's other files: ``side_files`` "all" (config, tokenizer, ...: a loadable checkpoint) or "config"
     (config.json only: what an engine reloading weights reads). Returns the bytes of tensors written."""

@@ -31,8 +31,9 @@ class WeightMismatchError(RuntimeError):
     pass
 
 
-async def update_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup, on_updated: OnUpdated,
-                         weight_version: int) -> dict:
+async def update_weights(
+    cfg: Config, controller: ActorHandle, actor: TrainGroup, on_updated: OnUpdated, weight_version: int
+) -> dict:
     """Pause the engines (requests freeze in place), stream the weights in, flush and continue.
 
     With --use-fault-tolerance an engine that dies during the push is left out: the push goes
@@ -56,11 +57,16 @@ async def update_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup
 def weight_update(cfg: Config, weight_version: int) -> WeightUpdate:
     """The record of update ``weight_version`` as configured; a push fills in the serving engines as targets."""
     route = route_for(cfg.engine.weight_update_method, cfg.engine.backend)
-    return WeightUpdate(version=weight_version, route=route, dtype=cfg.engine.dtype,
-                        timeout=cfg.engine.request_timeout, engine=cfg.engine.backend,
-                        bucket_bytes=cfg.train.update_weight_buffer_size,
-                        ranks_per_engine=cfg.engine.num_gpus_per_engine,
-                        folder=str(Path(weight_update_dir(cfg)) / f"v{weight_version}") if route == DISK else None)
+    return WeightUpdate(
+        version=weight_version,
+        route=route,
+        dtype=cfg.engine.dtype,
+        timeout=cfg.engine.request_timeout,
+        engine=cfg.engine.backend,
+        bucket_bytes=cfg.train.update_weight_buffer_size,
+        ranks_per_engine=cfg.engine.num_gpus_per_engine,
+        folder=str(Path(weight_update_dir(cfg)) / f"v{weight_version}") if route == DISK else None,
+    )
 
 
 async def _push_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate) -> dict:
@@ -77,8 +83,9 @@ async def _push_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup,
                 still = await controller.serving_urls.remote()
                 if set(still) == set(urls) or not still or attempt == cfg.engine.num_engines:
                     raise
-                logger.warning("weight push to %s failed (%s); pushing again to the engines still serving: %s",
-                               urls, e, still)
+                logger.warning(
+                    "weight push to %s failed (%s); pushing again to the engines still serving: %s", urls, e, still
+                )
                 urls = still
     finally:
         await controller.end_weight_update.remote()
@@ -94,8 +101,9 @@ def weight_update_dir(cfg: Config) -> str:
     return os.path.join(cfg.tracking.output_dir, "engine_weights")
 
 
-async def _update_weights_from_disk(cfg: Config, controller: ActorHandle, actor: TrainGroup,
-                                    update: WeightUpdate) -> dict:
+async def _update_weights_from_disk(
+    cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate
+) -> dict:
     """SGLang and vLLM: the trainer writes an HF folder (while the engines still generate), then the engines
     pause, load it (SGLang's ``/update_weights_from_disk``, vLLM's ``reload_weights``, each with the version),
     flush their prefix cache and continue; the folder is removed once loaded."""
@@ -130,16 +138,22 @@ async def _confirm(cfg: Config, controller: ActorHandle, actor: TrainGroup, weig
         await check_weight_update_equal(cfg, controller, actor, weight_version)
 
 
-async def check_weight_update_equal(cfg: Config, controller: ActorHandle, actor: TrainGroup,
-                                    weight_version: int) -> None:
+async def check_weight_update_equal(
+    cfg: Config, controller: ActorHandle, actor: TrainGroup, weight_version: int
+) -> None:
     """--check-weight-update-equal: every serving engine holds, byte for byte, the trainer's weights cast to
     the engine dtype; else fail naming the engine and the first tensor that differs."""
     trainer = await actor.call("weights_checksum", cfg.engine.dtype)
     for url, engine in (await controller.weights_checksums.remote()).items():
         mismatch = first_mismatch(trainer, engine)
         if mismatch:
-            raise WeightMismatchError(f"--check-weight-update-equal: after the update to weight version "
-                                      f"{weight_version}, the engine at {url} does not hold the trainer's weights: "
-                                      f"{mismatch}")
-    logger.info("--check-weight-update-equal: version %d identical on %s", weight_version,
-                await controller.serving_urls.remote())
+            raise WeightMismatchError(
+                f"--check-weight-update-equal: after the update to weight version "
+                f"{weight_version}, the engine at {url} does not hold the trainer's weights: "
+                f"{mismatch}"
+            )
+    logger.info(
+        "--check-weight-update-equal: version %d identical on %s",
+        weight_version,
+        await controller.serving_urls.remote(),
+    )

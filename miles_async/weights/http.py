@@ -18,8 +18,9 @@ Bucket = list[tuple[str, torch.Tensor]]
 SendBucket = Callable[[list[EngineClient], Bucket, "int | None", bool], Awaitable[None]]
 
 
-async def stream_buckets(buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float,
-                         engine: str, send: SendBucket) -> int:
+async def stream_buckets(
+    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str, send: SendBucket
+) -> int:
     """Bracket the buckets with each engine's begin/end of an update; returns the bytes sent per engine."""
     clients = [make_client(engine, u, timeout) for u in urls]
     buckets = iter(buckets)
@@ -44,7 +45,8 @@ async def _post_tensors(clients: list[EngineClient], bucket: Bucket, version: in
     await asyncio.gather(*[c.update_weights_from_tensors(bucket, version, flush=flush) for c in clients])
 
 
-async def push_buckets(buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float,
-                       engine: str = "embedded") -> int:
+async def push_buckets(
+    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str = "embedded"
+) -> int:
     """Send each bucket to every engine over HTTP; returns the bytes sent per engine."""
     return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_tensors)

@@ -1,5 +1,6 @@
-"""The process-group route (``--weight-update-method distributed``) into SGLang: one process group of the trainer's rank 0 and every engine's
-tensor-parallel ranks, the weights broadcast from rank 0 in buckets (``update_weights_from_distributed``).
+"""The process-group route (``--weight-update-method distributed``) into SGLang: one process group of the
+trainer's rank 0 and every engine's tensor-parallel ranks, the weights broadcast from rank 0 in buckets
+(``update_weights_from_distributed``).
 
 On GPUs the group is NCCL (the route Miles and slime use between the trainer and non-colocated engines);
 on the CPU the same calls run over gloo, which is how the suite drives this route against SGLang's real
@@ -11,9 +12,9 @@ Protocol, per SGLang's HTTP API:
    trainer keeps its own (DDP / Megatron) default group, so it is built the way SGLang builds its side
    (a TCP store, prefixed with the group name, then torch's group constructor), or the two sides would
    look for each other under different keys.
-2. ``/begin_weight_update``, then per bucket ``/update_weights_from_distributed`` with the names, dtypes and shapes on every engine while
-   rank 0 broadcasts the bucket's tensors in that order; the last bucket carries the weight version and
-   flushes the engines' caches; then ``/end_weight_update``.
+2. ``/begin_weight_update``, then per bucket ``/update_weights_from_distributed`` with the names, dtypes and
+   shapes on every engine while rank 0 broadcasts the bucket's tensors in that order; the last bucket carries
+   the weight version and flushes the engines' caches; then ``/end_weight_update``.
 
 Waits race failures: joining and every broadcast run against the engines' HTTP answers, and an engine that
 answers with an error fails the update at once instead of leaving rank 0 waiting in a collective.
@@ -54,8 +55,15 @@ def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout:
     )
 
     store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout))
-    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(GROUP_NAME, store),
-                                      group_name=GROUP_NAME, timeout=timedelta(seconds=timeout))
+    pg, _ = _new_process_group_helper(
+        world_size,
+        0,
+        [],
+        Backend(backend),
+        PrefixStore(GROUP_NAME, store),
+        group_name=GROUP_NAME,
+        timeout=timedelta(seconds=timeout),
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg, store
 
@@ -63,8 +71,9 @@ def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout:
 class EngineWeightGroup:
     """Trainer rank 0's end of the group; ``connect`` once, ``push`` every update, ``close`` at the end."""
 
-    def __init__(self, urls: list[str], ranks_per_engine: int, backend: str, master_address: str,
-                 timeout: float = 300.0):
+    def __init__(
+        self, urls: list[str], ranks_per_engine: int, backend: str, master_address: str, timeout: float = 300.0
+    ):
         self.urls = list(urls)
         self.ranks_per_engine = ranks_per_engine
         self.backend = backend
@@ -76,8 +85,10 @@ class EngineWeightGroup:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(2, len(self.urls) + 1))
 
     def _post_all(self, endpoint: str, bodies: list[dict]) -> dict[str, concurrent.futures.Future]:
-        return {url: self._pool.submit(requests.post, url + endpoint, json=body, timeout=self.timeout)
-                for url, body in zip(self.urls, bodies)}
+        return {
+            url: self._pool.submit(requests.post, url + endpoint, json=body, timeout=self.timeout)
+            for url, body in zip(self.urls, bodies)
+        }
 
     def _check(self, url: str, fut: concurrent.futures.Future, endpoint: str) -> None:
         try:
@@ -113,15 +124,24 @@ class EngineWeightGroup:
     def connect(self) -> None:
         port = free_port(self.master_address)
         world = 1 + len(self.urls) * self.ranks_per_engine
-        bodies = [{"master_address": self.master_address, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
-                   "world_size": world, "group_name": GROUP_NAME, "backend": self.backend}
-                  for i in range(len(self.urls))]
+        bodies = [
+            {
+                "master_address": self.master_address,
+                "master_port": port,
+                "rank_offset": 1 + i * self.ranks_per_engine,
+                "world_size": world,
+                "group_name": GROUP_NAME,
+                "backend": self.backend,
+            }
+            for i in range(len(self.urls))
+        ]
         t0 = time.perf_counter()
         answers = self._post_all("/init_weights_update_group", bodies)
         join = self._pool.submit(_join_as_rank0, self.master_address, port, world, self.backend, self.timeout)
         self.pg, self._store = self._race(join, answers, "/init_weights_update_group")
-        logger.info("weight group %s: %d ranks over %s in %.1fs", GROUP_NAME, world, self.backend,
-                    time.perf_counter() - t0)
+        logger.info(
+            "weight group %s: %d ranks over %s in %.1fs", GROUP_NAME, world, self.backend, time.perf_counter() - t0
+        )
 
     def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], weight_version: int) -> int:
         """Broadcast every bucket; returns the bytes sent."""
@@ -134,8 +154,13 @@ class EngineWeightGroup:
         while current is not None:
             following = next(buckets, None)
             last = following is None
-            body = {"names": [n for n, _ in current], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in current],
-                    "shapes": [list(t.shape) for _, t in current], "group_name": GROUP_NAME, "flush_cache": last}
+            body = {
+                "names": [n for n, _ in current],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in current],
+                "shapes": [list(t.shape) for _, t in current],
+                "group_name": GROUP_NAME,
+                "flush_cache": last,
+            }
             if last:
                 body["weight_version"] = str(int(weight_version))
             answers = self._post_all("/update_weights_from_distributed", [body] * len(self.urls))
@@ -190,8 +215,9 @@ class ProcessGroupRoute:
             self.close()
         if self.group is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            self.group = EngineWeightGroup(urls, update.ranks_per_engine, backend, trainer_address(urls),
-                                           update.timeout)
+            self.group = EngineWeightGroup(
+                urls, update.ranks_per_engine, backend, trainer_address(urls), update.timeout
+            )
         return self.group.push(buckets, update.version)
 
     def close(self) -> None:

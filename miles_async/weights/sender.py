@@ -25,8 +25,9 @@ class WeightSender:
         if update.route == HTTP:
             nbytes = asyncio.run(http.push_buckets(buckets, targets, update.version, update.timeout, update.engine))
         elif update.route == SHARED_MEMORY:
-            nbytes = asyncio.run(shared_memory.push_buckets(buckets, targets, update.version, update.timeout,
-                                                            update.engine))
+            nbytes = asyncio.run(
+                shared_memory.push_buckets(buckets, targets, update.version, update.timeout, update.engine)
+            )
         elif update.route == PROCESS_GROUP:
             nbytes = self._process_group.push(buckets, update)
         else:

@@ -52,7 +52,8 @@ async def _post_handles(clients: list[EngineClient], bucket: Bucket, version: in
     del keep_alive  # loaded everywhere: the shared files may go
 
 
-async def push_buckets(buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float,
-                       engine: str = "sglang") -> int:
+async def push_buckets(
+    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str = "sglang"
+) -> int:
     """Hand each bucket to every engine as shared-memory handles; returns the bytes sent per engine."""
     return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles)

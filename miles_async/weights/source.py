@@ -34,8 +34,9 @@ class WeightSource:
         return default
 
 
-def iter_buckets(named_tensors: NamedTensors, dtype: torch.dtype,
-                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named_tensors: NamedTensors, dtype: torch.dtype, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors (cast to the engine's dtype, on the CPU) into buckets of about ``bucket_bytes``, so an
     update never holds a second full copy."""
     bucket: list[tuple[str, torch.Tensor]] = []

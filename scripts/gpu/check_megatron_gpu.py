@@ -49,9 +49,20 @@ def _batch() -> dict:
     groups = []
     for g in range(4):
         prompt = [rng.randrange(5, 40) for _ in range(rng.randrange(3, 7))]
-        groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
-                              response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
-                              reward=float(rng.random() < 0.5)) for i in range(4)])
+        groups.append(
+            [
+                Sample(
+                    uid=str(g),
+                    group_index=g,
+                    index=i,
+                    prompt="",
+                    prompt_tokens=prompt,
+                    response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
+                    reward=float(rng.random() < 0.5),
+                )
+                for i in range(4)
+            ]
+        )
     for s in (s for g in groups for s in g):  # an engine's log-probs: --use-tis needs one per trained token
         s.rollout_logprobs = [-3.0] * s.response_length
     return to_train_batch(groups)
@@ -71,21 +82,50 @@ def check_logits(path: str, device: torch.device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(3, arch.vocab_size, (2, 33), device=device)
     with torch.no_grad():
-        ours = model(ids, torch.arange(33, device=device).expand(2, -1), None)[..., :arch.vocab_size].float()
+        ours = model(ids, torch.arange(33, device=device).expand(2, -1), None)[..., : arch.vocab_size].float()
         ref = hf(input_ids=ids).logits.float()
     diff, scale = float((ours - ref).abs().max()), float(ref.abs().max())
     exact = all(torch.equal(t.cpu(), get(k)) for k, t in export_hf(model, arch))
-    return {"check": "logits", "model": path, "use_te": model.use_te, "max_abs_diff": diff, "logit_scale": scale,
-            "round_trip_exact": exact, "ok": diff <= 1e-3 * max(1.0, scale) and exact}
+    return {
+        "check": "logits",
+        "model": path,
+        "use_te": model.use_te,
+        "max_abs_diff": diff,
+        "logit_scale": scale,
+        "round_trip_exact": exact,
+        "ok": diff <= 1e-3 * max(1.0, scale) and exact,
+    }
 
 
 def check_train_step(model: str, data: str, out: str, port: int) -> dict:
     from miles_async.arguments import parse_args
     from miles_async.backends.megatron.actor import MegatronTrainActor
 
-    cfg = parse_args(["--use-tis", "--hf-checkpoint", model, "--prompt-data", data, "--rollout-batch-size", "4",
-                      "--n-samples-per-prompt", "4", "--num-rollout", "1", "--rm-type", "integer", "--lr", "1e-2",
-                      "--global-batch-size", "8", "--output-dir", out, "--train-backend", "megatron"]).train
+    cfg = parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            model,
+            "--prompt-data",
+            data,
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "1",
+            "--rm-type",
+            "integer",
+            "--lr",
+            "1e-2",
+            "--global-batch-size",
+            "8",
+            "--output-dir",
+            out,
+            "--train-backend",
+            "megatron",
+        ]
+    ).train
     actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=2)
     actor.init_process_group("127.0.0.1", port)
     before = actor.hf_state()
@@ -95,9 +135,15 @@ def check_train_step(model: str, data: str, out: str, port: int) -> dict:
     after = actor.hf_state()
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     finite = all(math.isfinite(metrics[k]) for k in ("train/loss", "train/grad_norm"))
-    return {"check": "train_step", "device": str(actor.device), "loss": metrics["train/loss"],
-            "grad_norm": metrics["train/grad_norm"], "seconds": seconds, "weights_moved": moved,
-            "ok": moved and finite and actor.device.type == ("cuda" if torch.cuda.is_available() else "cpu")}
+    return {
+        "check": "train_step",
+        "device": str(actor.device),
+        "loss": metrics["train/loss"],
+        "grad_norm": metrics["train/grad_norm"],
+        "seconds": seconds,
+        "weights_moved": moved,
+        "ok": moved and finite and actor.device.type == ("cuda" if torch.cuda.is_available() else "cpu"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU through the shim (for the test suite)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
-        print("check_megatron_gpu: no CUDA device visible (torch.cuda.is_available() is false); this checks the "
-              "GPU path - run it on a GPU machine, or pass --allow-cpu to run the same code on the CPU",
-              file=sys.stderr)
+        print(
+            "check_megatron_gpu: no CUDA device visible (torch.cuda.is_available() is false); this checks the "
+            "GPU path - run it on a GPU machine, or pass --allow-cpu to run the same code on the CPU",
+            file=sys.stderr,
+        )
         return 2
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
     from miles_async.backends.megatron.model import ParallelSizes, init_parallel

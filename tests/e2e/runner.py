@@ -41,34 +41,69 @@ class Run:
 
 def tiny_args(model: Path, task: tuple[Path, Path], out_dir: Path, *extra: str) -> list[str]:
     train, held_out = task
-    return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--eval-prompt-data", "tiny", str(held_out),
-            "--apply-chat-template", "--use-tis", "--rm-type", "first_integer", "--rollout-batch-size", "8",
-            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--rollout-dtype", "float32",
-            "--lr", "3e-3", "--rollout-shuffle", "--output-dir", str(out_dir), "--no-plot", *extra]
+    return [
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(train),
+        "--eval-prompt-data",
+        "tiny",
+        str(held_out),
+        "--apply-chat-template",
+        "--use-tis",
+        "--rm-type",
+        "first_integer",
+        "--rollout-batch-size",
+        "8",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--rollout-dtype",
+        "float32",
+        "--lr",
+        "3e-3",
+        "--rollout-shuffle",
+        "--output-dir",
+        str(out_dir),
+        "--no-plot",
+        *extra,
+    ]
 
 
 def without_rm_type(args: list[str]) -> list[str]:
     """tiny_args scores with --rm-type; runs that bring a --custom-rm-path drop it."""
     i = args.index("--rm-type")
-    return args[:i] + args[i + 2:]
+    return args[:i] + args[i + 2 :]
 
 
 def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                RAY_DEDUP_LOGS="0")
+    return dict(
+        os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0"
+    )
 
 
 def run_train(args: list[str], out_dir: Path, timeout: float = 300, extra_env: dict | None = None) -> Run:
-    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT,
-                          env={**env(), **(extra_env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_async.py"), *args],
+        cwd=ROOT,
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Run(proc.returncode, proc.stdout + proc.stderr, out_dir)
 
 
 def start_train(args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT,
-                            env={**env(), **(extra_env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train_async.py"), *args],
+        cwd=ROOT,
+        env={**env(), **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def alive(pid: int) -> bool:

@@ -25,8 +25,10 @@ def _rises(rewards: list[float]) -> bool:
 
 
 def test_reinforce_plus_plus_raises_the_reward(tiny_model, tiny_task, tmp_path):
-    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "12",
-                          "--advantage-estimator", "reinforce_plus_plus"), tmp_path)
+    run = run_train(
+        _args(tiny_model, tiny_task, tmp_path, "--num-rollout", "12", "--advantage-estimator", "reinforce_plus_plus"),
+        tmp_path,
+    )
     assert run.returncode == 0, run.output[-3000:]
     rewards = [m["rollout/reward_mean"] for m in run.metrics]
     assert len(rewards) == 12 and _rises(rewards), rewards
@@ -35,8 +37,18 @@ def test_reinforce_plus_plus_raises_the_reward(tiny_model, tiny_task, tmp_path):
 
 def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task, tmp_path):
     ckpt = tmp_path / "ckpt"
-    ppo = ["--advantage-estimator", "ppo", "--critic-lr", "1e-3", "--num-critic-only-steps", "2",
-           "--save", str(ckpt), "--save-interval", "6"]
+    ppo = [
+        "--advantage-estimator",
+        "ppo",
+        "--critic-lr",
+        "1e-3",
+        "--num-critic-only-steps",
+        "2",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "6",
+    ]
     run = run_train(_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *ppo), tmp_path / "a")
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
@@ -51,24 +63,41 @@ def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task
     assert sum(vf[-4:]) / 4 < sum(vf[:2]) / 2, vf
     assert (ckpt / "iter_0000005" / "critic" / "model.safetensors").exists()
     assert (ckpt / "iter_0000005" / "critic" / "optimizer.pt").exists()
-    resumed = run_train(_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "14", *ppo, "--load", str(ckpt)),
-                        tmp_path / "b")
+    resumed = run_train(
+        _args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "14", *ppo, "--load", str(ckpt)), tmp_path / "b"
+    )
     assert resumed.returncode == 0, resumed.output[-3000:]
     assert [r["step"] for r in resumed.metrics] == [13, 14]
     # The critic came back trained: its loss continues near where it was, not at the untrained start.
     assert resumed.metrics[0]["critic/vf_loss"] < m[0]["critic/vf_loss"]
 
 
-@pytest.mark.parametrize("old_policy", [[], ["--keep-old-actor", "--pause-generation-mode", "abort"]],
-                         ids=["recomputed", "kept"])
+@pytest.mark.parametrize(
+    "old_policy", [[], ["--keep-old-actor", "--pause-generation-mode", "abort"]], ids=["recomputed", "kept"]
+)
 def test_stale_data_is_trained_with_truncated_importance_weights(old_policy, tiny_model, tiny_task, tmp_path):
     """Staleness up to 3 with --use-tis (clip [0.5, 1.5]). Recomputed: the trainer's old policy drifts from the
     engine's as the data ages, and TIS measures that gap and truncates it. Kept (--keep-old-actor): every stale
     version is still kept when its data trains, so the ratio to the engine stays 1. A run where TIS did not
     act has no tis_* metrics, or ratios that do not follow the staleness."""
-    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "10", "--fully-async",
-                          "--max-staleness-steps", "3", "--tis-clip", "1.5", "--tis-clip-low", "0.5", *old_policy),
-                    tmp_path)
+    run = run_train(
+        _args(
+            tiny_model,
+            tiny_task,
+            tmp_path,
+            "--num-rollout",
+            "10",
+            "--fully-async",
+            "--max-staleness-steps",
+            "3",
+            "--tis-clip",
+            "1.5",
+            "--tis-clip-low",
+            "0.5",
+            *old_policy,
+        ),
+        tmp_path,
+    )
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert len(m) == 10 and max(r["async/staleness_max"] for r in m) >= 2
@@ -101,12 +130,25 @@ def test_a_sample_without_rollout_logprobs_fails_the_run_naming_it(tiny_model, t
     """A generate function that loses the engine's log-probs: --use-tis used to switch itself off for that
     micro-batch; now the run stops at the first step with the sample's uid."""
     marker = tmp_path / "stripped_uids"
-    run = run_train(_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "3", "--custom-generate-function-path",
-                          "tests.e2e.rewards:drops_rollout_logprobs"), tmp_path,
-                    extra_env={"MILES_ASYNC_TEST_MARKER": str(marker)})
+    run = run_train(
+        _args(
+            tiny_model,
+            tiny_task,
+            tmp_path,
+            "--num-rollout",
+            "3",
+            "--custom-generate-function-path",
+            "tests.e2e.rewards:drops_rollout_logprobs",
+        ),
+        tmp_path,
+        extra_env={"MILES_ASYNC_TEST_MARKER": str(marker)},
+    )
     assert run.returncode != 0
-    named = re.search(r"--use-tis: sample uid=(\S+) \(index \d+ of the rollout\) has 0 rollout log-probs for "
-                      r"\d+ response tokens", run.output)
+    named = re.search(
+        r"--use-tis: sample uid=(\S+) \(index \d+ of the rollout\) has 0 rollout log-probs for "
+        r"\d+ response tokens",
+        run.output,
+    )
     assert named, run.output[-3000:]
     assert named.group(1) in marker.read_text().split()
     assert run.metrics == []  # no step was trained

@@ -22,11 +22,27 @@ pytestmark = pytest.mark.timeout(600)
 NUM_ROLLOUT = 8
 # Two engines; slow decoding (32 tokens at >= 50 ms a step: an engine double) so a rollout lasts seconds and
 # the kill lands while requests are in flight on the killed engine.
-ARGS = ["--rollout-num-gpus", "2", "--rollout-num-threads", "1", "--num-rollout", str(NUM_ROLLOUT),
-        "--rollout-max-response-len", "32", "--custom-rm-path", "tests.e2e.rewards:starts_with_digit"]
+ARGS = [
+    "--rollout-num-gpus",
+    "2",
+    "--rollout-num-threads",
+    "1",
+    "--num-rollout",
+    str(NUM_ROLLOUT),
+    "--rollout-max-response-len",
+    "32",
+    "--custom-rm-path",
+    "tests.e2e.rewards:starts_with_digit",
+]
 SLOW_STEPS = fixed_step_cost_env(0.05)
-FT = ["--use-fault-tolerance", "--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2",
-      "--check-weight-update-equal"]
+FT = [
+    "--use-fault-tolerance",
+    "--rollout-health-check-interval",
+    "0.5",
+    "--rollout-health-check-timeout",
+    "2",
+    "--check-weight-update-equal",
+]
 
 
 def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400) -> tuple[Run, int, float]:
@@ -56,8 +72,9 @@ def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400
 
 
 def test_a_killed_engine_does_not_stop_the_run_and_comes_back(tiny_model, tiny_task, tmp_path):
-    run, killed, _ = _run_and_kill_an_engine(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, *ARGS, *FT)),
-                                             tmp_path)
+    run, killed, _ = _run_and_kill_an_engine(
+        without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, *ARGS, *FT)), tmp_path
+    )
     assert run.returncode == 0, run.output[-5000:]
     m = run.metrics
     assert [r["step"] for r in m] == list(range(1, NUM_ROLLOUT + 1))
@@ -73,8 +90,9 @@ def test_a_killed_engine_does_not_stop_the_run_and_comes_back(tiny_model, tiny_t
     assert last["engine/restarts"] == 1 and last["engine/serving"] == 2, last
     procs = run.processes()
     assert killed not in procs["engines"] and len(procs["engines_started"]) == 3
-    restarted = re.findall(r"engine 1 restarted: pid (\d+) at (\S+), weight version (\d+) copied from engine 0",
-                           run.output)
+    restarted = re.findall(
+        r"engine 1 restarted: pid (\d+) at (\S+), weight version (\d+) copied from engine 0", run.output
+    )
     assert len(restarted) == 1 and int(restarted[0][0]) == procs["engines"][1], run.output[-5000:]
     # It got the current weights before serving, and every later update reached it byte for byte.
     url = restarted[0][1].rstrip(",")
@@ -85,8 +103,9 @@ def test_a_killed_engine_does_not_stop_the_run_and_comes_back(tiny_model, tiny_t
 
 
 def test_without_fault_tolerance_a_killed_engine_fails_the_run_fast(tiny_model, tiny_task, tmp_path):
-    run, _, seconds = _run_and_kill_an_engine(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, *ARGS)),
-                                              tmp_path)
+    run, _, seconds = _run_and_kill_an_engine(
+        without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, *ARGS)), tmp_path
+    )
     assert run.returncode != 0
     assert seconds < 60, seconds
     assert "the engine may have died" in run.output and "--use-fault-tolerance" in run.output, run.output[-5000:]

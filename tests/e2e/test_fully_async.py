@@ -19,15 +19,28 @@ from tests.e2e.runner import (
 
 pytestmark = pytest.mark.timeout(600)
 
-ASYNC = ["--fully-async", "--use-tis", "--custom-rm-path", "tests.e2e.rewards:starts_with_digit",
-         "--rollout-max-response-len", "2", "--lr", "1e-2"]
-
+ASYNC = [
+    "--fully-async",
+    "--use-tis",
+    "--custom-rm-path",
+    "tests.e2e.rewards:starts_with_digit",
+    "--rollout-max-response-len",
+    "2",
+    "--lr",
+    "1e-2",
+]
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_staleness_is_bounded_by_recorded_versions(staleness, tiny_model, tiny_task, tmp_path):
-    run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8",
-                                     "--max-staleness-steps", str(staleness), *ASYNC)), tmp_path)
+    run = run_train(
+        without_rm_type(
+            tiny_args(
+                tiny_model, tiny_task, tmp_path, "--num-rollout", "8", "--max-staleness-steps", str(staleness), *ASYNC
+            )
+        ),
+        tmp_path,
+    )
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert len(m) == 8
@@ -40,8 +53,22 @@ def test_staleness_is_bounded_by_recorded_versions(staleness, tiny_model, tiny_t
 
 def test_zero_variance_filter_keeps_pulling_and_never_hangs(tiny_model, tiny_task, tmp_path):
     # A reward that is 0 for every sample would drop every group; this one drops many groups.
-    run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "6",
-                                     "--zero-variance-filter", "--n-samples-per-prompt", "2", *ASYNC)), tmp_path)
+    run = run_train(
+        without_rm_type(
+            tiny_args(
+                tiny_model,
+                tiny_task,
+                tmp_path,
+                "--num-rollout",
+                "6",
+                "--zero-variance-filter",
+                "--n-samples-per-prompt",
+                "2",
+                *ASYNC,
+            )
+        ),
+        tmp_path,
+    )
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert len(m) == 6
@@ -52,13 +79,25 @@ def test_zero_variance_filter_keeps_pulling_and_never_hangs(tiny_model, tiny_tas
 def test_a_filter_that_keeps_nothing_fails_naming_it(tiny_model, tiny_task, tmp_path):
     # Every reward 0: each group is dropped. After a full pass over the 64 prompts the run stops,
     # long before the --rollout-timeout it used to wait for (run_train gives up at 300 s).
-    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "4", "--zero-variance-filter",
-                                     "--rollout-timeout", "600", *ASYNC))
+    args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            tmp_path,
+            "--num-rollout",
+            "4",
+            "--zero-variance-filter",
+            "--rollout-timeout",
+            "600",
+            *ASYNC,
+        )
+    )
     args[args.index("tests.e2e.rewards:starts_with_digit")] = "tests.e2e.rewards:always_zero"
     run = run_train(args, tmp_path)
     assert run.returncode != 0
-    assert re.search(r"--zero-variance-filter dropped \d+ groups in a row, a full pass over the 64 prompts", run.output), \
-        run.output[-3000:]
+    assert re.search(
+        r"--zero-variance-filter dropped \d+ groups in a row, a full pass over the 64 prompts", run.output
+    ), run.output[-3000:]
     assert run.metrics == []
     assert wait_all_dead(all_pids(run.processes())) == []
 
@@ -92,8 +131,22 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
 
     ckpt = tmp_path / "ckpt"
     # 64 prompts, 8 per step: 16 rollouts are exactly two epochs.
-    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "16", "--save", str(ckpt),
-                            "--save-interval", "1", "--max-staleness-steps", "2", *ASYNC))
+    args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            tmp_path / "a",
+            "--num-rollout",
+            "16",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "1",
+            "--max-staleness-steps",
+            "2",
+            *ASYNC,
+        )
+    )
     proc = start_train(args)
     pointer = ckpt / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 300
@@ -108,8 +161,20 @@ def test_sigkill_mid_epoch_then_resume_trains_every_prompt_once(tiny_model, tiny
     assert saved < 15
     lines = (tmp_path / "a" / "rollouts.jsonl").read_text().splitlines()
     first = {r["rollout_id"]: r for r in map(json.loads, lines)}
-    resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "16",
-                                    "--load", str(ckpt), "--max-staleness-steps", "2", *ASYNC))
+    resumed_args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            tmp_path / "b",
+            "--num-rollout",
+            "16",
+            "--load",
+            str(ckpt),
+            "--max-staleness-steps",
+            "2",
+            *ASYNC,
+        )
+    )
     second = run_train(resumed_args, tmp_path / "b")
     assert second.returncode == 0, second.output[-3000:]
     assert [m["step"] for m in second.metrics] == list(range(saved + 2, 17))
@@ -129,12 +194,26 @@ def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_mod
     Whether an abort finds a request mid-generation is a race on a fast tiny model, so the engine is a
     double (tests/e2e/engine_doubles.py) that holds one request a token short of its end until an abort:
     the first weight update aborts it, and it resumes and finishes ahead of every newer group."""
-    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "8", "--max-staleness-steps", "1",
-                            "--pause-generation-mode", "abort", "--partial-rollout",
-                            "--custom-generate-function-path", "benchmarks.workloads:long_tail_generate",
-                            *ASYNC, "--rollout-max-response-len", "128"))  # the last value wins
-    run = run_train(args, tmp_path,
-                    extra_env={ENGINE_CLASS_ENV: "tests.e2e.engine_doubles:HoldOneRequestUntilAbort"})
+    args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            tmp_path,
+            "--num-rollout",
+            "8",
+            "--max-staleness-steps",
+            "1",
+            "--pause-generation-mode",
+            "abort",
+            "--partial-rollout",
+            "--custom-generate-function-path",
+            "benchmarks.workloads:long_tail_generate",
+            *ASYNC,
+            "--rollout-max-response-len",
+            "128",
+        )
+    )  # the last value wins
+    run = run_train(args, tmp_path, extra_env={ENGINE_CLASS_ENV: "tests.e2e.engine_doubles:HoldOneRequestUntilAbort"})
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics
     assert max(r["async/staleness_max"] for r in m) <= 1
@@ -146,11 +225,29 @@ def test_long_tail_with_aborts_resumes_partial_samples_within_the_bound(tiny_mod
 def test_watchdog_warns_when_no_group_finishes(tiny_model, tiny_task, tmp_path):
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(tmp_path / "stalled")
     try:
-        run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
-                                         "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
-                                         "--max-staleness-steps", "0", "--rollout-watchdog-seconds", "1",
-                                         "--custom-generate-function-path", "tests.e2e.rewards:stall_once",
-                                         *ASYNC)), tmp_path)
+        run = run_train(
+            without_rm_type(
+                tiny_args(
+                    tiny_model,
+                    tiny_task,
+                    tmp_path,
+                    "--num-rollout",
+                    "2",
+                    "--rollout-batch-size",
+                    "1",
+                    "--n-samples-per-prompt",
+                    "2",
+                    "--max-staleness-steps",
+                    "0",
+                    "--rollout-watchdog-seconds",
+                    "1",
+                    "--custom-generate-function-path",
+                    "tests.e2e.rewards:stall_once",
+                    *ASYNC,
+                )
+            ),
+            tmp_path,
+        )
     finally:
         del os.environ["MILES_ASYNC_TEST_MARKER"]
     assert run.returncode == 0, run.output[-3000:]

@@ -11,14 +11,39 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 pytestmark = pytest.mark.timeout(600)
 
-LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2",
-         "--lr", "1e-2", "--train-backend", "megatron"]
+LEARN = [
+    "--custom-rm-path",
+    "tests.e2e.rewards:starts_with_digit",
+    "--rollout-max-response-len",
+    "2",
+    "--lr",
+    "1e-2",
+    "--train-backend",
+    "megatron",
+]
 
 
 def test_grpo_with_megatron_learns_saves_and_resumes(tiny_model, tiny_task, tmp_path):
     out, ckpt, hf = tmp_path / "run", tmp_path / "ckpt", tmp_path / "hf"
-    run = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, out, "--num-rollout", "12", "--save", str(ckpt),
-                                              "--save-interval", "6", "--save-hf", str(hf), *LEARN)), out)
+    run = run_train(
+        without_rm_type(
+            tiny_args(
+                tiny_model,
+                tiny_task,
+                out,
+                "--num-rollout",
+                "12",
+                "--save",
+                str(ckpt),
+                "--save-interval",
+                "6",
+                "--save-hf",
+                str(hf),
+                *LEARN,
+            )
+        ),
+        out,
+    )
     assert run.returncode == 0, run.output[-4000:]
     rewards = [m["rollout/reward_mean"] for m in run.metrics]
     assert len(rewards) == 12
@@ -34,8 +59,10 @@ def test_grpo_with_megatron_learns_saves_and_resumes(tiny_model, tiny_task, tmp_
     assert any(not torch.equal(trained[k], initial[k]) for k in initial)
 
     out2 = tmp_path / "resumed"
-    resumed = run_train(without_rm_type(tiny_args(tiny_model, tiny_task, out2, "--num-rollout", "14", "--load",
-                                                  str(ckpt), *LEARN)), out2)
+    resumed = run_train(
+        without_rm_type(tiny_args(tiny_model, tiny_task, out2, "--num-rollout", "14", "--load", str(ckpt), *LEARN)),
+        out2,
+    )
     assert resumed.returncode == 0, resumed.output[-4000:]
     assert [m["step"] for m in resumed.metrics] == [13, 14]
     # The resumed policy is the trained one, not the initial model.

@@ -23,9 +23,7 @@ from tests.e2e.runner import (
 
 pytestmark = pytest.mark.timeout(600)
 
-LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2",
-         "--lr", "1e-2"]
-
+LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2", "--lr", "1e-2"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +31,30 @@ def main_run(tiny_model, tiny_task, tmp_path_factory):
     out = tmp_path_factory.mktemp("main_run")
     sentinel = out / "save-now"
     sentinel.touch()
-    args = without_rm_type(tiny_args(tiny_model, tiny_task, out, "--num-rollout", "12", "--eval-interval", "4",
-                            "--n-samples-per-eval-prompt", "16", "--eval-temperature", "1.0",
-                            "--save", str(out / "ckpt"), "--save-interval", "6",
-                            "--save-trigger-sentinel", str(sentinel), "--save-hf", str(out / "hf"), *LEARN))
+    args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            out,
+            "--num-rollout",
+            "12",
+            "--eval-interval",
+            "4",
+            "--n-samples-per-eval-prompt",
+            "16",
+            "--eval-temperature",
+            "1.0",
+            "--save",
+            str(out / "ckpt"),
+            "--save-interval",
+            "6",
+            "--save-trigger-sentinel",
+            str(sentinel),
+            "--save-hf",
+            str(out / "hf"),
+            *LEARN,
+        )
+    )
     args.remove("--no-plot")
     run = run_train(args, out)
     assert run.returncode == 0, run.output[-4000:]
@@ -52,9 +70,12 @@ def test_reward_increases(main_run):
 def test_next_rollout_generates_while_the_step_trains(main_run):
     """From recorded wall-clock stamps: rollout N+1 is generated during training step N."""
     m = main_run.metrics
-    overlapping = [n for n in range(len(m) - 1)
-                   if m[n + 1]["rollout/started_at"] < m[n]["train/finished_at"]
-                   and m[n + 1]["rollout/finished_at"] > m[n]["train/started_at"]]
+    overlapping = [
+        n
+        for n in range(len(m) - 1)
+        if m[n + 1]["rollout/started_at"] < m[n]["train/finished_at"]
+        and m[n + 1]["rollout/finished_at"] > m[n]["train/started_at"]
+    ]
     assert len(overlapping) >= (len(m) - 1) // 2, overlapping
 
 
@@ -83,8 +104,11 @@ def test_evals_ran_in_background(main_run):
     assert [e["step"] for e in evals] == [0, 4, 8, 12]
     train = [(m["train/started_at"], m["train/finished_at"]) for m in main_run.metrics]
     # some training step started while an eval was still running: the loop did not wait for it
-    overlapped = [e["step"] for e in evals
-                  if any(e["eval/started_at"] < start < e["eval/started_at"] + e["eval/seconds"] for start, _ in train)]
+    overlapped = [
+        e["step"]
+        for e in evals
+        if any(e["eval/started_at"] < start < e["eval/started_at"] + e["eval/seconds"] for start, _ in train)
+    ]
     assert overlapped, evals
     for e in evals:
         assert e["eval/tiny/weight_version_min"] == e["step"], e  # started on the weights of its step
@@ -104,8 +128,10 @@ def test_outputs_a_user_sees(main_run, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = main_run.out_dir
-    assert (f"[miles-async] done. metrics: {out / 'metrics.jsonl'} eval: {out / 'eval.jsonl'} "
-            f"plot: {out / 'reward_and_accuracy.png'} checkpoint: {out / 'ckpt'} hf: {out / 'hf'}") in main_run.output
+    assert (
+        f"[miles-async] done. metrics: {out / 'metrics.jsonl'} eval: {out / 'eval.jsonl'} "
+        f"plot: {out / 'reward_and_accuracy.png'} checkpoint: {out / 'ckpt'} hf: {out / 'hf'}"
+    ) in main_run.output
     assert [m["step"] for m in main_run.metrics] == list(range(1, 13))
     evals = {e["step"]: e["eval/tiny/accuracy"] for e in main_run.evals}
     # each train line repeats the latest eval finished by then, with the step it measured
@@ -132,8 +158,9 @@ def test_no_process_left_after_the_run(main_run):
 def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny_model, tiny_task, tmp_path):
     ckpt = tmp_path / "ckpt"
     base = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *LEARN))
-    first = run_train(base + ["--save", str(ckpt), "--save-interval", "2", "--debug-exit-after-rollout", "5"],
-                      tmp_path / "a")
+    first = run_train(
+        base + ["--save", str(ckpt), "--save-interval", "2", "--debug-exit-after-rollout", "5"], tmp_path / "a"
+    )
     assert first.returncode == 0, first.output[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "12", *LEARN))
@@ -151,8 +178,17 @@ def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny
 
 def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
     marker = tmp_path / "count"
-    args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "20",
-                            "--custom-rm-path", "tests.e2e.rewards:fails_on_third_rollout"))
+    args = without_rm_type(
+        tiny_args(
+            tiny_model,
+            tiny_task,
+            tmp_path,
+            "--num-rollout",
+            "20",
+            "--custom-rm-path",
+            "tests.e2e.rewards:fails_on_third_rollout",
+        )
+    )
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(marker)
     try:
         run = run_train(args, tmp_path)
@@ -188,8 +224,14 @@ def test_bad_flags_fail_before_any_worker_starts(tiny_model, tiny_task, tmp_path
     import subprocess
 
     args = tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2", "--global-batch-size", "7")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_async.py"), *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "--global-batch-size 7" in proc.stderr
     assert not (tmp_path / "processes.json").exists()
@@ -203,10 +245,24 @@ def test_joins_an_existing_ray_cluster(tiny_model, tiny_task, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=false",
-                             "--disable-usage-stats", "--block"], env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    head = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # the head's GCS port accepts connections once the cluster is up
@@ -216,9 +272,11 @@ def test_joins_an_existing_ray_cluster(tiny_model, tiny_task, tmp_path):
                     break
             time.sleep(0.5)
         # `ray start` clusters use token auth; a driver joining one says so (the token is in ~/.ray).
-        run = run_train(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2",
-                                  "--ray-address", f"127.0.0.1:{port}"), tmp_path,
-                        extra_env={"RAY_AUTH_MODE": "token"})
+        run = run_train(
+            tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2", "--ray-address", f"127.0.0.1:{port}"),
+            tmp_path,
+            extra_env={"RAY_AUTH_MODE": "token"},
+        )
         assert run.returncode == 0, run.output[-3000:]
         assert len(run.metrics) == 2
         assert wait_all_dead(all_pids(run.processes())) == []
@@ -230,8 +288,13 @@ def test_joins_an_existing_ray_cluster(tiny_model, tiny_task, tmp_path):
 
 def test_synchronous_mode_is_on_policy_and_never_overlaps(tiny_model, tiny_task, tmp_path):
     """--synchronous: rollout r is generated by weights r (no correction needed) and only between steps."""
-    args = [a for a in without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "4", *LEARN,
-                                                 "--synchronous")) if a != "--use-tis"]
+    args = [
+        a
+        for a in without_rm_type(
+            tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "4", *LEARN, "--synchronous")
+        )
+        if a != "--use-tis"
+    ]
     run = run_train(args, tmp_path)
     assert run.returncode == 0, run.output[-3000:]
     m = run.metrics

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_the_train_workers_run_the_named_double(tiny_model, tiny_task, tmp_path):
-    run = run_train(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2"), tmp_path,
-                    extra_env=fixed_train_cost_env(1.5))
+    run = run_train(
+        tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2"), tmp_path, extra_env=fixed_train_cost_env(1.5)
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert len(run.metrics) == 2
     for m in run.metrics:

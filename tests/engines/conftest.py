@@ -47,8 +47,11 @@ def _engine_python(engine: str) -> str:
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{script.name} did not finish in {e.timeout:.0f}s:\n{(e.stderr or b'')[-4000:]}", pytrace=False)
     if proc.returncode != 0:
-        pytest.fail(f"{script.name} failed (exit {proc.returncode}); set {skip}=1 to skip the {engine} tests on "
-                    f"purpose.\n{proc.stderr[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"{script.name} failed (exit {proc.returncode}); set {skip}=1 to skip the {engine} tests on "
+            f"purpose.\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
     venv = proc.stdout.strip().splitlines()[-1]
     python = Path(venv) / "bin" / "python"
     assert python.exists(), f"{script.name} printed {venv!r}, which has no bin/python"

@@ -38,11 +38,35 @@ def tiny_model(tiny_model_hd32):
 @pytest.fixture(scope="module")
 def cfg(backend, engine_python, tiny_model, tiny_task, tmp_path_factory):
     train, _ = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
-                       "--n-samples-per-prompt", "2", "--num-rollout", "4", "--rm-type", "first_integer",
-                       "--rollout-dtype", "float32", "--use-tis", "--lr", "5e-2", "--rollout-backend", backend,
-                       f"--{backend}-python", engine_python, "--engine-startup-timeout", "400",
-                       "--output-dir", str(tmp_path_factory.mktemp(f"{backend}_out"))])
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "4",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            "float32",
+            "--use-tis",
+            "--lr",
+            "5e-2",
+            "--rollout-backend",
+            backend,
+            f"--{backend}-python",
+            engine_python,
+            "--engine-startup-timeout",
+            "400",
+            "--output-dir",
+            str(tmp_path_factory.mktemp(f"{backend}_out")),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +90,7 @@ def _hf_logprobs(model_dir, prompt: list[int], output: list[int], temperature: f
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float() / temperature
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0].tolist()
 
 
@@ -81,7 +105,13 @@ def test_launch_command_has_the_cpu_defaults(backend, engine):
     cmd, env = engine.command(), engine.env()
     if backend == "sglang":
         assert cmd[1:3] == ["-m", "sglang.launch_server"]
-        for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--max-total-tokens", "--weight-version"):
+        for flag in (
+            "--device",
+            "--attention-backend",
+            "--disable-cuda-graph",
+            "--max-total-tokens",
+            "--weight-version",
+        ):
             assert flag in cmd
         assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     else:
@@ -201,8 +231,9 @@ def test_trained_weights_reach_the_engine_from_disk(backend, cfg, engine, tiny_m
     before = run(generate_all())
     actor = actor_trained_on(cfg, prompts, before)
     path = tmp_path / "v3"
-    saved = actor.save_weights_for_engines(WeightUpdate(version=3, route="disk", dtype="float32", timeout=60,
-                                                        folder=str(path)))
+    saved = actor.save_weights_for_engines(
+        WeightUpdate(version=3, route="disk", dtype="float32", timeout=60, folder=str(path))
+    )
 
     async def update():
         async with client(backend, engine) as c:
@@ -250,9 +281,17 @@ def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_mo
 
     try:
         for version in (5, 6):
-            pushed = actor.push_weights(WeightUpdate(version=version, route=route_for(method, backend),
-                                                     dtype="float32", timeout=60, targets=(engine.url,),
-                                                     engine=backend, bucket_bytes=64 * 1024))
+            pushed = actor.push_weights(
+                WeightUpdate(
+                    version=version,
+                    route=route_for(method, backend),
+                    dtype="float32",
+                    timeout=60,
+                    targets=(engine.url,),
+                    engine=backend,
+                    bucket_bytes=64 * 1024,
+                )
+            )
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())
             outs = run(generate_all())
             assert all(o["meta_info"]["weight_version"] == version for o in outs)

@@ -18,10 +18,24 @@ UPDATE_LOG_LINE = {"sglang": "update_weights_from_distributed", "vllm": "reload_
 
 def test_train_async_with_a_real_engine(backend, engine_python, tiny_model_hd32, tiny_task, tmp_path):
     weights = tmp_path / "engine_weights"
-    args = tiny_args(tiny_model_hd32, tiny_task, tmp_path, "--num-rollout", "3", "--rollout-backend", backend,
-                     f"--{backend}-python", engine_python, "--engine-startup-timeout", "400",
-                     "--weight-update-dir", str(weights), "--rollout-batch-size", "4")
-    args = args[:args.index("--eval-prompt-data")] + args[args.index("--eval-prompt-data") + 3:]
+    args = tiny_args(
+        tiny_model_hd32,
+        tiny_task,
+        tmp_path,
+        "--num-rollout",
+        "3",
+        "--rollout-backend",
+        backend,
+        f"--{backend}-python",
+        engine_python,
+        "--engine-startup-timeout",
+        "400",
+        "--weight-update-dir",
+        str(weights),
+        "--rollout-batch-size",
+        "4",
+    )
+    args = args[: args.index("--eval-prompt-data")] + args[args.index("--eval-prompt-data") + 3 :]
     run = run_train(args, tmp_path, timeout=840)
     assert run.returncode == 0, run.output[-5000:]
     m = run.metrics

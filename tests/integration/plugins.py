@@ -25,8 +25,10 @@ class CountingSource:
         self.next = 0
 
     def next_batch(self):
-        items = [PromptItem(f"c{self.next + i}", f"repeat {(self.next + i) % 10}", str((self.next + i) % 10), {})
-                 for i in range(self.batch_size)]
+        items = [
+            PromptItem(f"c{self.next + i}", f"repeat {(self.next + i) % 10}", str((self.next + i) % 10), {})
+            for i in range(self.batch_size)
+        ]
         self.next += self.batch_size
         return items
 

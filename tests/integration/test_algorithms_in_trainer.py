@@ -26,19 +26,48 @@ def _batch(seed: int = 0, version: int = 0) -> dict:
         group = []
         for i in range(4):
             n = rng.randrange(1, 6)
-            group.append(Sample(uid=f"{g}-{i}", group_index=g, index=i, prompt="", prompt_tokens=prompt,
-                                response_tokens=[rng.randrange(6, 40) for _ in range(n)],
-                                rollout_logprobs=[-3.0] * n, weight_versions=[version] * n,
-                                reward=float(rng.random() < 0.5)))
+            group.append(
+                Sample(
+                    uid=f"{g}-{i}",
+                    group_index=g,
+                    index=i,
+                    prompt="",
+                    prompt_tokens=prompt,
+                    response_tokens=[rng.randrange(6, 40) for _ in range(n)],
+                    rollout_logprobs=[-3.0] * n,
+                    weight_versions=[version] * n,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
         groups.append(group)
     return to_train_batch(groups)
 
 
 def _cfg(tiny_model, tiny_task, tmp_path, *extra):
     train, _ = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "4", "--num-rollout", "4", "--rm-type", "integer", "--lr", "1e-2",
-                       "--max-tokens-per-gpu", "40", "--output-dir", str(tmp_path), *extra])
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "4",
+            "--rm-type",
+            "integer",
+            "--lr",
+            "1e-2",
+            "--max-tokens-per-gpu",
+            "40",
+            "--output-dir",
+            str(tmp_path),
+            *extra,
+        ]
+    )
 
 
 def test_critic_values_sit_where_the_policy_predicts_each_response_token(tiny_model, tiny_task, tmp_path):
@@ -51,13 +80,23 @@ def test_critic_values_sit_where_the_policy_predicts_each_response_token(tiny_mo
         for i in (0, 5, 11):
             p, n = batch["prompt_lengths"][i], batch["response_lengths"][i]
             out = critic.module(input_ids=torch.tensor([batch["tokens"][i]])).logits[0, :, 0]
-            torch.testing.assert_close(torch.tensor(values[i]), out[p - 1:p - 1 + n], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(values[i]), out[p - 1 : p - 1 + n], rtol=1e-4, atol=1e-5)
     assert [len(v) for v in values] == batch["response_lengths"]
 
 
 def test_ppo_returns_are_the_outcome_and_the_critic_fits_them(tiny_model, tiny_task, tmp_path):
-    cfg = _cfg(tiny_model, tiny_task, tmp_path, "--use-tis", "--advantage-estimator", "ppo", "--critic-lr", "1e-3",
-               "--value-clip", "0")
+    cfg = _cfg(
+        tiny_model,
+        tiny_task,
+        tmp_path,
+        "--use-tis",
+        "--advantage-estimator",
+        "ppo",
+        "--critic-lr",
+        "1e-3",
+        "--value-clip",
+        "0",
+    )
     critic = FSDPCritic(cfg.critic, 0, 1, total_optimizer_steps=20)
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=20)
     batch = _batch()
@@ -72,8 +111,7 @@ def test_ppo_returns_are_the_outcome_and_the_critic_fits_them(tiny_model, tiny_t
         adv = actor._prepared.advantages
         for i in (0, 7):
             n = batch["response_lengths"][i]
-            torch.testing.assert_close(adv[i, :n], batch["rewards"][i] - torch.tensor(values[i]), rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(adv[i, :n], batch["rewards"][i] - torch.tensor(values[i]), rtol=1e-5, atol=1e-5)
         losses.append(critic.train(step, batch, values, returns)["critic/vf_loss"])
     assert losses[-1] < 0.5 * losses[0], losses
     metrics = actor.train(5, batch, 1.0, values)
@@ -127,13 +165,28 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
 def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tiny_model, tiny_task, tmp_path):
     """Rollout log-probs 2 nats off the trainer's, alternating in sign: the ratios are truncated (or masked) to the
     clip, and the applied weights, not the raw ratios, reach the loss."""
-    cfg = _cfg(tiny_model, tiny_task, tmp_path, "--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5",
-               "--tis-level", level, "--tis-mode", mode, "--global-batch-size", "8")
+    cfg = _cfg(
+        tiny_model,
+        tiny_task,
+        tmp_path,
+        "--use-tis",
+        "--tis-clip",
+        "1.5",
+        "--tis-clip-low",
+        "0.5",
+        "--tis-level",
+        level,
+        "--tis-mode",
+        mode,
+        "--global-batch-size",
+        "8",
+    )
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
     batch = _batch()
     trainer_lp = actor._logprobs_of(actor.module, batch, list(range(16)), 1.0)
-    batch["rollout_logprobs"] = [[lp + (2.0 if k % 2 else -2.0) for k, lp in enumerate(trainer_lp[i])]
-                                 for i in range(16)]
+    batch["rollout_logprobs"] = [
+        [lp + (2.0 if k % 2 else -2.0) for k, lp in enumerate(trainer_lp[i])] for i in range(16)
+    ]
     m = actor.train(0, batch)
     assert m["train/optimizer_steps"] == 2
     # Truncation lands exactly on the upper bound; masking (token level, every ratio outside) leaves no weight.
@@ -163,17 +216,21 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
 
 
 @pytest.mark.parametrize("flag", ["--use-tis", "--use-rollout-logprobs"])
-def test_a_trained_token_without_a_rollout_logprob_fails_the_step_naming_the_sample(flag, tiny_model, tiny_task,
-                                                                                   tmp_path):
+def test_a_trained_token_without_a_rollout_logprob_fails_the_step_naming_the_sample(
+    flag, tiny_model, tiny_task, tmp_path
+):
     """Missing engine log-probs used to switch TIS off for the micro-batch (--use-tis) or read as log-prob 0
     (--use-rollout-logprobs); now the step fails before any weight moves, naming the sample."""
     actor = FSDPTrainActor(_cfg(tiny_model, tiny_task, tmp_path, flag).train, 0, 1, total_optimizer_steps=10)
     before = actor.state_checksum()
     short = _batch()
     short["rollout_logprobs"][5] = short["rollout_logprobs"][5][:-1]  # e.g. a custom generate function's tail
-    with pytest.raises(ValueError, match=rf"{flag}: sample uid=1-1 \(index 5 of the rollout\) has "
-                                         rf"{short['response_lengths'][5] - 1} rollout log-probs for "
-                                         rf"{short['response_lengths'][5]} response tokens"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{flag}: sample uid=1-1 \(index 5 of the rollout\) has "
+        rf"{short['response_lengths'][5] - 1} rollout log-probs for "
+        rf"{short['response_lengths'][5]} response tokens",
+    ):
         actor.train(0, short)
     nan = _batch()
     nan["rollout_logprobs"][5][0] = float("nan")

@@ -22,9 +22,20 @@ def _batch(seed: int = 0) -> dict:
     groups = []
     for g in range(4):
         prompt = [rng.randrange(5, 40) for _ in range(rng.randrange(3, 7))]
-        groups.append([Sample(uid=str(g), group_index=g, index=i, prompt="", prompt_tokens=prompt,
-                              response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
-                              reward=float(rng.random() < 0.5)) for i in range(4)])
+        groups.append(
+            [
+                Sample(
+                    uid=str(g),
+                    group_index=g,
+                    index=i,
+                    prompt="",
+                    prompt_tokens=prompt,
+                    response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
+                    reward=float(rng.random() < 0.5),
+                )
+                for i in range(4)
+            ]
+        )
     for s in (s for g in groups for s in g):  # an engine's log-probs: --use-tis needs one per trained token
         s.rollout_logprobs = [-3.0] * s.response_length
     return to_train_batch(groups)
@@ -45,9 +56,29 @@ def _worker(rank, cfg, world, port, out):
 
 def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    common = ["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "4",
-              "--n-samples-per-prompt", "4", "--num-rollout", "2", "--rm-type", "integer", "--lr", "1e-2",
-              "--global-batch-size", "8", "--max-tokens-per-gpu", "24", "--output-dir", str(tmp_path)]
+    common = [
+        "--use-tis",
+        "--hf-checkpoint",
+        str(tiny_model),
+        "--prompt-data",
+        str(train),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--rm-type",
+        "integer",
+        "--lr",
+        "1e-2",
+        "--global-batch-size",
+        "8",
+        "--max-tokens-per-gpu",
+        "24",
+        "--output-dir",
+        str(tmp_path),
+    ]
     one = parse_args(common)
     two = parse_args(common + ["--actor-num-gpus-per-node", "2"])
     assert two.cluster.num_train_workers == 2
@@ -78,10 +109,36 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
 def test_kl_loss_to_the_reference_model(tiny_model, tiny_task, tmp_path):
     """With --use-kl-loss the policy is pulled towards --ref-load: KL is 0 at the start, then grows and is logged."""
     train, _ = tiny_task
-    cfg = parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--ref-load", str(tiny_model), "--prompt-data", str(train),
-                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2",
-                      "--rm-type", "integer", "--lr", "1e-2", "--use-kl-loss", "--kl-loss-coef", "0.5",
-                      "--kl-loss-type", "k3", "--entropy-coef", "0.01", "--output-dir", str(tmp_path)])
+    cfg = parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--ref-load",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "2",
+            "--rm-type",
+            "integer",
+            "--lr",
+            "1e-2",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.5",
+            "--kl-loss-type",
+            "k3",
+            "--entropy-coef",
+            "0.01",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
     first = actor.train(0, _batch())
     second = actor.train(1, _batch())

@@ -61,10 +61,30 @@ class LocalGroup:
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
-                       "--n-samples-per-prompt", "2", "--num-rollout", "2", "--rm-type", "first_integer",
-                       "--rollout-dtype", "bfloat16", "--rollout-num-threads", "1",
-                       "--check-weight-update-equal", "--output-dir", str(tmp_path)])
+    return parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "2",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            "bfloat16",
+            "--rollout-num-threads",
+            "1",
+            "--check-weight-update-equal",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
 
 
 def _perturbed_weights(model_path, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -86,8 +106,10 @@ def test_check_weight_update_equal_passes_and_catches_a_corrupted_update(cfg, tm
             actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=1)
             handle, group = Handle(controller), LocalGroup(actor)
             urls = await controller.begin_weight_update()
-            await asyncio.to_thread(actor.push_weights, WeightUpdate(version=1, route="http", dtype="bfloat16",
-                                                                     timeout=60, targets=tuple(urls)))
+            await asyncio.to_thread(
+                actor.push_weights,
+                WeightUpdate(version=1, route="http", dtype="bfloat16", timeout=60, targets=tuple(urls)),
+            )
             await controller.end_weight_update()
             await check_weight_update_equal(cfg, handle, group, 1)  # bf16 on both sides: identical bytes
 

@@ -34,16 +34,38 @@ async def answers(ctx, sample, sampling_params):
 
 def _cfg(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train),
-                       "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--num-rollout", "2",
-                       "--apply-chat-template", "--rollout-max-response-len", "2", "--rollout-dtype", "float32",
-                       "--rm-type", "math", "--custom-generate-function-path",
-                       "tests.integration.test_math_reward_deadline:answers", "--output-dir", str(tmp_path)])
+    return parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "3",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "2",
+            "--apply-chat-template",
+            "--rollout-max-response-len",
+            "2",
+            "--rollout-dtype",
+            "float32",
+            "--rm-type",
+            "math",
+            "--custom-generate-function-path",
+            "tests.integration.test_math_reward_deadline:answers",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
 
 
 def _executor(cfg, url):
-    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url],
-                                              None, None, cfg.tracking.output_dir)
+    return ray.remote(RolloutExecutor).remote(
+        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url], None, None, cfg.tracking.output_dir
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +82,9 @@ def local_ray():
     ray.shutdown()
 
 
-def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on(local_ray, engine, tiny_model,
-                                                                                  tiny_task, tmp_path):
+def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on(
+    local_ray, engine, tiny_model, tiny_task, tmp_path
+):
     ex = _executor(_cfg(tiny_model, tiny_task, tmp_path), engine.url)
     for rollout_id in range(2):  # the second rollout runs on a worker that replaced the killed one
         t0 = time.monotonic()
@@ -70,4 +93,3 @@ def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on
         assert out["metrics"]["rollout/reward_timeouts"] == 1
         assert out["metrics"]["rollout/reward_errors"] == 0
         assert ray.get(out["data"][0])["rewards"] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-

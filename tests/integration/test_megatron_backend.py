@@ -20,8 +20,11 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 pytestmark = pytest.mark.timeout(300)
 
-SMOLLM2 = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async")) / "models" / \
-    "SmolLM2-135M-Instruct"
+SMOLLM2 = (
+    Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
+    / "models"
+    / "SmolLM2-135M-Instruct"
+)
 
 
 # -- helpers (run in the spawned processes) --------------------------------------------------
@@ -52,9 +55,20 @@ def _batch(seed: int = 0) -> dict:
     groups = []
     for g in range(4):
         prompt = [rng.randrange(5, 40) for _ in range(rng.randrange(3, 7))]
-        groups.append([Sample(uid=f"{seed}-{g}", group_index=g, index=i, prompt="", prompt_tokens=prompt,
-                              response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
-                              reward=float(rng.random() < 0.5)) for i in range(4)])
+        groups.append(
+            [
+                Sample(
+                    uid=f"{seed}-{g}",
+                    group_index=g,
+                    index=i,
+                    prompt="",
+                    prompt_tokens=prompt,
+                    response_tokens=[rng.randrange(5, 40) for _ in range(rng.randrange(1, 6))],
+                    reward=float(rng.random() < 0.5),
+                )
+                for i in range(4)
+            ]
+        )
     # --use-tis needs the engine's log-prob of every trained token. These lie far below the model's, so every
     # ratio is truncated to --tis-clip: a constant weight, which keeps the old log-probs' rounding (TP 1 and
     # TP 2 round differently) out of the losses compared below.
@@ -64,10 +78,32 @@ def _batch(seed: int = 0) -> dict:
 
 
 def _args(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
-    return ["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(task), "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--num-rollout", "2", "--rm-type", "integer", "--lr", "1e-2",
-            "--global-batch-size", "8", "--max-tokens-per-gpu", "24", "--output-dir", str(out),
-            "--train-backend", "megatron", *extra]
+    return [
+        "--use-tis",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(task),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--rm-type",
+        "integer",
+        "--lr",
+        "1e-2",
+        "--global-batch-size",
+        "8",
+        "--max-tokens-per-gpu",
+        "24",
+        "--output-dir",
+        str(out),
+        "--train-backend",
+        "megatron",
+        *extra,
+    ]
 
 
 def _logits_worker(rank, world, port, models: list[str], out: str) -> None:
@@ -87,12 +123,14 @@ def _logits_worker(rank, world, port, models: list[str], out: str) -> None:
         torch.manual_seed(0)
         ids = torch.randint(3, arch.vocab_size, (2, 17))
         with torch.no_grad():
-            ours = model(ids, torch.arange(17).expand(2, -1), None)[..., :arch.vocab_size]
+            ours = model(ids, torch.arange(17).expand(2, -1), None)[..., : arch.vocab_size]
             ref = hf(input_ids=ids).logits
         exported = dict(export_hf(model, arch))
         result[path] = {
-            "shape": list(ours.shape), "ref_shape": list(ref.shape),
-            "max_diff": float((ours - ref).abs().max()), "ref_scale": float(ref.abs().max()),
+            "shape": list(ours.shape),
+            "ref_shape": list(ref.shape),
+            "max_diff": float((ours - ref).abs().max()),
+            "ref_scale": float(ref.abs().max()),
             "same_names": sorted(exported) == sorted(get.keys()),
             "round_trip_exact": all(torch.equal(t, get(k)) for k, t in exported.items()),
         }
@@ -112,8 +150,14 @@ def _step_worker(rank, world, port, argv: list[str], out: str) -> None:
     def capture_then_step():
         # The first step's gradient (after the DP all-reduce), in HF layout gathered over TP.
         if not grads and not actor.par.distributed_optimizer:
-            grads.update({k: v.clone() for k, v in export_hf(actor.module, actor.arch, actor.tp, actor.tp_group,
-                                                              tensor_of=lambda p: p.main_grad)})
+            grads.update(
+                {
+                    k: v.clone()
+                    for k, v in export_hf(
+                        actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad
+                    )
+                }
+            )
         return step()
 
     actor.optimizer.step = capture_then_step
@@ -143,10 +187,22 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
     resumed.init_process_group("127.0.0.1", port)
     resumed_at = resumed.hf_state()
     resumed_metrics = resumed.train(1, _batch(1))
-    torch.save({"fsdp": fsdp_metrics, "megatron": meg_metrics, "fsdp_weights": fsdp.module.state_dict(),
-                "saved": saved, "continued": continued, "continued_weights": meg.hf_state(),
-                "resumed_at": resumed_at, "resumed": resumed_metrics, "resumed_weights": resumed.hf_state(),
-                "resumed_steps": resumed.optimizer_steps, "same_checksums": same_checksums}, out)
+    torch.save(
+        {
+            "fsdp": fsdp_metrics,
+            "megatron": meg_metrics,
+            "fsdp_weights": fsdp.module.state_dict(),
+            "saved": saved,
+            "continued": continued,
+            "continued_weights": meg.hf_state(),
+            "resumed_at": resumed_at,
+            "resumed": resumed_metrics,
+            "resumed_weights": resumed.hf_state(),
+            "resumed_steps": resumed.optimizer_steps,
+            "same_checksums": same_checksums,
+        },
+        out,
+    )
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -155,9 +211,17 @@ def _tiny_qwen2(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, rope_theta=5000.0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        rope_theta=5000.0,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -171,8 +235,11 @@ def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
     """Llama (tied), Qwen3 (q/k norm) and Qwen2 (biases, untied): same fp32 logits; HF -> Megatron -> HF exact."""
     from miles_async.assets.tiny_model import make_tiny_model
 
-    models = [str(tiny_model), str(make_tiny_model(tmp_path / "qwen3", arch="qwen3")),
-              str(_tiny_qwen2(tmp_path / "qwen2"))]
+    models = [
+        str(tiny_model),
+        str(make_tiny_model(tmp_path / "qwen3", arch="qwen3")),
+        str(_tiny_qwen2(tmp_path / "qwen2")),
+    ]
     _spawn(_logits_worker, 1, models, str(tmp_path / "out.json"))
     result = json.loads((tmp_path / "out.json").read_text())
     for path in models:
@@ -200,13 +267,29 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
     # KL loss to a reference model and an entropy bonus, so every term of the shared loss is compared.
     extra = ["--use-kl-loss", "--kl-loss-coef", "0.5", "--ref-load", str(tiny_model), "--entropy-coef", "0.01"]
     fsdp_argv = _args(tiny_model, train, tmp_path)[:-2] + extra
-    _spawn(_backend_worker, 1, fsdp_argv, _args(tiny_model, train, tmp_path) + extra, str(tmp_path / "ckpt"),
-           str(tmp_path / "out.pt"))
+    _spawn(
+        _backend_worker,
+        1,
+        fsdp_argv,
+        _args(tiny_model, train, tmp_path) + extra,
+        str(tmp_path / "ckpt"),
+        str(tmp_path / "out.pt"),
+    )
     r = torch.load(tmp_path / "out.pt", weights_only=False)
     assert r["megatron"]["train/kl_loss"] > 0
     assert r["same_checksums"]  # --check-weight-update-equal: the stream the engines get, as the torch backend's
-    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/kl_loss", "train/approx_kl", "train/clipfrac",
-                "train/grad_norm", "train/advantage_abs_mean", "train/optimizer_steps", "train/lr"):
+    for key in (
+        "train/loss",
+        "train/pg_loss",
+        "train/entropy",
+        "train/kl_loss",
+        "train/approx_kl",
+        "train/clipfrac",
+        "train/grad_norm",
+        "train/advantage_abs_mean",
+        "train/optimizer_steps",
+        "train/lr",
+    ):
         assert r["megatron"][key] == pytest.approx(r["fsdp"][key], rel=1e-4, abs=1e-6), key
     fsdp_weights = r["fsdp_weights"]
     for k, v in r["saved"].items():
@@ -233,9 +316,11 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
     loss and step. (Sequence parallelism needs Transformer Engine's norms, so it is not run on the CPU.)"""
     train, _ = tiny_task
     base = _args(tiny_model, train, tmp_path)
-    runs = {"tp1": (1, base),
-            "tp2": (2, base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"]),
-            "dp2_distopt": (2, base + ["--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"])}
+    runs = {
+        "tp1": (1, base),
+        "tp2": (2, base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"]),
+        "dp2_distopt": (2, base + ["--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"]),
+    }
     out = {}
     for name, (world, argv) in runs.items():
         _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"))
@@ -258,7 +343,8 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
 
 
 def test_gpu_check_script_runs_its_checks_on_the_cpu():
-    """scripts/gpu/check_megatron_gpu.sh is for a GPU machine; its checks are the same code, run here via --allow-cpu."""
+    """scripts/gpu/check_megatron_gpu.sh is for a GPU machine; its checks are the same code, run here via
+    --allow-cpu."""
     import subprocess
     import sys
 

@@ -48,9 +48,18 @@ def second_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
     # One torch thread: on a small shared CPU box two threads contend and decode ~50x slower.
-    cfg = EngineConfig(backend="embedded", model_path=str(tiny_model), num_engines=1, dtype="float32",
-                       max_running_requests=16, num_threads=1, host="127.0.0.1", startup_timeout=120.0,
-                       request_timeout=60.0, seed=0)
+    cfg = EngineConfig(
+        backend="embedded",
+        model_path=str(tiny_model),
+        num_engines=1,
+        dtype="float32",
+        max_running_requests=16,
+        num_threads=1,
+        host="127.0.0.1",
+        startup_timeout=120.0,
+        request_timeout=60.0,
+        seed=0,
+    )
     proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
     proc.start()
     try:
@@ -82,11 +91,18 @@ async def _rollout_with_updates(url: str, tokenizer, weights: list[str], partial
     router = Router([url], timeout=60.0)
     client = EmbeddedEngineClient(url, timeout=60.0)
     try:
-        ctx = RolloutContext(data_source=None, generate_ctx=GenerateContext(router, tokenizer),
-                             generate_fn=generate_sample, reward=ZeroReward(), apply_chat_template=False,
-                             n_samples_per_prompt=N_SAMPLES, sampling_params=PARAMS,
-                             semaphore=asyncio.Semaphore(N_SAMPLES), partial_rollout=partial,
-                             mask_offpolicy_in_partial_rollout=mask)
+        ctx = RolloutContext(
+            data_source=None,
+            generate_ctx=GenerateContext(router, tokenizer),
+            generate_fn=generate_sample,
+            reward=ZeroReward(),
+            apply_chat_template=False,
+            n_samples_per_prompt=N_SAMPLES,
+            sampling_params=PARAMS,
+            semaphore=asyncio.Semaphore(N_SAMPLES),
+            partial_rollout=partial,
+            mask_offpolicy_in_partial_rollout=mask,
+        )
         item = PromptItem(uid="p0", prompt="what is 12 + 30?", label=None, metadata={})
         prompt_len = len(ctx.prompt_tokens(item))
         version = (await client.model_info())["weight_version"]
@@ -137,8 +153,9 @@ def test_resumed_samples_continue_under_the_new_weights(engine, tokenizer, tiny_
 
 
 def test_a_sample_can_be_resumed_several_times(engine, tokenizer, tiny_model, second_model):
-    group = asyncio.run(_rollout_with_updates(engine.url, tokenizer, [str(tiny_model), str(second_model)],
-                                              partial=True, mask=False))
+    group = asyncio.run(
+        _rollout_with_updates(engine.url, tokenizer, [str(tiny_model), str(second_model)], partial=True, mask=False)
+    )
     for s in group:
         _check_complete(s, tokenizer)
         blocks = _blocks(s.weight_versions)

@@ -25,10 +25,32 @@ def local_ray():
 
 def _cfg(tiny_model, tiny_task, tmp_path, *extra):
     train, held_out = tiny_task
-    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "3",
-                       "--n-samples-per-prompt", "2", "--num-rollout", "4", "--apply-chat-template",
-                       "--rollout-max-response-len", "3", "--rollout-dtype", "float32",
-                       "--eval-prompt-data", "held", str(held_out), "--output-dir", str(tmp_path), *extra])
+    return parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "3",
+            "--n-samples-per-prompt",
+            "2",
+            "--num-rollout",
+            "4",
+            "--apply-chat-template",
+            "--rollout-max-response-len",
+            "3",
+            "--rollout-dtype",
+            "float32",
+            "--eval-prompt-data",
+            "held",
+            str(held_out),
+            "--output-dir",
+            str(tmp_path),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +61,9 @@ def engine(tiny_model, tiny_task, tmp_path_factory):
 
 
 def _executor(cfg, url):
-    return ray.remote(RolloutExecutor).remote(cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url],
-                                              None, None, cfg.tracking.output_dir)
+    return ray.remote(RolloutExecutor).remote(
+        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url], None, None, cfg.tracking.output_dir
+    )
 
 
 def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny_model, tiny_task, tmp_path):
@@ -49,8 +72,13 @@ def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
     assert len(batch["tokens"]) == 6 and batch["group_index"] == [0, 0, 1, 1, 2, 2]
-    for toks, p, r, lp, wv in zip(batch["tokens"], batch["prompt_lengths"], batch["response_lengths"],
-                                  batch["rollout_logprobs"], batch["weight_versions"]):
+    for toks, p, r, lp, wv in zip(
+        batch["tokens"],
+        batch["prompt_lengths"],
+        batch["response_lengths"],
+        batch["rollout_logprobs"],
+        batch["weight_versions"],
+    ):
         assert len(toks) == p + r and len(lp) == r and wv == [0] * r
     assert out["metrics"]["rollout/num_samples"] == 6
     assert out["metrics"]["rollout/started_at"] <= out["metrics"]["rollout/finished_at"]
@@ -66,11 +94,19 @@ def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny
 
 
 def test_every_plugin_point(local_ray, engine, tiny_model, tiny_task, tmp_path):
-    cfg = _cfg(tiny_model, tiny_task, tmp_path,
-               "--custom-rm-path", "tests.integration.plugins:label_reward",
-               "--custom-generate-function-path", "tests.integration.plugins:tagged_generate",
-               "--rollout-function-path", "tests.integration.plugins:doubling_rollout",
-               "--data-source-path", "tests.integration.plugins.CountingSource")
+    cfg = _cfg(
+        tiny_model,
+        tiny_task,
+        tmp_path,
+        "--custom-rm-path",
+        "tests.integration.plugins:label_reward",
+        "--custom-generate-function-path",
+        "tests.integration.plugins:tagged_generate",
+        "--rollout-function-path",
+        "tests.integration.plugins:doubling_rollout",
+        "--data-source-path",
+        "tests.integration.plugins.CountingSource",
+    )
     ex = _executor(cfg, engine.url)
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
@@ -80,15 +116,23 @@ def test_every_plugin_point(local_ray, engine, tiny_model, tiny_task, tmp_path):
 
 
 def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_task, tmp_path):
-    cfg = _cfg(tiny_model, tiny_task, tmp_path, "--custom-rm-path", "tests.e2e.rewards:always_fails",
-               "--reward-on-error", "zero")
+    cfg = _cfg(
+        tiny_model,
+        tiny_task,
+        tmp_path,
+        "--custom-rm-path",
+        "tests.e2e.rewards:always_fails",
+        "--reward-on-error",
+        "zero",
+    )
     out = ray.get(_executor(cfg, engine.url).generate.remote(0))
     assert out["metrics"]["rollout/reward_errors"] == 6
     assert ray.get(out["data"][0])["rewards"] == [0.0] * 6
 
 
-def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(local_ray, engine, tiny_model, tiny_task,
-                                                                        tmp_path):
+def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
+    local_ray, engine, tiny_model, tiny_task, tmp_path
+):
     """--fully-async: the producer generates on its own and ``drain`` takes its batches; ``generate`` would
     draw prompts beside it and is refused. Without it no producer runs, so ``drain`` is refused."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer", "--fully-async")

@@ -22,8 +22,25 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
-                       "--rm-type", "first_integer", "--advantage-estimator", "ppo", "--use-tis", "--num-rollout", "1", "--output-dir", str(tmp_path)])
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "2",
+            "--rm-type",
+            "first_integer",
+            "--advantage-estimator",
+            "ppo",
+            "--use-tis",
+            "--num-rollout",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
 
 
 def test_the_actor_class_variable_picks_a_subclass_of_the_backends_worker(cfg, monkeypatch):
@@ -32,8 +49,11 @@ def test_the_actor_class_variable_picks_a_subclass_of_the_backends_worker(cfg, m
     assert worker_class(cfg.train) is FixedTrainCost
     assert worker_class(cfg.critic) is FSDPCritic  # the actor's double only
     monkeypatch.setenv(ACTOR_CLASS_ENV, "miles_async.backends.fsdp.critic:FSDPCritic")
-    with pytest.raises(PluginError, match=r"\$MILES_ASYNC_ACTOR_CLASS: .*FSDPCritic.* is not a subclass of "
-                                          r"miles_async\.backends\.fsdp\.actor\.FSDPTrainActor"):
+    with pytest.raises(
+        PluginError,
+        match=r"\$MILES_ASYNC_ACTOR_CLASS: .*FSDPCritic.* is not a subclass of "
+        r"miles_async\.backends\.fsdp\.actor\.FSDPTrainActor",
+    ):
         worker_class(cfg.train)
 
 
@@ -44,8 +64,9 @@ def test_a_fixed_train_cost_sleeps_its_seconds_and_leaves_the_weights(cfg, monke
     before = actor.state_checksum()
     metrics = actor.train(0, {})
     assert 0.4 <= metrics["train/seconds"] < 2, metrics
-    assert metrics["train/finished_at"] - metrics["train/started_at"] == pytest.approx(metrics["train/seconds"],
-                                                                                        abs=0.05)
+    assert metrics["train/finished_at"] - metrics["train/started_at"] == pytest.approx(
+        metrics["train/seconds"], abs=0.05
+    )
     assert actor.state_checksum() == before
     monkeypatch.delenv(TRAIN_SECONDS_ENV)
     with pytest.raises(ValueError, match=r"\$MILES_ASYNC_TRAIN_SECONDS"):

@@ -22,9 +22,28 @@ pytestmark = pytest.mark.timeout(300)
 
 def _argv(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
     """One optimizer step per rollout (the global batch is the whole rollout of 16 samples), no clipping."""
-    return ["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(task), "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--num-rollout", "2", "--rm-type", "integer", "--clip-grad", "0",
-            "--max-tokens-per-gpu", "24", "--output-dir", str(out), *extra]
+    return [
+        "--use-tis",
+        "--hf-checkpoint",
+        str(model),
+        "--prompt-data",
+        str(task),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-rollout",
+        "2",
+        "--rm-type",
+        "integer",
+        "--clip-grad",
+        "0",
+        "--max-tokens-per-gpu",
+        "24",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def saved_activation_bytes(forward) -> int:
@@ -59,28 +78,58 @@ def _step(actor, rollout_id: int) -> tuple[dict, dict]:
 
 def test_optimizer_sgd_takes_an_sgd_step(tiny_model, tiny_task, tmp_path):
     lr, wd = 0.05, 0.1
-    actor = _fsdp_actor(_argv(tiny_model, tiny_task[0], tmp_path, "--optimizer", "sgd", "--lr", str(lr),
-                              "--weight-decay", str(wd), "--sgd-momentum", "0.5"))
+    actor = _fsdp_actor(
+        _argv(
+            tiny_model,
+            tiny_task[0],
+            tmp_path,
+            "--optimizer",
+            "sgd",
+            "--lr",
+            str(lr),
+            "--weight-decay",
+            str(wd),
+            "--sgd-momentum",
+            "0.5",
+        )
+    )
     before, grads = _step(actor, 0)
     assert any(g.abs().sum() > 0 for g in grads.values())
     for k, p in actor.module.named_parameters():
         # First step: the momentum buffer is the gradient itself; weight decay is added to the gradient (L2).
-        torch.testing.assert_close(p.detach(), before[k] - lr * (grads[k] + wd * before[k]), rtol=1e-5, atol=1e-7,
-                                   msg=k)
+        torch.testing.assert_close(
+            p.detach(), before[k] - lr * (grads[k] + wd * before[k]), rtol=1e-5, atol=1e-7, msg=k
+        )
 
 
 def test_adam_betas_eps_and_weight_decay_take_effect(tiny_model, tiny_task, tmp_path):
     """Two AdamW steps with non-default betas, eps and weight decay give exactly the AdamW formula."""
     lr, wd, b1, b2, eps = 0.01, 0.2, 0.5, 0.7, 1e-3
-    actor = _fsdp_actor(_argv(tiny_model, tiny_task[0], tmp_path, "--optimizer", "adam", "--lr", str(lr),
-                              "--weight-decay", str(wd), "--adam-beta1", str(b1), "--adam-beta2", str(b2),
-                              "--adam-eps", str(eps)))
+    actor = _fsdp_actor(
+        _argv(
+            tiny_model,
+            tiny_task[0],
+            tmp_path,
+            "--optimizer",
+            "adam",
+            "--lr",
+            str(lr),
+            "--weight-decay",
+            str(wd),
+            "--adam-beta1",
+            str(b1),
+            "--adam-beta2",
+            str(b2),
+            "--adam-eps",
+            str(eps),
+        )
+    )
     _, g1 = _step(actor, 0)
     p1, g2 = _step(actor, 1)
     for k, p in actor.module.named_parameters():
         m = b1 * (1 - b1) * g1[k] + (1 - b1) * g2[k]
         v = b2 * (1 - b2) * g1[k] ** 2 + (1 - b2) * g2[k] ** 2
-        update = (m / (1 - b1 ** 2)) / ((v / (1 - b2 ** 2)).sqrt() + eps)
+        update = (m / (1 - b1**2)) / ((v / (1 - b2**2)).sqrt() + eps)
         torch.testing.assert_close(p.detach(), p1[k] * (1 - lr * wd) - lr * update, rtol=1e-4, atol=1e-6, msg=k)
 
 
@@ -137,8 +186,12 @@ def _megatron_worker(rank, world, port, base: list[str], out: str) -> None:
     step = sgd.optimizer.step
 
     def capture_then_step():
-        grads.update({k: v.clone() for k, v in export_hf(sgd.module, sgd.arch, sgd.tp, sgd.tp_group,
-                                                          tensor_of=lambda p: p.main_grad)})
+        grads.update(
+            {
+                k: v.clone()
+                for k, v in export_hf(sgd.module, sgd.arch, sgd.tp, sgd.tp_group, tensor_of=lambda p: p.main_grad)
+            }
+        )
         return step()
 
     sgd.optimizer.step = capture_then_step
@@ -148,18 +201,28 @@ def _megatron_worker(rank, world, port, base: list[str], out: str) -> None:
 
     # Recompute keeps fewer activations for backward and trains to the same step.
     ids, pos = torch.randint(3, 50, (4, 48)), torch.arange(48).expand(4, -1)
-    for name, extra in (("plain", ()), ("full", ("--recompute-granularity", "full", "--recompute-method", "uniform",
-                                                 "--recompute-num-layers", "1")),
-                        ("selective", ("--recompute-granularity", "selective")), ("gc", ("--gradient-checkpointing",))):
+    for name, extra in (
+        ("plain", ()),
+        ("full", ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")),
+        ("selective", ("--recompute-granularity", "selective")),
+        ("gc", ("--gradient-checkpointing",)),
+    ):
         a = actor("--lr", "0.01", *extra)
         a.model.train()
         kept = saved_activation_bytes(lambda a=a: a._logits(a.model, ids, pos))
-        result[name] = {"kept": kept, "metrics": a.train(0, _batch(0)), "weights": a.hf_state(),
-                        "granularity": a.module.config.recompute_granularity}
+        result[name] = {
+            "kept": kept,
+            "metrics": a.train(0, _batch(0)),
+            "weights": a.hf_state(),
+            "granularity": a.module.config.recompute_granularity,
+        }
 
     # Dropout: two training forwards of one input differ; evaluation forwards do not.
-    for name, extra in (("no_dropout", ()), ("hidden", ("--hidden-dropout", "0.5")),
-                        ("attention", ("--attention-dropout", "0.5"))):
+    for name, extra in (
+        ("no_dropout", ()),
+        ("hidden", ("--hidden-dropout", "0.5")),
+        ("attention", ("--attention-dropout", "0.5")),
+    ):
         a = actor(*extra)
         with torch.no_grad():
             a.model.train()
@@ -180,8 +243,9 @@ def _megatron_worker(rank, world, port, base: list[str], out: str) -> None:
 def megatron_result(tiny_model, tiny_task, tmp_path_factory):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     tmp = tmp_path_factory.mktemp("megatron_flags")
-    _spawn(_megatron_worker, 1, _argv(tiny_model, tiny_task[0], tmp, "--train-backend", "megatron"),
-           str(tmp / "out.pt"))
+    _spawn(
+        _megatron_worker, 1, _argv(tiny_model, tiny_task[0], tmp, "--train-backend", "megatron"), str(tmp / "out.pt")
+    )
     return torch.load(tmp / "out.pt", weights_only=False)
 
 

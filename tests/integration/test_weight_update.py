@@ -19,10 +19,31 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    return parse_args(["--use-tis", "--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--rollout-batch-size", "2",
-                       "--n-samples-per-prompt", "4", "--num-rollout", "4", "--rm-type", "first_integer",
-                       "--rollout-dtype", "float32", "--lr", "5e-2", "--update-weight-buffer-size", "20000",
-                       "--output-dir", str(tmp_path)])
+    return parse_args(
+        [
+            "--use-tis",
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "4",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            "float32",
+            "--lr",
+            "5e-2",
+            "--update-weight-buffer-size",
+            "20000",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
 
 
 @pytest.fixture
@@ -34,8 +55,10 @@ def engine(cfg, tmp_path):
 def _generate(url: str, prompts: list[list[int]], n_tokens: int = 6) -> list[dict]:
     async def go():
         async with EngineClient(url, timeout=60) as c:
-            return await asyncio.gather(*[c.generate(p, {"temperature": 0.0, "max_new_tokens": n_tokens})
-                                          for p in prompts])
+            return await asyncio.gather(
+                *[c.generate(p, {"temperature": 0.0, "max_new_tokens": n_tokens}) for p in prompts]
+            )
+
     return asyncio.run(go())
 
 
@@ -43,6 +66,7 @@ def _info(url: str) -> dict:
     async def go():
         async with EngineClient(url, timeout=60) as c:
             return await c.model_info()
+
     return asyncio.run(go())
 
 
@@ -56,9 +80,16 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
 
     # Reward the greedy outputs negatively: a policy step must move away from them.
     actor = actor_trained_on(cfg, prompts, before)
-    pushed = actor.push_weights(WeightUpdate(version=3, route="http", dtype="float32", timeout=60,
-                                             targets=(engine.url,),
-                                             bucket_bytes=cfg.train.update_weight_buffer_size))
+    pushed = actor.push_weights(
+        WeightUpdate(
+            version=3,
+            route="http",
+            dtype="float32",
+            timeout=60,
+            targets=(engine.url,),
+            bucket_bytes=cfg.train.update_weight_buffer_size,
+        )
+    )
     assert pushed["weights/bytes"] > 0
 
     assert _info(engine.url)["weight_version"] == 3

@@ -37,9 +37,15 @@ def main() -> int:
 
     ray.init(address=args.ray_address, logging_level=logging.ERROR, log_to_driver=False)
     nodes = [n for n in ray.nodes() if n["Alive"]]
-    report = {"argv": sys.argv[1:], "unknown": unknown, "load": args.load,
-              "gpus": ray.cluster_resources().get("GPU", 0), "nodes": len(nodes),
-              "node_gpus": sorted(n["Resources"].get("GPU", 0) for n in nodes), "saves": 0}
+    report = {
+        "argv": sys.argv[1:],
+        "unknown": unknown,
+        "load": args.load,
+        "gpus": ray.cluster_resources().get("GPU", 0),
+        "nodes": len(nodes),
+        "node_gpus": sorted(n["Resources"].get("GPU", 0) for n in nodes),
+        "saves": 0,
+    }
     write_json(work / "report.json", report)
     print("[fake_train] joined the cluster:", report, flush=True)
 

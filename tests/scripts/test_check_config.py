@@ -26,15 +26,18 @@ pytestmark = pytest.mark.timeout(300)
 CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 QWEN3 = "scripts/run-qwen3-4B-async.sh"
 CPU = "scripts/run-smollm2-cpu-async.sh"
-QWEN3_PLAN = ["actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2",
-              "rollout: 2 engines x 2 GPUs = 4 GPUs; sglang engines, weights by distributed"]
+QWEN3_PLAN = [
+    "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2",
+    "rollout: 2 engines x 2 GPUs = 4 GPUs; sglang engines, weights by distributed",
+]
 
 
 def _launcher_env(tmp_path: Path, script: str, model: str) -> dict:
     paths = {"OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
     if script == QWEN3:
-        paths.update(HF_CHECKPOINT=str(CONFIGS / model), DATA_DIR=str(tmp_path / "data"),
-                     SAVE_DIR=str(tmp_path / "ckpt"))
+        paths.update(
+            HF_CHECKPOINT=str(CONFIGS / model), DATA_DIR=str(tmp_path / "data"), SAVE_DIR=str(tmp_path / "ckpt")
+        )
     else:
         paths.update(MODEL=str(CONFIGS / model), DATA=str(tmp_path / "data"))
     return _env(paths)
@@ -54,8 +57,9 @@ def _write_data(words: list[str], prompts: int = 40) -> None:
         i += 1
     for path in [_value(words, "--prompt-data"), *(evals[1::2] if len(evals) > 1 else evals)]:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("".join(json.dumps({key: f"What is {n} + {n}?", label: str(2 * n)}) + "\n"
-                                      for n in range(prompts)))
+        Path(path).write_text(
+            "".join(json.dumps({key: f"What is {n} + {n}?", label: str(2 * n)}) + "\n" for n in range(prompts))
+        )
 
 
 def _check_config(script: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -85,8 +89,10 @@ def test_qwen3_launcher_passes_check_config_with_the_published_qwen3_4b(tmp_path
 def test_cpu_launcher_passes_check_config(tmp_path):
     proc = _check_config(CPU, _launcher_env(tmp_path, CPU, "SmolLM2-135M"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _plan(proc.stdout) == ["actor: 1 worker x 1 GPU = 1 GPU; fsdp (torch DDP), data parallel 1",
-                                  "rollout: 1 engine x 1 GPU = 1 GPU; embedded engines, weights by tensor"]
+    assert _plan(proc.stdout) == [
+        "actor: 1 worker x 1 GPU = 1 GPU; fsdp (torch DDP), data parallel 1",
+        "rollout: 1 engine x 1 GPU = 1 GPU; embedded engines, weights by tensor",
+    ]
     assert "# warnings (0)" in proc.stdout
     assert not (tmp_path / "out").exists()
 
@@ -94,8 +100,15 @@ def test_cpu_launcher_passes_check_config(tmp_path):
 def test_the_slurm_scripts_command_passes_check_config(tmp_path):
     """The command train-async.sbatch runs on the head node (the Qwen3 launcher with --ray-address, --save and the
     save sentinel), taken from its dry run."""
-    sbatch_env = _env({"SLURM_JOB_NODELIST": "gpu1", "SAVE_DIR": str(tmp_path / "ckpt"), "GPUS_PER_NODE": "8",
-                       "HEAD_NODE_IP": "10.1.2.3", "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}"})
+    sbatch_env = _env(
+        {
+            "SLURM_JOB_NODELIST": "gpu1",
+            "SAVE_DIR": str(tmp_path / "ckpt"),
+            "GPUS_PER_NODE": "8",
+            "HEAD_NODE_IP": "10.1.2.3",
+            "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+    )
     dry = _run("scripts/slurm/train-async.sbatch", sbatch_env, ["--dry-run"])
     assert dry.returncode == 0, dry.stderr
     command = _words(dry.stdout.split("# the run", 1)[1].split("\n", 1)[1])
@@ -125,8 +138,10 @@ def test_a_launcher_pointed_at_another_model_exits_2_naming_the_flags(tmp_path):
     proc = _check_config(QWEN3, _launcher_env(tmp_path, QWEN3, "Qwen2.5-7B"))
     assert proc.returncode == 2
     assert "error: the model flags do not describe --hf-checkpoint's model:" in proc.stderr
-    assert (f"--num-layers 36 does not match {CONFIGS / 'Qwen2.5-7B'}/config.json: num_hidden_layers 28 (that is "
-            f"--num-layers 28)") in proc.stderr
+    assert (
+        f"--num-layers 36 does not match {CONFIGS / 'Qwen2.5-7B'}/config.json: num_hidden_layers 28 (that is "
+        f"--num-layers 28)"
+    ) in proc.stderr
     assert "# worker plan" not in proc.stdout
 
 

@@ -16,10 +16,33 @@ from tests.scripts.helpers import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 
-TINY = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
-        "--rollout-max-response-len", "4", "--eval-max-response-len", "4", "--n-samples-per-eval-prompt", "1",
-        "--eval-interval", "2", "--rm-type", "first_integer", "--rollout-dtype", "float32", "--save-interval", "1",
-        "--train-num-threads", "1", "--rollout-num-threads", "1", "--no-plot"]
+TINY = [
+    "--num-rollout",
+    "2",
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "2",
+    "--rollout-max-response-len",
+    "4",
+    "--eval-max-response-len",
+    "4",
+    "--n-samples-per-eval-prompt",
+    "1",
+    "--eval-interval",
+    "2",
+    "--rm-type",
+    "first_integer",
+    "--rollout-dtype",
+    "float32",
+    "--save-interval",
+    "1",
+    "--train-num-threads",
+    "1",
+    "--rollout-num-threads",
+    "1",
+    "--no-plot",
+]
 
 
 def test_cpu_launcher_runs_a_tiny_async_grpo_run(tiny_model, tiny_task, tmp_path):
@@ -27,11 +50,24 @@ def test_cpu_launcher_runs_a_tiny_async_grpo_run(tiny_model, tiny_task, tmp_path
     assert held_out.parent == train.parent and train.name == "train.jsonl" and held_out.name == "eval.jsonl"
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(MODEL=str(tiny_model), DATA=str(train.parent), OUT=str(out), PYTHON=sys.executable,
-               PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        MODEL=str(tiny_model),
+        DATA=str(train.parent),
+        OUT=str(out),
+        PYTHON=sys.executable,
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run-smollm2-cpu-async.sh"), *TINY], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run-smollm2-cpu-async.sh"), *TINY],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     elapsed = time.monotonic() - t0
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]

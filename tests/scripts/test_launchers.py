@@ -23,46 +23,96 @@ pytestmark = pytest.mark.timeout(60)
 # name -> (launcher, environment, extra arguments). Paths in the environment are fixed
 # strings (they need not exist for a dry run); the repository path is normalised to <repo>.
 CASES = {
-    "run-smollm2-cpu-async": ("scripts/run-smollm2-cpu-async.sh",
-                              {"MODEL": "/models/SmolLM2-135M-Instruct", "DATA": "/data/mul",
-                               "OUT": "/runs/smollm2-mul"}, []),
-    "run-smollm2-cpu-async-overrides": ("scripts/run-smollm2-cpu-async.sh",
-                                        {"MODEL": "/models/SmolLM2-135M-Instruct", "DATA": "/data/mul",
-                                         "OUT": "/runs/with space", "RAY_ADDRESS": "head-node:6379"},
-                                        ["--num-rollout", "5", "--eval-prompt-data", "my eval", "/data/e v.jsonl"]),
-    "run-qwen3-4B-async": ("scripts/run-qwen3-4B-async.sh",
-                           {"HF_CHECKPOINT": "/models/Qwen3-4B", "DATA_DIR": "/data", "SAVE_DIR": "/ckpt/qwen3-4B",
-                            "OUT": "/runs/qwen3-4B"}, []),
+    "run-smollm2-cpu-async": (
+        "scripts/run-smollm2-cpu-async.sh",
+        {"MODEL": "/models/SmolLM2-135M-Instruct", "DATA": "/data/mul", "OUT": "/runs/smollm2-mul"},
+        [],
+    ),
+    "run-smollm2-cpu-async-overrides": (
+        "scripts/run-smollm2-cpu-async.sh",
+        {
+            "MODEL": "/models/SmolLM2-135M-Instruct",
+            "DATA": "/data/mul",
+            "OUT": "/runs/with space",
+            "RAY_ADDRESS": "head-node:6379",
+        },
+        ["--num-rollout", "5", "--eval-prompt-data", "my eval", "/data/e v.jsonl"],
+    ),
+    "run-qwen3-4B-async": (
+        "scripts/run-qwen3-4B-async.sh",
+        {
+            "HF_CHECKPOINT": "/models/Qwen3-4B",
+            "DATA_DIR": "/data",
+            "SAVE_DIR": "/ckpt/qwen3-4B",
+            "OUT": "/runs/qwen3-4B",
+        },
+        [],
+    ),
 }
 # The Slurm script's dry run: scontrol (stubbed here) expands the node list; nothing starts.
 SBATCH_CASES = {
-    "slurm-train-async": ("scripts/slurm/train-async.sbatch",
-                          {"SLURM_JOB_NODELIST": "gpu1,gpu2,gpu3", "SLURM_JOB_NAME": "qwen3", "SAVE_DIR": "/ckpt/qwen3",
-                           "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}"}, []),
-    "slurm-train-async-command": ("scripts/slurm/train-async.sbatch",
-                                  {"SLURM_JOB_NODELIST": "gpu1", "SAVE_DIR": "/ckpt/q", "GPUS_PER_NODE": "4",
-                                   "HEAD_NODE_IP": "10.1.2.3", "RAY_INCLUDE_DASHBOARD": "false",
-                                   "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}"},
-                                  ["bash", "scripts/run-qwen3-4B-async.sh", "--num-rollout", "500"]),
+    "slurm-train-async": (
+        "scripts/slurm/train-async.sbatch",
+        {
+            "SLURM_JOB_NODELIST": "gpu1,gpu2,gpu3",
+            "SLURM_JOB_NAME": "qwen3",
+            "SAVE_DIR": "/ckpt/qwen3",
+            "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+        [],
+    ),
+    "slurm-train-async-command": (
+        "scripts/slurm/train-async.sbatch",
+        {
+            "SLURM_JOB_NODELIST": "gpu1",
+            "SAVE_DIR": "/ckpt/q",
+            "GPUS_PER_NODE": "4",
+            "HEAD_NODE_IP": "10.1.2.3",
+            "RAY_INCLUDE_DASHBOARD": "false",
+            "PATH": f"{STUBS}{os.pathsep}{os.environ.get('PATH', '')}",
+        },
+        ["bash", "scripts/run-qwen3-4B-async.sh", "--num-rollout", "500"],
+    ),
 }
 
 
 def _env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT", "HF_CHECKPOINT", "DATA_DIR", "SAVE_DIR", "HEAD_NODE_IP",
-                        "GPUS_PER_NODE", "MILES_ASYNC_ROOT") and not k.startswith(("SLURM_", "RAY_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RAY_ADDRESS",
+            "MODEL",
+            "DATA",
+            "OUT",
+            "HF_CHECKPOINT",
+            "DATA_DIR",
+            "SAVE_DIR",
+            "HEAD_NODE_IP",
+            "GPUS_PER_NODE",
+            "MILES_ASYNC_ROOT",
+        )
+        and not k.startswith(("SLURM_", "RAY_"))
+    }
     return {**env, "PYTHON": "python3", **extra}
 
 
 def _run(script: str, env: dict, args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(ROOT / script), *args], env=env, cwd="/", capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", str(ROOT / script), *args], env=env, cwd="/", capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _words(command: str) -> list[str]:
     """Split a printed command the way bash does (quotes, escapes, line continuations)."""
-    proc = subprocess.run(["bash", "-c", 'eval "words=( $1 )" && printf "%s\\0" "${words[@]}"', "_", command],
-                          capture_output=True, text=True, timeout=10, check=True)
+    proc = subprocess.run(
+        ["bash", "-c", 'eval "words=( $1 )" && printf "%s\\0" "${words[@]}"', "_", command],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    )
     return proc.stdout.split("\0")[:-1]
 
 
@@ -99,8 +149,9 @@ def test_dry_run_prints_exactly_what_runs(name, tmp_path):
     script, env, args = CASES[name]
     record = tmp_path / "argv.json"
     recorder = tmp_path / "python3"
-    recorder.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                        f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    recorder.write_text(
+        f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
     recorder.chmod(0o755)
     dry = _run(script, _env({**env, "PYTHON": str(recorder)}), ["--dry-run", *args])
     assert dry.returncode == 0, dry.stderr
@@ -109,9 +160,9 @@ def test_dry_run_prints_exactly_what_runs(name, tmp_path):
     assert real.returncode == 0, real.stderr
     printed = _words(dry.stdout)
     # The launcher may wrap python in `env VAR=...`; the recorder sees what follows python.
-    assert printed[printed.index(str(recorder)) + 1:] == json.loads(record.read_text())
+    assert printed[printed.index(str(recorder)) + 1 :] == json.loads(record.read_text())
     if printed[0] == "env":
-        assert all("=" in word for word in printed[1:printed.index(str(recorder))])
+        assert all("=" in word for word in printed[1 : printed.index(str(recorder))])
 
 
 def test_cpu_launcher_flags_are_all_known_to_train_async():

@@ -15,32 +15,90 @@ pytestmark = pytest.mark.timeout(120)
 
 # From each model's config.json on its hub page; params = the safetensors total.
 PUBLISHED = {
-    "qwen3-4B": dict(arch="qwen3", num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                     rope_theta=1e6, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
-                     params=4_022_468_096),
-    "qwen2.5-7B": dict(arch="qwen2", num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
-                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1e6, vocab_size=152064, max_position_embeddings=131072,
-                       tie_word_embeddings=False, params=7_615_616_512),
-    "llama3.1-8B": dict(arch="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                        rope_theta=5e5, vocab_size=128256, max_position_embeddings=131072,
-                        tie_word_embeddings=False, rope_scaling_factor=8.0, params=8_030_261_248),
+    "qwen3-4B": dict(
+        arch="qwen3",
+        num_hidden_layers=36,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        params=4_022_468_096,
+    ),
+    "qwen2.5-7B": dict(
+        arch="qwen2",
+        num_hidden_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        params=7_615_616_512,
+    ),
+    "llama3.1-8B": dict(
+        arch="llama",
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=5e5,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling_factor=8.0,
+        params=8_030_261_248,
+    ),
 }
 
-VALUE_FLAGS = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
-               "--kv-channels", "--normalization", "--norm-epsilon", "--position-embedding-type", "--rotary-base",
-               "--max-position-embeddings", "--vocab-size", "--rope-scaling-factor"}
-SWITCHES = {"--swiglu", "--group-query-attention", "--qk-layernorm", "--disable-bias-linear", "--add-qkv-bias",
-            "--untie-embeddings-and-output-weights", "--use-rope-scaling"}
+VALUE_FLAGS = {
+    "--num-layers",
+    "--hidden-size",
+    "--ffn-hidden-size",
+    "--num-attention-heads",
+    "--num-query-groups",
+    "--kv-channels",
+    "--normalization",
+    "--norm-epsilon",
+    "--position-embedding-type",
+    "--rotary-base",
+    "--max-position-embeddings",
+    "--vocab-size",
+    "--rope-scaling-factor",
+}
+SWITCHES = {
+    "--swiglu",
+    "--group-query-attention",
+    "--qk-layernorm",
+    "--disable-bias-linear",
+    "--add-qkv-bias",
+    "--untie-embeddings-and-output-weights",
+    "--use-rope-scaling",
+}
 
 
 def model_args(name: str) -> dict:
     """Source the model script in bash and parse its MODEL_ARGS array (switches map to True)."""
     script = ROOT / "scripts" / "models" / f"{name}.sh"
-    out = subprocess.run(["bash", "-c", 'set -euo pipefail; source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_",
-                          str(script)], capture_output=True, text=True, timeout=10, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", 'set -euo pipefail; source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
     words = out.split("\0")[:-1]
     args, i = {}, 0
     while i < len(words):
@@ -58,13 +116,17 @@ def hf_config(args: dict):
     """The HF config those Megatron flags describe."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(num_hidden_layers=int(args["--num-layers"]), hidden_size=int(args["--hidden-size"]),
-                  intermediate_size=int(args["--ffn-hidden-size"]),
-                  num_attention_heads=int(args["--num-attention-heads"]),
-                  num_key_value_heads=int(args["--num-query-groups"]), vocab_size=int(args["--vocab-size"]),
-                  rms_norm_eps=float(args["--norm-epsilon"]),
-                  tie_word_embeddings=not args.get("--untie-embeddings-and-output-weights", False),
-                  max_position_embeddings=int(args["--max-position-embeddings"]))
+    common = dict(
+        num_hidden_layers=int(args["--num-layers"]),
+        hidden_size=int(args["--hidden-size"]),
+        intermediate_size=int(args["--ffn-hidden-size"]),
+        num_attention_heads=int(args["--num-attention-heads"]),
+        num_key_value_heads=int(args["--num-query-groups"]),
+        vocab_size=int(args["--vocab-size"]),
+        rms_norm_eps=float(args["--norm-epsilon"]),
+        tie_word_embeddings=not args.get("--untie-embeddings-and-output-weights", False),
+        max_position_embeddings=int(args["--max-position-embeddings"]),
+    )
     if args.get("--qk-layernorm"):
         return Qwen3Config(head_dim=int(args["--kv-channels"]), **common)
     if args.get("--add-qkv-bias"):

@@ -29,8 +29,14 @@ def fresh_quickstart(tmp_path_factory) -> tuple[Path, subprocess.CompletedProces
     assert not any(cache.iterdir())
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT")}
     env.update(MILES_ASYNC_CACHE=str(cache), MILES_ASYNC_VENV=sys.prefix, OUT=str(cache / "run"))
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"], env=env, cwd=cache,
-                          capture_output=True, text=True, timeout=560)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"],
+        env=env,
+        cwd=cache,
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return cache, proc
 
@@ -68,11 +74,12 @@ def test_converted_smollm2_answers_like_smollm2(fresh_quickstart) -> None:
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token_id == im_end
     assert GenerationConfig.from_pretrained(path).eos_token_id == im_end
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     enc = tok([text], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=24, do_sample=False)
-    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "4" in answer, answer

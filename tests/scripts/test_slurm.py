@@ -15,8 +15,17 @@ import uuid
 
 import pytest
 
-from tests.scripts.helpers import (ROOT, STUBS, VENV_BIN, cmdline, free_port, kill_marked, marked_pids, short_tmp,
-                                   wait_marked_gone)
+from tests.scripts.helpers import (
+    ROOT,
+    STUBS,
+    VENV_BIN,
+    cmdline,
+    free_port,
+    kill_marked,
+    marked_pids,
+    short_tmp,
+    wait_marked_gone,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,11 +72,17 @@ class Job:
         }
         self.proc: subprocess.Popen | None = None
 
-    def start(self, *cmd: str) -> "Job":
+    def start(self, *cmd: str) -> Job:
         with open(self.log_path, "wb") as log:
             # Its own session, like a batch script; the marker finds what it leaves behind.
-            self.proc = subprocess.Popen(["bash", str(SBATCH), *cmd], cwd=self.tmp, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                ["bash", str(SBATCH), *cmd],
+                cwd=self.tmp,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return self
 
     @property
@@ -205,7 +220,8 @@ def test_missing_gpus_time_out_with_what_joined(job_factory):
 
 def test_outside_an_allocation_it_says_so():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run(["bash", str(SBATCH)], env={**env, "MILES_ASYNC_ROOT": str(ROOT)}, capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(SBATCH)], env={**env, "MILES_ASYNC_ROOT": str(ROOT)}, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode != 0
     assert "not inside a Slurm allocation" in proc.stderr

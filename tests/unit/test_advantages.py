@@ -172,12 +172,8 @@ def test_gae_promotes_low_precision_and_is_detached():
 def test_broadcast_and_place_on_last_token():
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
     seq = torch.tensor([2.0, -1.0, 3.0])
-    np.testing.assert_array_equal(
-        broadcast_to_tokens(seq, mask).numpy(), [[2, 2, 0, 0], [-1, 0, -1, 0], [0, 0, 0, 0]]
-    )
-    np.testing.assert_array_equal(
-        place_on_last_token(seq, mask).numpy(), [[0, 2, 0, 0], [0, 0, -1, 0], [0, 0, 0, 0]]
-    )
+    np.testing.assert_array_equal(broadcast_to_tokens(seq, mask).numpy(), [[2, 2, 0, 0], [-1, 0, -1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(place_on_last_token(seq, mask).numpy(), [[0, 2, 0, 0], [0, 0, -1, 0], [0, 0, 0, 0]])
 
 
 # ---------------------------------------------------------------------------
@@ -201,15 +197,20 @@ def _last_token_rewards(rewards, mask):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("estimator,normalize_std", [("grpo", True), ("grpo", False), ("gspo", True),
-                                                     ("reinforce_plus_plus_baseline", True)])
+@pytest.mark.parametrize(
+    "estimator,normalize_std", [("grpo", True), ("grpo", False), ("gspo", True), ("reinforce_plus_plus_baseline", True)]
+)
 def test_outcome_estimators_put_the_sequence_advantage_on_every_trained_token(seed, estimator, normalize_std):
     rng = np.random.default_rng(seed)
     rewards, ids, mask = _grouped_batch(rng)
-    adv, returns = compute_advantages(estimator, t64(rewards), torch.tensor(ids), t64(mask),
-                                      normalize_std=normalize_std)
-    seq = np_rpp_baseline(rewards, ids, 1e-8) if estimator == "reinforce_plus_plus_baseline" else \
-        np_grpo(rewards, ids, normalize_std, 1e-6)
+    adv, returns = compute_advantages(
+        estimator, t64(rewards), torch.tensor(ids), t64(mask), normalize_std=normalize_std
+    )
+    seq = (
+        np_rpp_baseline(rewards, ids, 1e-8)
+        if estimator == "reinforce_plus_plus_baseline"
+        else np_grpo(rewards, ids, normalize_std, 1e-6)
+    )
     want = np.where(mask != 0, seq[:, None], 0.0)
     np.testing.assert_allclose(adv.numpy(), want, rtol=1e-9, atol=1e-12)
     assert returns is None
@@ -225,33 +226,45 @@ def test_reinforce_plus_plus_penalises_kl_per_token_and_whitens(seed, gamma):
     rng = np.random.default_rng(seed)
     rewards, ids, mask = _grouped_batch(rng)
     kl = rng.normal(size=mask.shape) * 0.2
-    adv, returns = compute_advantages("reinforce_plus_plus", t64(rewards), torch.tensor(ids), t64(mask), kl=t64(kl),
-                                      kl_coef=0.1, gamma=gamma)
+    adv, returns = compute_advantages(
+        "reinforce_plus_plus", t64(rewards), torch.tensor(ids), t64(mask), kl=t64(kl), kl_coef=0.1, gamma=gamma
+    )
     want = np_returns_rpp(_last_token_rewards(rewards, mask), kl, mask, gamma, 0.1, 1e-8)
     np.testing.assert_allclose(adv.numpy(), want, rtol=1e-9, atol=1e-10)
     assert returns is None
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("gamma,lam,kl_coef,normalize", [(1.0, 1.0, 0.0, False), (0.99, 0.95, 0.05, False),
-                                                         (1.0, 0.9, 0.1, True)])
+@pytest.mark.parametrize(
+    "gamma,lam,kl_coef,normalize", [(1.0, 1.0, 0.0, False), (0.99, 0.95, 0.05, False), (1.0, 0.9, 0.1, True)]
+)
 def test_ppo_is_gae_over_kl_penalised_token_rewards(seed, gamma, lam, kl_coef, normalize):
     rng = np.random.default_rng(seed)
     rewards, ids, mask = _grouped_batch(rng)
     values = rng.normal(size=mask.shape)
     values[mask == 0] = 1e6  # padding garbage must not leak
     kl = rng.normal(size=mask.shape) * 0.2
-    adv, returns = compute_advantages("ppo", t64(rewards), torch.tensor(ids), t64(mask), values=t64(values),
-                                      kl=t64(kl), kl_coef=kl_coef, gamma=gamma, lambd=lam,
-                                      normalize_advantages=normalize)
+    adv, returns = compute_advantages(
+        "ppo",
+        t64(rewards),
+        torch.tensor(ids),
+        t64(mask),
+        values=t64(values),
+        kl=t64(kl),
+        kl_coef=kl_coef,
+        gamma=gamma,
+        lambd=lam,
+        normalize_advantages=normalize,
+    )
     token_rewards = _last_token_rewards(rewards, mask) - kl_coef * np.where(mask != 0, kl, 0.0)
     want_adv, want_ret = np_gae(token_rewards, values, mask, gamma, lam)
     np.testing.assert_allclose(returns.numpy(), want_ret, rtol=1e-9, atol=1e-10)
     if normalize:
         flat = [want_adv[b, t] for b in range(mask.shape[0]) for t in valid_positions(mask[b])]
         white = iter(np_whiten_list(flat, 1e-8))
-        want_adv = np.array([[next(white) if mask[b, t] else 0.0 for t in range(mask.shape[1])]
-                             for b in range(mask.shape[0])])
+        want_adv = np.array(
+            [[next(white) if mask[b, t] else 0.0 for t in range(mask.shape[1])] for b in range(mask.shape[0])]
+        )
     np.testing.assert_allclose(adv.numpy(), want_adv, rtol=1e-9, atol=1e-10)
 
 

@@ -20,8 +20,11 @@ def base(tmp_path, data, *extra):
 
 
 def test_valid_flags_build_typed_configs(tmp_path, data):
-    cfg = parse_args(base(tmp_path, data, "--global-batch-size", "4", "--eval-prompt-data", "held", str(data),
-                          "--eval-interval", "2"))
+    cfg = parse_args(
+        base(
+            tmp_path, data, "--global-batch-size", "4", "--eval-prompt-data", "held", str(data), "--eval-interval", "2"
+        )
+    )
     assert cfg.train.num_steps_per_rollout == 2  # 4 prompts * 2 samples / 4
     assert cfg.train.global_batch_size == 4
     assert cfg.loop.num_rollout == 3 and cfg.loop.num_rollout_per_epoch == 4
@@ -31,21 +34,24 @@ def test_valid_flags_build_typed_configs(tmp_path, data):
 
 def test_num_epoch_sets_num_rollout(tmp_path, data):
     args = base(tmp_path, data)
-    args[args.index("--num-rollout"):args.index("--num-rollout") + 2] = ["--num-epoch", "2"]
+    args[args.index("--num-rollout") : args.index("--num-rollout") + 2] = ["--num-epoch", "2"]
     assert parse_args(args).loop.num_rollout == 8
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--global-batch-size", "16"], "--global-batch-size 16 is larger than one rollout"),
-    (["--global-batch-size", "3"], "must divide"),
-    (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
-    (["--save-interval", "2"], "--save-interval needs --save"),
-    (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
-    (["--use-kl-loss", "--kl-loss-coef", "0.1"], "needs --ref-load"),
-    (["--tis-clip", "0.5", "--tis-clip-low", "1.0"], "--tis-clip must be > --tis-clip-low"),
-    (["--num-epoch", "1"], "only one of --num-rollout and --num-epoch"),
-    (["--eps-clip-c", "0.5"], "--eps-clip-c"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--global-batch-size", "16"], "--global-batch-size 16 is larger than one rollout"),
+        (["--global-batch-size", "3"], "must divide"),
+        (["--num-steps-per-rollout", "3"], "--num-steps-per-rollout 3 must divide"),
+        (["--save-interval", "2"], "--save-interval needs --save"),
+        (["--eval-interval", "2"], "--eval-interval needs --eval-prompt-data"),
+        (["--use-kl-loss", "--kl-loss-coef", "0.1"], "needs --ref-load"),
+        (["--tis-clip", "0.5", "--tis-clip-low", "1.0"], "--tis-clip must be > --tis-clip-low"),
+        (["--num-epoch", "1"], "only one of --num-rollout and --num-epoch"),
+        (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+    ],
+)
 def test_contradictions_name_the_flag(tmp_path, data, extra, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("-", "\\-").replace("*", "\\*")):
         parse_args(base(tmp_path, data, *extra))
@@ -139,11 +145,14 @@ def test_fully_async_config(tmp_path, data):
     assert cfg.rollout.fully_async.max_concurrent_groups == 4 * 3 and cfg.loop.fully_async
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--update-weights-interval", "2"], "needs --update-weights-interval 1"),
-    (["--async-max-concurrent-groups", "2"], "must lie between"),
-    (["--max-weight-staleness", "-1"], "--max-staleness-steps must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--update-weights-interval", "2"], "needs --update-weights-interval 1"),
+        (["--async-max-concurrent-groups", "2"], "must lie between"),
+        (["--max-weight-staleness", "-1"], "--max-staleness-steps must be >= 0"),
+    ],
+)
 def test_fully_async_contradictions(tmp_path, data, extra, fragment):
     with pytest.raises(ConfigError, match=fragment):
         parse_args(base(tmp_path, data, "--fully-async", "--use-tis", *extra))
@@ -154,19 +163,22 @@ def test_zero_variance_filter_needs_fully_async(tmp_path, data):
         parse_args(base(tmp_path, data, "--zero-variance-filter"))
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--use-rollout-logprobs"], "--use-tis has no effect with --use-rollout-logprobs"),
-    (["--keep-old-actor", "--partial-rollout", "--fully-async"], "add --mask-offpolicy-in-partial-rollout"),
-    (["--kl-coef", "0.1"], "only ppo and reinforce_plus_plus"),
-    (["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus"], "--kl-coef > 0 needs --ref-load"),
-    (["--advantage-estimator", "gspo", "--policy-loss-type", "cispo"], "--policy-loss-type cispo contradicts it"),
-    (["--critic-lr", "1e-5"], "--critic-lr needs --advantage-estimator ppo"),
-    (["--num-critic-only-steps", "1"], "--num-critic-only-steps needs --advantage-estimator ppo"),
-    (["--advantage-estimator", "ppo", "--num-critic-only-steps", "3"], "leaves no rollout"),
-    (["--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "3"], "over 3 critic workers"),
-    (["--gamma", "1.5"], "--gamma must lie in [0, 1]"),
-    (["--normalize-advantages"], "--normalize-advantages applies to ppo"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--use-rollout-logprobs"], "--use-tis has no effect with --use-rollout-logprobs"),
+        (["--keep-old-actor", "--partial-rollout", "--fully-async"], "add --mask-offpolicy-in-partial-rollout"),
+        (["--kl-coef", "0.1"], "only ppo and reinforce_plus_plus"),
+        (["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus"], "--kl-coef > 0 needs --ref-load"),
+        (["--advantage-estimator", "gspo", "--policy-loss-type", "cispo"], "--policy-loss-type cispo contradicts it"),
+        (["--critic-lr", "1e-5"], "--critic-lr needs --advantage-estimator ppo"),
+        (["--num-critic-only-steps", "1"], "--num-critic-only-steps needs --advantage-estimator ppo"),
+        (["--advantage-estimator", "ppo", "--num-critic-only-steps", "3"], "leaves no rollout"),
+        (["--advantage-estimator", "ppo", "--critic-num-gpus-per-node", "3"], "over 3 critic workers"),
+        (["--gamma", "1.5"], "--gamma must lie in [0, 1]"),
+        (["--normalize-advantages"], "--normalize-advantages applies to ppo"),
+    ],
+)
 def test_algorithm_contradictions_name_the_flag(tmp_path, data, extra, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("-", "\\-").replace("[", "\\[").replace("]", "\\]")):
         parse_args(base(tmp_path, data, *extra))
@@ -175,15 +187,41 @@ def test_algorithm_contradictions_name_the_flag(tmp_path, data, extra, fragment)
 def test_estimators_map_to_loss_and_critic(tmp_path, data):
     gspo = parse_args(base(tmp_path, data, "--advantage-estimator", "gspo", "--eps-clip", "3e-4"))
     assert gspo.train.algorithm.loss_type == "gspo" and gspo.critic is None
-    ppo = parse_args(base(tmp_path, data, "--advantage-estimator", "ppo", "--critic-lr", "1e-4", "--lr", "1e-6",
-                          "--value-clip", "0", "--num-critic-only-steps", "1", "--critic-lr-warmup-iters", "2"))
+    ppo = parse_args(
+        base(
+            tmp_path,
+            data,
+            "--advantage-estimator",
+            "ppo",
+            "--critic-lr",
+            "1e-4",
+            "--lr",
+            "1e-6",
+            "--value-clip",
+            "0",
+            "--num-critic-only-steps",
+            "1",
+            "--critic-lr-warmup-iters",
+            "2",
+        )
+    )
     assert ppo.critic.role == "critic" and ppo.critic.model_path == ppo.train.model_path
     assert ppo.critic.optimizer.lr == 1e-4 and ppo.train.optimizer.lr == 1e-6
     assert ppo.critic.optimizer.lr_warmup_iters == 2 and ppo.train.optimizer.lr_warmup_iters == 0
     assert ppo.train.algorithm.value_clip is None  # 0 turns the clip off
     assert ppo.loop.num_critic_only_steps == 1 and ppo.cluster.num_critic_workers == 1
-    keep = parse_args(base(tmp_path, data, "--keep-old-actor", "--fully-async", "--max-staleness-steps", "3",
-                           "--pause-generation-mode", "abort"))
+    keep = parse_args(
+        base(
+            tmp_path,
+            data,
+            "--keep-old-actor",
+            "--fully-async",
+            "--max-staleness-steps",
+            "3",
+            "--pause-generation-mode",
+            "abort",
+        )
+    )
     assert keep.train.algorithm.keep_old_actor and keep.train.max_kept_weight_versions == 5
 
 
@@ -222,8 +260,9 @@ def test_train_async_names_a_model_folder_without_config_json_before_ray_starts(
     empty.mkdir()
     args = base(tmp_path, data)
     args[args.index("--hf-checkpoint") + 1] = str(empty)
-    proc = subprocess.run([sys.executable, str(ROOT / "train_async.py"), *args], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_async.py"), *args], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"error: --hf-checkpoint: {empty} has no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr and "ray" not in proc.stderr.lower()
@@ -237,6 +276,7 @@ def test_fully_async_keep_old_actor_needs_abort_pauses(tmp_path, data):
     with pytest.raises(ConfigError, match=r"--fully-async --keep-old-actor needs --pause-generation-mode abort"):
         parse_args(args)
     assert parse_args(args + ["--pause-generation-mode", "abort"]).train.algorithm.keep_old_actor
-    assert parse_args(args + ["--pause-generation-mode", "abort", "--partial-rollout",
-                              "--mask-offpolicy-in-partial-rollout"]).rollout.mask_offpolicy_in_partial_rollout
+    assert parse_args(
+        args + ["--pause-generation-mode", "abort", "--partial-rollout", "--mask-offpolicy-in-partial-rollout"]
+    ).rollout.mask_offpolicy_in_partial_rollout
     assert parse_args(base(tmp_path, data, "--keep-old-actor")).train.algorithm.keep_old_actor  # one-step-off drains

@@ -27,25 +27,30 @@ def _result(curve):
 
 def test_threshold_is_a_late_level_of_the_synchronous_run():
     # Both reach 0.4 at step 2 (what the fixed threshold measured); the synchronous run ends at 0.73.
-    results = {"synchronous": _result([(0, 0.17, 5.0), (2, 0.45, 60.0), (4, 0.55, 120.0), (6, 0.70, 180.0),
-                                       (8, 0.73, 240.0)]),
-               "one-step-off": _result([(0, 0.17, 5.0), (2, 0.41, 45.0), (4, 0.50, 90.0), (6, 0.66, 135.0),
-                                        (8, 0.63, 180.0)])}
+    results = {
+        "synchronous": _result([(0, 0.17, 5.0), (2, 0.45, 60.0), (4, 0.55, 120.0), (6, 0.70, 180.0), (8, 0.73, 240.0)]),
+        "one-step-off": _result([(0, 0.17, 5.0), (2, 0.41, 45.0), (4, 0.50, 90.0), (6, 0.66, 135.0), (8, 0.63, 180.0)]),
+    }
     threshold = set_time_to_threshold(results)
     assert abs(threshold - 0.9 * 0.73) < 1e-12
     assert (results["synchronous"]["step_at_threshold"], results["synchronous"]["seconds_to_threshold"]) == (6, 180.0)
-    assert (results["one-step-off"]["step_at_threshold"], results["one-step-off"]["seconds_to_threshold"]) == \
-        (6, 135.0)
-    entry = {"results": results, "tables": [{"title": f"Time to held-out accuracy {threshold:.3f} (90% of the "
-                                                      f"synchronous run's final accuracy): tiny"}]}
+    assert (results["one-step-off"]["step_at_threshold"], results["one-step-off"]["seconds_to_threshold"]) == (6, 135.0)
+    entry = {
+        "results": results,
+        "tables": [
+            {"title": f"Time to held-out accuracy {threshold:.3f} (90% of the synchronous run's final accuracy): tiny"}
+        ],
+    }
     [[what, result]] = headline(entry)
     assert what == "time to accuracy 0.657 (90% of the synchronous run's final accuracy), one-step-off vs synchronous"
     assert result == "135 s vs 180 s (1.33x); final accuracy 0.63 vs 0.73"
 
 
 def test_threshold_not_reached_is_reported_with_the_final_accuracies():
-    results = {"synchronous": _result([(0, 0.2, 1.0), (2, 0.3, 2.0), (4, 0.9, 3.0)]),
-               "one-step-off": _result([(0, 0.2, 1.0), (2, 0.4, 2.0), (4, 0.5, 3.0)])}
+    results = {
+        "synchronous": _result([(0, 0.2, 1.0), (2, 0.3, 2.0), (4, 0.9, 3.0)]),
+        "one-step-off": _result([(0, 0.2, 1.0), (2, 0.4, 2.0), (4, 0.5, 3.0)]),
+    }
     set_time_to_threshold(results)
     assert results["one-step-off"]["seconds_to_threshold"] is None
     entry = {"results": results, "tables": [{"title": "Time to held-out accuracy 0.810 (...): tiny"}]}

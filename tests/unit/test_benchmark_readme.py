@@ -2,12 +2,16 @@
 
 from benchmarks.run import README_END, README_START, render_readme_block, update_readme
 
-RESULTS = {"benchmarks": {
-    "orchestration": {"quick": False, "machine": {"date": "2026-11-30T06:00:00", "cpu_model": "CPU", "cores": 2},
-                      "results": {"bare_ray_round_trip_us": 500.0,
-                                  "paths": {"8x4": {"us_per_sample_without_engine": 250.0}}}},
-    "long_tail": {"error": "Traceback ..."},
-}}
+RESULTS = {
+    "benchmarks": {
+        "orchestration": {
+            "quick": False,
+            "machine": {"date": "2026-11-30T06:00:00", "cpu_model": "CPU", "cores": 2},
+            "results": {"bare_ray_round_trip_us": 500.0, "paths": {"8x4": {"us_per_sample_without_engine": 250.0}}},
+        },
+        "long_tail": {"error": "Traceback ..."},
+    }
+}
 
 
 def test_update_readme_replaces_only_the_marked_block(tmp_path):
@@ -17,8 +21,10 @@ def test_update_readme_replaces_only_the_marked_block(tmp_path):
     text = readme.read_text()
     assert text.startswith("# title\nbefore\n") and text.endswith("\nafter\n")
     assert "old table" not in text
-    assert "| orchestration overhead per sample (8x4, zero-cost generation and training) | 250 us = 0.50x a bare " \
-           "Ray round trip (500 us) | full, 2026-11-30 |" in text
+    assert (
+        "| orchestration overhead per sample (8x4, zero-cost generation and training) | 250 us = 0.50x a bare "
+        "Ray round trip (500 us) | full, 2026-11-30 |" in text
+    )
     assert "long_tail" not in render_readme_block(RESULTS)  # a failed benchmark has no headline
 
 

@@ -38,8 +38,9 @@ def _namespace(words: list[str]) -> argparse.Namespace:
 CASES = [(row, backend) for row in CAPABILITIES for backend in FEATURES[row.axis.flag].choices]
 
 
-@pytest.mark.parametrize("row, backend", CASES,
-                         ids=[f"{r.feature}{'=' + r.value if r.value else ''}@{r.axis.flag}={b}" for r, b in CASES])
+@pytest.mark.parametrize(
+    "row, backend", CASES, ids=[f"{r.feature}{'=' + r.value if r.value else ''}@{r.axis.flag}={b}" for r, b in CASES]
+)
 def test_each_capability_row_refuses_its_feature_naming_flag_and_backend(row, backend):
     words = [*_feature_args(row), row.axis.flag, backend]
     if backend in row.supported_by:
@@ -55,15 +56,27 @@ def test_each_capability_row_refuses_its_feature_naming_flag_and_backend(row, ba
 
 def test_every_backend_lacks_something_the_table_names():
     """The table is not vacuous: each backend value refuses at least one feature."""
-    for axis_flag, backends in (("--rollout-backend", {"embedded", "sglang", "vllm"}),
-                                ("--train-backend", {"fsdp", "megatron"}), ("--rollout-router", {"sglang"})):
+    for axis_flag, backends in (
+        ("--rollout-backend", {"embedded", "sglang", "vllm"}),
+        ("--train-backend", {"fsdp", "megatron"}),
+        ("--rollout-router", {"sglang"}),
+    ):
         assert backends <= {b for r, b in CASES if r.axis.flag == axis_flag and b not in r.supported_by}
 
 
 def test_a_choice_refusal_lists_what_the_backend_supports(tmp_path):
     with pytest.raises(ConfigError, match=r"which supports --weight-update-method auto, disk\)$"):
-        parse_args([*minimal_flags(tmp_path), "--num-rollout", "1", "--rollout-backend", "vllm",
-                    "--weight-update-method", "tensor"])
+        parse_args(
+            [
+                *minimal_flags(tmp_path),
+                "--num-rollout",
+                "1",
+                "--rollout-backend",
+                "vllm",
+                "--weight-update-method",
+                "tensor",
+            ]
+        )
 
 
 def test_a_check_declared_on_a_flag_runs_and_names_the_flag():
@@ -78,35 +91,47 @@ def test_a_check_declared_on_a_flag_runs_and_names_the_flag():
         check_needs(argparse.Namespace(gadgets=True, widgets_enabled=False), [gadgets])
 
 
-@pytest.mark.parametrize("extra, message", [
-    # Each was accepted before: a semaphore of 0 never lets a request out; 0 threads fell back to the default;
-    # -1 x -1 training workers passed the product check; a dual clip crashed cispo's loss at the first step.
-    (["--rollout-max-concurrent-requests", "0"], "--rollout-max-concurrent-requests must be >= 1"),
-    (["--train-num-threads", "0"], "--train-num-threads must be >= 1"),
-    (["--actor-num-nodes", "-1", "--actor-num-gpus-per-node", "-1"], "--actor-num-nodes must be >= 1"),
-    (["--engine-request-timeout", "0"], "--engine-request-timeout must be positive"),
-    (["--policy-loss-type", "cispo", "--eps-clip-c", "3"], "--eps-clip-c (dual clip) is not defined for "
-                                                           "--policy-loss-type cispo"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # Each was accepted before: a semaphore of 0 never lets a request out; 0 threads fell back to the default;
+        # -1 x -1 training workers passed the product check; a dual clip crashed cispo's loss at the first step.
+        (["--rollout-max-concurrent-requests", "0"], "--rollout-max-concurrent-requests must be >= 1"),
+        (["--train-num-threads", "0"], "--train-num-threads must be >= 1"),
+        (["--actor-num-nodes", "-1", "--actor-num-gpus-per-node", "-1"], "--actor-num-nodes must be >= 1"),
+        (["--engine-request-timeout", "0"], "--engine-request-timeout must be positive"),
+        (
+            ["--policy-loss-type", "cispo", "--eps-clip-c", "3"],
+            "--eps-clip-c (dual clip) is not defined for --policy-loss-type cispo",
+        ),
+    ],
+)
 def test_values_that_failed_later_are_refused_naming_the_flag(tmp_path, extra, message):
     with pytest.raises(ConfigError) as e:
         parse_args([*minimal_flags(tmp_path), "--num-rollout", "1", *extra])
     assert str(e.value).startswith(message)
 
 
-@pytest.mark.parametrize("given, shown, enabling", [
-    (["--wandb-project", "p"], "--wandb-project p", ["--use-wandb"]),
-    (["--rollout-health-check-interval", "2"], "--rollout-health-check-interval 2.0", ["--use-fault-tolerance"]),
-    (["--sglang-python", "/x/python"], "--sglang-python /x/python", ["--rollout-backend", "sglang"]),
-    (["--weight-update-dir", "/tmp/w"], "--weight-update-dir /tmp/w", ["--rollout-backend", "vllm"]),
-    (["--update-weight-buffer-size", "1024"], "--update-weight-buffer-size 1024", []),
-    (["--max-staleness-steps", "3"], "--max-staleness-steps 3", ["--fully-async"]),
-    (["--min-lr", "1e-07"], "--min-lr 1e-07", ["--lr-decay-style", "cosine"]),
-    (["--gamma", "0.9"], "--gamma 0.9", ["--advantage-estimator", "reinforce_plus_plus"]),
-    (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1", ["--use-kl-loss", "--ref-load", "MODEL"]),
-    (["--eval-temperature", "0.5"], "--eval-temperature 0.5", ["--eval-prompt-data", "DATA", "--eval-interval", "1"]),
-    (["--no-save-optim"], "--no-save-optim", ["--save", "SAVE"]),
-])
+@pytest.mark.parametrize(
+    "given, shown, enabling",
+    [
+        (["--wandb-project", "p"], "--wandb-project p", ["--use-wandb"]),
+        (["--rollout-health-check-interval", "2"], "--rollout-health-check-interval 2.0", ["--use-fault-tolerance"]),
+        (["--sglang-python", "/x/python"], "--sglang-python /x/python", ["--rollout-backend", "sglang"]),
+        (["--weight-update-dir", "/tmp/w"], "--weight-update-dir /tmp/w", ["--rollout-backend", "vllm"]),
+        (["--update-weight-buffer-size", "1024"], "--update-weight-buffer-size 1024", []),
+        (["--max-staleness-steps", "3"], "--max-staleness-steps 3", ["--fully-async"]),
+        (["--min-lr", "1e-07"], "--min-lr 1e-07", ["--lr-decay-style", "cosine"]),
+        (["--gamma", "0.9"], "--gamma 0.9", ["--advantage-estimator", "reinforce_plus_plus"]),
+        (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1", ["--use-kl-loss", "--ref-load", "MODEL"]),
+        (
+            ["--eval-temperature", "0.5"],
+            "--eval-temperature 0.5",
+            ["--eval-prompt-data", "DATA", "--eval-interval", "1"],
+        ),
+        (["--no-save-optim"], "--no-save-optim", ["--save", "SAVE"]),
+    ],
+)
 def test_a_flag_given_without_effect_is_named_once_in_a_warning(tmp_path, caplog, given, shown, enabling):
     args = [*minimal_flags(tmp_path), "--num-rollout", "1", *given]
     subs = {"MODEL": str(tmp_path / "model"), "DATA": str(tmp_path / "train.jsonl"), "SAVE": str(tmp_path / "ckpt")}
@@ -119,8 +144,9 @@ def test_a_flag_given_without_effect_is_named_once_in_a_warning(tmp_path, caplog
     assert "it only takes effect with" in named[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="miles_async"):
-        parse_args(args[:-2] if given[0] == "--update-weight-buffer-size" else
-                   args + [subs.get(w, w) for w in enabling])
+        parse_args(
+            args[:-2] if given[0] == "--update-weight-buffer-size" else args + [subs.get(w, w) for w in enabling]
+        )
     assert not [r for r in caplog.records if r.getMessage().startswith(shown.split()[0] + " ")], caplog.text
 
 

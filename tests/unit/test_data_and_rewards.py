@@ -18,8 +18,7 @@ def _cfg(path, shuffle=True):
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i), "uid": f"u{i}"}) + "\n"
-                            for i in range(10)))
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i), "uid": f"u{i}"}) + "\n" for i in range(10)))
     return path
 
 
@@ -52,15 +51,18 @@ def _sample(response, label):
     return Sample(uid="u", group_index=0, index=0, prompt="p", label=label, response=response)
 
 
-@pytest.mark.parametrize("rm_type, response, label, expected", [
-    ("integer", "The answer is 56", "56", 1.0),
-    ("integer", "56, no wait, 54", "56", 0.0),
-    ("first_integer", "56, no wait, 54", "56", 1.0),
-    ("integer", "no digits", "3", 0.0),
-    ("math", "so the result is $\\frac{1}{2}$", "0.5", 1.0),
-    ("math", "the result is 3", "4", 0.0),
-    ("exact", " yes ", "yes", 1.0),
-])
+@pytest.mark.parametrize(
+    "rm_type, response, label, expected",
+    [
+        ("integer", "The answer is 56", "56", 1.0),
+        ("integer", "56, no wait, 54", "56", 0.0),
+        ("first_integer", "56, no wait, 54", "56", 1.0),
+        ("integer", "no digits", "3", 0.0),
+        ("math", "so the result is $\\frac{1}{2}$", "0.5", 1.0),
+        ("math", "the result is 3", "4", 0.0),
+        ("exact", " yes ", "yes", 1.0),
+    ],
+)
 def test_builtin_rewards(rm_type, response, label, expected):
     rm = RewardModel(RewardConfig(rm_type, None, "raise"))
     assert asyncio.run(rm.score(_sample(response, label))) == expected

@@ -56,8 +56,9 @@ def test_launch_command_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
     assert proc.env()["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the user's wins
 
-    mine = VLLMEngineProcess(replace(cfg, use_gpu=False, vllm_args=("--no-enforce-eager", "--logprobs-mode",
-                                                                    "raw_logprobs")), 0, None).command()
+    mine = VLLMEngineProcess(
+        replace(cfg, use_gpu=False, vllm_args=("--no-enforce-eager", "--logprobs-mode", "raw_logprobs")), 0, None
+    ).command()
     assert "--enforce-eager" not in mine and mine.count("--logprobs-mode") == 1
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
@@ -75,11 +76,29 @@ def test_make_client_picks_each_engines_client():
 
 
 def test_sampling_params_are_renamed_and_unknown_ones_refused():
-    out = vllm_sampling_params({"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_new_tokens": 12,
-                                "min_new_tokens": 2, "sampling_seed": 5, "ignore_eos": True, "no_stop_trim": True},
-                               return_logprob=True)
-    assert out == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 12, "min_tokens": 2, "seed": 5,
-                   "ignore_eos": True, "logprobs": 0}
+    out = vllm_sampling_params(
+        {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "max_new_tokens": 12,
+            "min_new_tokens": 2,
+            "sampling_seed": 5,
+            "ignore_eos": True,
+            "no_stop_trim": True,
+        },
+        return_logprob=True,
+    )
+    assert out == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "max_tokens": 12,
+        "min_tokens": 2,
+        "seed": 5,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     assert "logprobs" not in vllm_sampling_params({"temperature": 1.0}, return_logprob=False)
     with pytest.raises(ValueError, match="json_schema"):
         vllm_sampling_params({"json_schema": "{}"}, True)
@@ -88,11 +107,19 @@ def test_sampling_params_are_renamed_and_unknown_ones_refused():
 
 
 def test_a_vllm_answer_reads_like_sglangs():
-    answer = {"request_id": "generate-tokens-r1", "usage": {"prompt_tokens": 3},
-              "choices": [{"finish_reason": "abort", "token_ids": [7, 8, 9], "text": "abc",
-                           "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}, {"logprob": -2.0}]},
-                           "weight_versions": [{"version": "4", "start": 0, "end": 1},
-                                               {"version": "5", "start": 1, "end": 3}]}]}
+    answer = {
+        "request_id": "generate-tokens-r1",
+        "usage": {"prompt_tokens": 3},
+        "choices": [
+            {
+                "finish_reason": "abort",
+                "token_ids": [7, 8, 9],
+                "text": "abc",
+                "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -1.0}, {"logprob": -2.0}]},
+                "weight_versions": [{"version": "4", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 3}],
+            }
+        ],
+    }
     out = sglang_shaped(answer)
     assert out["text"] == "abc" and out["output_ids"] == [7, 8, 9]
     meta = out["meta_info"]

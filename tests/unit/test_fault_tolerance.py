@@ -18,14 +18,21 @@ from miles_async.inference.fault_tolerance import (
 class FakeWorld:
     """Engines whose probe answers and restart outcomes the test sets; a clock it advances."""
 
-    def __init__(self, n: int, policy: FaultTolerancePolicy = FaultTolerancePolicy()):
+    def __init__(self, n: int, policy: FaultTolerancePolicy | None = None):
         self.now = 100.0
         self.probe_result = {i: Probe.OK for i in range(n)}
         self.restart_fails: dict[int, int] = {}  # engine -> how many next restarts fail
         self.restarted: list[tuple[int, float]] = []
         self.changes: list[list[int]] = []
-        self.sup = EngineSupervisor(n, policy, clock=lambda: self.now, probe=self.probe, restart=self.restart,
-                                    on_change=self.on_change, describe=lambda i: f"log of engine {i}")
+        self.sup = EngineSupervisor(
+            n,
+            policy or FaultTolerancePolicy(),
+            clock=lambda: self.now,
+            probe=self.probe,
+            restart=self.restart,
+            on_change=self.on_change,
+            describe=lambda i: f"log of engine {i}",
+        )
 
     async def probe(self, i: int):
         return self.probe_result[i], f"probe {self.probe_result[i].value}"
@@ -44,6 +51,7 @@ class FakeWorld:
         async def go():
             await self.sup.tick()
             await self.sup.wait_recoveries()
+
         asyncio.run(go())
 
 
@@ -162,8 +170,14 @@ def test_restarts_run_in_the_background_while_other_engines_are_probed():
         changes.append(serving)
 
     async def go():
-        sup = EngineSupervisor(3, FaultTolerancePolicy(failure_threshold=1), clock=lambda: 0.0, probe=probe,
-                               restart=slow_restart, on_change=on_change)
+        sup = EngineSupervisor(
+            3,
+            FaultTolerancePolicy(failure_threshold=1),
+            clock=lambda: 0.0,
+            probe=probe,
+            restart=slow_restart,
+            on_change=on_change,
+        )
         await sup.tick()  # engine 1 dies, its restart starts and hangs
         assert sup.state(1) == EngineState.RESTARTING
         state[2] = Probe.FAILED
@@ -183,14 +197,26 @@ def test_flags_build_the_fault_tolerance_config(tmp_path):
 
     base = [*minimal_flags(tmp_path, n_prompts=8), "--num-rollout", "2"]
     assert parse_args(base).engine.fault_tolerance is None  # off by default: a dead engine fails the run
-    cfg = parse_args(base + ["--use-fault-tolerance", "--rollout-health-check-interval", "2",
-                             "--rollout-health-check-timeout", "1", "--max-engine-restarts", "5",
-                             "--check-weight-update-equal"])
+    cfg = parse_args(
+        base
+        + [
+            "--use-fault-tolerance",
+            "--rollout-health-check-interval",
+            "2",
+            "--rollout-health-check-timeout",
+            "1",
+            "--max-engine-restarts",
+            "5",
+            "--check-weight-update-equal",
+        ]
+    )
     ft = cfg.engine.fault_tolerance
     assert (ft.health_check_interval, ft.health_check_timeout, ft.max_engine_restarts) == (2, 1, 5)
     assert cfg.engine.check_weight_update_equal and cfg.engine.router == "builtin"
-    for extra, fragment in [(["--rollout-health-check-interval", "0"], "--rollout-health-check-interval"),
-                            (["--max-engine-restarts", "-1"], "--max-engine-restarts"),
-                            (["--rollout-router", "sglang"], "sglang_router")]:
+    for extra, fragment in [
+        (["--rollout-health-check-interval", "0"], "--rollout-health-check-interval"),
+        (["--max-engine-restarts", "-1"], "--max-engine-restarts"),
+        (["--rollout-router", "sglang"], "sglang_router"),
+    ]:
         with pytest.raises(ConfigError, match=fragment):
             parse_args(base + ["--use-fault-tolerance", *extra])

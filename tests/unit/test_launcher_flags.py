@@ -27,22 +27,31 @@ def _warnings(caplog, args: list[str]) -> list[str]:
 
 
 def test_colocate_is_refused_for_asynchronous_training(tmp_path):
-    with pytest.raises(ConfigError, match=r"^--colocate is not supported for asynchronous training: the engines "
-                                          r"generate rollout N\+1 while the trainer trains on rollout N"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--colocate is not supported for asynchronous training: the engines "
+        r"generate rollout N\+1 while the trainer trains on rollout N",
+    ):
         parse_args(_args(tmp_path, "--colocate"))
 
 
 @pytest.mark.parametrize("name", ["--expert-model-parallel-size", "--expert-tensor-parallel-size"])
 def test_expert_parallelism_is_refused_until_moe_is_supported(tmp_path, caplog, name):
-    with pytest.raises(ConfigError, match=rf"^{name} 8: expert parallelism is for MoE layers, which the megatron "
-                                          r"backend does not build yet \(give 1 or leave it out\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{name} 8: expert parallelism is for MoE layers, which the megatron "
+        r"backend does not build yet \(give 1 or leave it out\)",
+    ):
         parse_args(_args(tmp_path, *MEGATRON, name, "8"))
     assert _warnings(caplog, _args(tmp_path, *MEGATRON, name, "1")) == []  # slime's launchers pass 1
 
 
 def test_the_megatron_backend_refuses_an_moe_checkpoint_up_front(tmp_path):
-    with pytest.raises(ConfigError, match=r"--train-backend megatron does not build MoE models yet \(.*config.json: "
-                                          r"model_type qwen3_moe, 128 experts\); --train-backend fsdp trains it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--train-backend megatron does not build MoE models yet \(.*config.json: "
+        r"model_type qwen3_moe, 128 experts\); --train-backend fsdp trains it",
+    ):
         parse_args(_args(tmp_path, *MEGATRON, model_type="qwen3_moe", num_experts=128))
 
 
@@ -65,38 +74,70 @@ def test_each_launcher_flag_without_effect_is_accepted_and_named_once(tmp_path, 
 
 def test_the_ignored_list_covers_slimes_perf_and_moe_knobs():
     names = {f.name for f in IGNORED}
-    assert {"--balance-data", "--micro-batch-size", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
-            "--moe-grouped-gemm", "--moe-token-dispatcher-type", "--wandb-key", "--train-memory-margin-bytes",
-            "--log-probs-chunk-size", "--seq-length", "--calculate-per-token-loss", "--loss-mask-type"} <= names
+    assert {
+        "--balance-data",
+        "--micro-batch-size",
+        "--optimizer-cpu-offload",
+        "--use-precision-aware-optimizer",
+        "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type",
+        "--wandb-key",
+        "--train-memory-margin-bytes",
+        "--log-probs-chunk-size",
+        "--seq-length",
+        "--calculate-per-token-loss",
+        "--loss-mask-type",
+    } <= names
 
 
-@pytest.mark.parametrize("given, enabling", [
-    (["--hidden-dropout", "0.1"], MEGATRON),
-    (["--attention-backend", "flash"], MEGATRON),
-    (["--attention-softmax-in-fp32"], MEGATRON),
-    (["--recompute-method", "uniform"], [*MEGATRON, "--recompute-granularity", "full", "--recompute-num-layers", "1"]),
-    (["--adam-beta2", "0.999"], []),
-    (["--sgd-momentum", "0.5"], ["--optimizer", "sgd"]),
-])
+@pytest.mark.parametrize(
+    "given, enabling",
+    [
+        (["--hidden-dropout", "0.1"], MEGATRON),
+        (["--attention-backend", "flash"], MEGATRON),
+        (["--attention-softmax-in-fp32"], MEGATRON),
+        (
+            ["--recompute-method", "uniform"],
+            [*MEGATRON, "--recompute-granularity", "full", "--recompute-num-layers", "1"],
+        ),
+        (["--adam-beta2", "0.999"], []),
+        (["--sgd-momentum", "0.5"], ["--optimizer", "sgd"]),
+    ],
+)
 def test_training_flags_without_effect_in_this_configuration_are_named(tmp_path, caplog, given, enabling):
     """Given where it has no effect (the torch backend for Megatron's own knobs, the other optimizer's
     hyper-parameters): one warning naming it. Where it takes effect: none."""
     disabling = ["--optimizer", "sgd"] if given[0].startswith("--adam") else []
-    named = [w for w in _warnings(caplog, _args(tmp_path, *given, *disabling))
-             if w.startswith(f"{given[0]} ") and " is ignored: it only takes effect with " in w]
+    named = [
+        w
+        for w in _warnings(caplog, _args(tmp_path, *given, *disabling))
+        if w.startswith(f"{given[0]} ") and " is ignored: it only takes effect with " in w
+    ]
     assert len(named) == 1, caplog.text
-    assert not [w for w in _warnings(caplog, _args(tmp_path, *given, *enabling))
-                if w.startswith(f"{given[0]} ") and " is ignored" in w]
+    assert not [
+        w
+        for w in _warnings(caplog, _args(tmp_path, *given, *enabling))
+        if w.startswith(f"{given[0]} ") and " is ignored" in w
+    ]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method (uniform or block) "
-                                          "and --recompute-num-layers"),
-    (["--recompute-granularity", "selective", "--recompute-method", "uniform"],
-     "--recompute-granularity selective recomputes core attention in every layer: drop --recompute-method"),
-    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
-     "--recompute-num-layers 3 is more than the model's 2 layers"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--recompute-granularity", "full"],
+            "--recompute-granularity full needs --recompute-method (uniform or block) and --recompute-num-layers",
+        ),
+        (
+            ["--recompute-granularity", "selective", "--recompute-method", "uniform"],
+            "--recompute-granularity selective recomputes core attention in every layer: drop --recompute-method",
+        ),
+        (
+            ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+            "--recompute-num-layers 3 is more than the model's 2 layers",
+        ),
+    ],
+)
 def test_megatron_recompute_flags_are_checked_as_megatron_does(tmp_path, extra, message):
     with pytest.raises(ConfigError) as e:
         parse_args(_args(tmp_path, *MEGATRON, *extra, num_hidden_layers=2))
@@ -104,15 +145,35 @@ def test_megatron_recompute_flags_are_checked_as_megatron_does(tmp_path, extra, 
 
 
 def test_recompute_and_optimizer_flags_reach_each_backends_config(tmp_path):
-    fsdp = parse_args(_args(tmp_path, "--recompute-granularity", "selective", "--optimizer", "sgd",
-                            "--sgd-momentum", "0.5")).train
+    fsdp = parse_args(
+        _args(tmp_path, "--recompute-granularity", "selective", "--optimizer", "sgd", "--sgd-momentum", "0.5")
+    ).train
     assert fsdp.gradient_checkpointing and (fsdp.optimizer.optimizer, fsdp.optimizer.sgd_momentum) == ("sgd", 0.5)
-    meg = parse_args(_args(tmp_path, *MEGATRON, "--recompute-granularity", "full", "--recompute-method", "block",
-                           "--recompute-num-layers", "1", "--hidden-dropout", "0.1", "--attention-dropout", "0.2",
-                           "--attention-backend", "fused")).train
+    meg = parse_args(
+        _args(
+            tmp_path,
+            *MEGATRON,
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+            "--hidden-dropout",
+            "0.1",
+            "--attention-dropout",
+            "0.2",
+            "--attention-backend",
+            "fused",
+        )
+    ).train
     m = meg.megatron
-    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers, m.attention_backend) == \
-        ("full", "block", 1, "fused")
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers, m.attention_backend) == (
+        "full",
+        "block",
+        1,
+        "fused",
+    )
     assert (meg.hidden_dropout, meg.attention_dropout) == (0.1, 0.2)
     # --gradient-checkpointing on Megatron (refused before): full recompute of every layer.
     gc = parse_args(_args(tmp_path, *MEGATRON, "--gradient-checkpointing")).train.megatron
@@ -128,7 +189,8 @@ def test_what_this_machine_lacks_is_an_error_on_a_run_and_a_warning_under_check_
     assert cfg.check_config and cfg.train.megatron.sequence_parallel
     assert [w for w in cfg.warnings if w.startswith("--sequence-parallel needs Transformer Engine")] == [
         "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, which refuse "
-        "sequence parallelism) (missing on this machine; the machine that runs the job needs it)"]
+        "sequence parallelism) (missing on this machine; the machine that runs the job needs it)"
+    ]
 
 
 @pytest.mark.skipif(module_installed("sglang_router"), reason="sglang-router is installed here")
@@ -145,6 +207,9 @@ def test_a_megatron_checkpoint_as_ref_load_is_named_as_such(tmp_path):
     ref = tmp_path / "Qwen3-4B_torch_dist"
     (ref / "iter_0000000").mkdir(parents=True)
     (ref / "latest_checkpointed_iteration.txt").write_text("release")
-    with pytest.raises(ConfigError, match=rf"^--ref-load: {ref} is a Megatron \(torch_dist\) checkpoint, not an HF "
-                                          r"model folder"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^--ref-load: {ref} is a Megatron \(torch_dist\) checkpoint, not an HF "
+        r"model folder",
+    ):
         parse_args(_args(tmp_path, "--ref-load", str(ref)))

@@ -65,8 +65,9 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     """ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (getattr(node.test, "id", None) == "TYPE_CHECKING"
-                                         or getattr(node.test, "attr", None) == "TYPE_CHECKING"):
+        if isinstance(node, ast.If) and (
+            getattr(node.test, "id", None) == "TYPE_CHECKING" or getattr(node.test, "attr", None) == "TYPE_CHECKING"
+        ):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     return skip
 
@@ -181,9 +182,13 @@ def test_no_import_goes_up_a_layer():
 
 
 def test_no_import_skips_the_layer_between():
-    bad = sorted(f"{_where(importer)}:{line} imports {target} ({why})"
-                 for importer, imported in _graph().items() for target, line in imported.items()
-                 for (a, b), why in SKIPPED.items() if _top(importer) == a and _top(target) == b)
+    bad = sorted(
+        f"{_where(importer)}:{line} imports {target} ({why})"
+        for importer, imported in _graph().items()
+        for target, line in imported.items()
+        for (a, b), why in SKIPPED.items()
+        if _top(importer) == a and _top(target) == b
+    )
     assert bad == []
 
 

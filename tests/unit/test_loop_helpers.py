@@ -6,8 +6,7 @@ import pytest
 from miles_async.backends.packing import collate, pack_micro_batches
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.utils.async_utils import WaitTimeout, race
-from miles_async.utils.checkpoint import (atomic_write_bytes, iteration_dir, latest_checkpointed_iteration,
-                                          mark_complete)
+from miles_async.utils.checkpoint import atomic_write_bytes, iteration_dir, latest_checkpointed_iteration, mark_complete
 from miles_async.utils.misc import should_run_periodic_action
 
 
@@ -59,6 +58,7 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
 
     def boom(*a):
         raise OSError("disk full")
+
     monkeypatch.setattr("os.replace", boom)
     with pytest.raises(OSError):
         atomic_write_bytes(target, b"new")
@@ -71,11 +71,13 @@ def test_race_surfaces_a_failing_watched_task_quickly():
         async def producer():
             await asyncio.sleep(0.05)
             raise RuntimeError("producer died")
+
         watched = asyncio.ensure_future(producer())
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="producer died"):
             await race(asyncio.sleep(30), [watched], timeout=60, what="buffer")
         return time.monotonic() - t0
+
     assert asyncio.run(main()) < 5
 
 
@@ -103,6 +105,7 @@ def test_eval_dispatcher_bounds_in_flight_and_skips_failures():
             await d.dispatch(step)
         await d.drain()
         return peak, results, d.failures
+
     peak, results, failures = asyncio.run(main())
     assert peak == 2
     assert sorted(results) == [0, 1, 3, 4] and failures == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -14,9 +13,23 @@ from tests.flag_helpers import minimal_flags
 
 
 def _arch(**kw) -> ArchSpec:
-    base = dict(model_type="llama", vocab_size=10, hidden_size=8, ffn_hidden_size=12, num_layers=1, num_heads=4,
-                num_kv_heads=2, head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling_factor=None,
-                max_position_embeddings=32, tie_word_embeddings=True, qkv_bias=False, qk_norm=False)
+    base = dict(
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=8,
+        ffn_hidden_size=12,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling_factor=None,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=False,
+    )
     return ArchSpec(**{**base, **kw})
 
 
@@ -36,10 +49,12 @@ def test_fused_qkv_is_interleaved_by_key_value_group_and_splits_back():
 def test_tensor_parallel_shards_reassemble_the_fused_weights():
     arch = _arch(vocab_size=9)  # padded to 10 for TP 2
     g = torch.Generator().manual_seed(0)
-    hf = {"model.embed_tokens.weight": torch.randn(9, 8, generator=g),
-          "model.layers.0.mlp.gate_proj.weight": torch.randn(12, 8, generator=g),
-          "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g),
-          "model.layers.0.self_attn.o_proj.weight": torch.randn(8, 8, generator=g)}
+    hf = {
+        "model.embed_tokens.weight": torch.randn(9, 8, generator=g),
+        "model.layers.0.mlp.gate_proj.weight": torch.randn(12, 8, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(8, 8, generator=g),
+    }
     emb = [hf_shard("embedding.word_embeddings.weight", hf.__getitem__, arch, 2, r) for r in range(2)]
     assert [e.shape[0] for e in emb] == [5, 5] and torch.equal(torch.cat(emb)[:9], hf["model.embed_tokens.weight"])
     assert not torch.cat(emb)[9:].any()
@@ -47,8 +62,9 @@ def test_tensor_parallel_shards_reassemble_the_fused_weights():
     # each rank holds [its gate rows; its up rows]
     assert torch.equal(fc1[1][:6], hf["model.layers.0.mlp.gate_proj.weight"][6:])
     assert torch.equal(fc1[1][6:], hf["model.layers.0.mlp.up_proj.weight"][6:])
-    proj = [hf_shard("decoder.layers.0.self_attention.linear_proj.weight", hf.__getitem__, arch, 2, r)
-            for r in range(2)]
+    proj = [
+        hf_shard("decoder.layers.0.self_attention.linear_proj.weight", hf.__getitem__, arch, 2, r) for r in range(2)
+    ]
     assert torch.equal(torch.cat(proj, dim=1), hf["model.layers.0.self_attn.o_proj.weight"])
 
 
@@ -71,9 +87,17 @@ def test_arch_spec_reads_hf_configs_and_refuses_what_it_cannot_map():
     assert q3.qk_norm and not q3.qkv_bias and q3.head_dim == 32
     q2 = ArchSpec.from_hf(Qwen2Config(rope_theta=1e6))
     assert q2.qkv_bias and q2.rope_theta == 1e6
-    llama31 = ArchSpec.from_hf(LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0,
-                                                         "original_max_position_embeddings": 8192}))
+    llama31 = ArchSpec.from_hf(
+        LlamaConfig(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        )
+    )
     assert llama31.rope_scaling_factor == 8.0
     with pytest.raises(ValueError, match="hidden_act"):
         ArchSpec.from_hf(LlamaConfig(hidden_act="gelu"))
@@ -87,29 +111,50 @@ def setup(tmp_path):
 
 
 def test_megatron_flags_build_the_parallel_layout(setup):
-    cfg = parse_args(setup + ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4",
-                              "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])
+    cfg = parse_args(
+        setup
+        + [
+            "--train-backend",
+            "megatron",
+            "--actor-num-gpus-per-node",
+            "4",
+            "--tensor-model-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ]
+    )
     m = cfg.train.megatron
     assert (m.tensor_model_parallel_size, m.model_parallel_size, m.use_distributed_optimizer) == (2, 2, True)
     assert cfg.cluster.num_train_workers == 4
     assert parse_args(setup).train.megatron.model_parallel_size == 1
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    (["--tensor-model-parallel-size", "2"], "need --train-backend megatron"),
-    (["--train-backend", "megatron", "--tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
-     "must divide the model's 4 attention heads and 2 key/value heads"),
-    (["--train-backend", "megatron", "--tensor-model-parallel-size", "2"], "do not split into TP 2"),
-    (["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "--pipeline-model-parallel-size > 1 is not supported"),
-    (["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-     "--context-parallel-size > 1 is not supported"),
-    (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel"),
-    (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
-    (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
-    (["--train-backend", "megatron", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "2"],
-     "must split evenly over 3 data-parallel"),
-])
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--tensor-model-parallel-size", "2"], "need --train-backend megatron"),
+        (
+            ["--train-backend", "megatron", "--tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+            "must divide the model's 4 attention heads and 2 key/value heads",
+        ),
+        (["--train-backend", "megatron", "--tensor-model-parallel-size", "2"], "do not split into TP 2"),
+        (
+            ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            "--pipeline-model-parallel-size > 1 is not supported",
+        ),
+        (
+            ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            "--context-parallel-size > 1 is not supported",
+        ),
+        (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel"),
+        (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
+        (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
+        (
+            ["--train-backend", "megatron", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "2"],
+            "must split evenly over 3 data-parallel",
+        ),
+    ],
+)
 def test_megatron_flags_are_validated(setup, extra, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
         parse_args(setup + extra)

@@ -25,33 +25,58 @@ CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 # YaRN's factor and is accepted without effect (Megatron's llama3 factor --rope-scaling-factor defaults to 8).
 SLIME_MODEL_ARGS = {
     "Qwen3-4B": "--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32 "
-                "--group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear "
-                "--normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 "
-                "--kv-channels 128 --qk-layernorm",
+    "--group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear "
+    "--normalization RMSNorm --norm-epsilon 1e-6 --rotary-base 1000000 --vocab-size 151936 "
+    "--kv-channels 128 --qk-layernorm",
     "Qwen2.5-7B": "--swiglu --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28 "
-                  "--group-query-attention --num-query-groups 4 --use-rotary-position-embeddings "
-                  "--disable-bias-linear --add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-06 "
-                  "--rotary-base 1000000 --vocab-size 152064 --untie-embeddings-and-output-weights",
+    "--group-query-attention --num-query-groups 4 --use-rotary-position-embeddings "
+    "--disable-bias-linear --add-qkv-bias --normalization RMSNorm --norm-epsilon 1e-06 "
+    "--rotary-base 1000000 --vocab-size 152064 --untie-embeddings-and-output-weights",
     "Llama-3.1-8B": "--swiglu --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
-                    "--group-query-attention --num-query-groups 8 --max-position-embeddings 131072 "
-                    "--use-rotary-position-embeddings --disable-bias-linear --normalization RMSNorm "
-                    "--norm-epsilon 1e-5 --rotary-base 500000 --vocab-size 128256 --kv-channels 128 "
-                    "--use-rope-scaling --rotary-scaling-factor 8.0 --untie-embeddings-and-output-weights",
+    "--group-query-attention --num-query-groups 8 --max-position-embeddings 131072 "
+    "--use-rotary-position-embeddings --disable-bias-linear --normalization RMSNorm "
+    "--norm-epsilon 1e-5 --rotary-base 500000 --vocab-size 128256 --kv-channels 128 "
+    "--use-rope-scaling --rotary-scaling-factor 8.0 --untie-embeddings-and-output-weights",
 }
 OUR_MODEL_ARGS = {"Qwen3-4B": "qwen3-4B", "Qwen2.5-7B": "qwen2.5-7B", "Llama-3.1-8B": "llama3.1-8B"}
 
 # Qwen/Qwen3-30B-A3B's published config.json (from the same collection as Qwen2.5-7B's and Llama-3.1-8B's, see
 # tests/scripts/model_configs/README.md), and the MODEL_ARGS slime and Miles publish for it.
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 QWEN3_30B_A3B_MODEL_ARGS = (
     "--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 32 --num-query-groups 4 "
@@ -76,8 +101,13 @@ def _namespace(words: list[str]):
 
 def _script_model_args(name: str) -> list[str]:
     script = ROOT / "scripts" / "models" / f"{name}.sh"
-    out = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_", str(script)],
-                         capture_output=True, text=True, timeout=10, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", 'source "$1"; printf "%s\\0" "${MODEL_ARGS[@]}"', "_", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
     return out.split("\0")[:-1]
 
 
@@ -99,12 +129,26 @@ def test_the_mapping_regenerates_each_published_model_args(model, source):
 
 def test_the_mapping_of_qwen3_4b_flag_by_flag():
     assert megatron_args(_published("Qwen3-4B")) == {
-        "--num-layers": 36, "--hidden-size": 2560, "--ffn-hidden-size": 9728, "--num-attention-heads": 32,
-        "--num-query-groups": 8, "--kv-channels": 128, "--swiglu": True, "--normalization": "RMSNorm",
-        "--norm-epsilon": 1e-6, "--position-embedding-type": "rope", "--rotary-base": 1e6, "--rotary-percent": 1.0,
-        "--use-rope-scaling": False, "--max-position-embeddings": 40960, "--vocab-size": 151936,
-        "--untie-embeddings-and-output-weights": False, "--qk-layernorm": True, "--add-qkv-bias": False,
-        "--disable-bias-linear": True, "--num-experts": None,
+        "--num-layers": 36,
+        "--hidden-size": 2560,
+        "--ffn-hidden-size": 9728,
+        "--num-attention-heads": 32,
+        "--num-query-groups": 8,
+        "--kv-channels": 128,
+        "--swiglu": True,
+        "--normalization": "RMSNorm",
+        "--norm-epsilon": 1e-6,
+        "--position-embedding-type": "rope",
+        "--rotary-base": 1e6,
+        "--rotary-percent": 1.0,
+        "--use-rope-scaling": False,
+        "--max-position-embeddings": 40960,
+        "--vocab-size": 151936,
+        "--untie-embeddings-and-output-weights": False,
+        "--qk-layernorm": True,
+        "--add-qkv-bias": False,
+        "--disable-bias-linear": True,
+        "--num-experts": None,
     }
 
 
@@ -127,17 +171,37 @@ def test_llama3_rope_scaling_and_qwen2_biases():
 
 def test_moe_models_map_to_megatron_moe_flags():
     qwen3_moe = megatron_args(QWEN3_30B_A3B)
-    assert {k: qwen3_moe[k] for k in ("--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
-                                      "--ffn-hidden-size", "--moe-router-score-function")} == {
-        "--num-experts": 128, "--moe-router-topk": 8, "--moe-ffn-hidden-size": 768, "--ffn-hidden-size": 6144,
-        "--moe-router-score-function": "softmax"}
+    assert {
+        k: qwen3_moe[k]
+        for k in (
+            "--num-experts",
+            "--moe-router-topk",
+            "--moe-ffn-hidden-size",
+            "--ffn-hidden-size",
+            "--moe-router-score-function",
+        )
+    } == {
+        "--num-experts": 128,
+        "--moe-router-topk": 8,
+        "--moe-ffn-hidden-size": 768,
+        "--ffn-hidden-size": 6144,
+        "--moe-router-score-function": "softmax",
+    }
     assert qwen3_moe["--moe-layer-freq"] == [1] * 48 and qwen3_moe["--qk-layernorm"]
     assert mismatches(_namespace(QWEN3_30B_A3B_MODEL_ARGS.split()), QWEN3_30B_A3B, "config.json") == []
     # Dense layers listed in mlp_only_layers, and a sparse step of 2, are 0s of --moe-layer-freq.
-    assert megatron_args({**QWEN3_30B_A3B, "num_hidden_layers": 4, "mlp_only_layers": [0]})["--moe-layer-freq"] == \
-        [0, 1, 1, 1]
-    assert megatron_args({**QWEN3_30B_A3B, "num_hidden_layers": 4, "decoder_sparse_step": 2})["--moe-layer-freq"] == \
-        [0, 1, 0, 1]
+    assert megatron_args({**QWEN3_30B_A3B, "num_hidden_layers": 4, "mlp_only_layers": [0]})["--moe-layer-freq"] == [
+        0,
+        1,
+        1,
+        1,
+    ]
+    assert megatron_args({**QWEN3_30B_A3B, "num_hidden_layers": 4, "decoder_sparse_step": 2})["--moe-layer-freq"] == [
+        0,
+        1,
+        0,
+        1,
+    ]
     from transformers import MixtralConfig, Qwen2MoeConfig
 
     mixtral = megatron_args(MixtralConfig().to_dict())  # transformers' defaults: Mixtral-8x7B's shape
@@ -150,52 +214,84 @@ def test_moe_models_map_to_megatron_moe_flags():
 def test_moe_flags_that_contradict_the_config_are_named():
     words = QWEN3_30B_A3B_MODEL_ARGS.replace("--moe-router-topk 8", "--moe-router-topk 2").split()
     assert mismatches(_namespace(words), QWEN3_30B_A3B, "m/config.json") == [
-        "--moe-router-topk 2 does not match m/config.json: num_experts_per_tok 8 (that is --moe-router-topk 8)"]
+        "--moe-router-topk 2 does not match m/config.json: num_experts_per_tok 8 (that is --moe-router-topk 8)"
+    ]
     dense_flags = SLIME_MODEL_ARGS["Qwen3-4B"].split()  # a dense description of an MoE checkpoint
-    assert any(p.startswith("--num-experts not given (Megatron-LM then uses None: a dense model) does not match "
-                            "m/config.json: num_experts 128")
-               for p in mismatches(_namespace(dense_flags), QWEN3_30B_A3B, "m/config.json"))
+    assert any(
+        p.startswith(
+            "--num-experts not given (Megatron-LM then uses None: a dense model) does not match "
+            "m/config.json: num_experts 128"
+        )
+        for p in mismatches(_namespace(dense_flags), QWEN3_30B_A3B, "m/config.json")
+    )
 
 
 def test_a_mismatch_names_the_flag_its_value_and_the_configs():
     words = SLIME_MODEL_ARGS["Qwen3-4B"].replace("--num-layers 36", "--num-layers 28").split()
     assert mismatches(_namespace(words), _published("Qwen3-4B"), "m/config.json") == [
-        "--num-layers 28 does not match m/config.json: num_hidden_layers 36 (that is --num-layers 36)"]
+        "--num-layers 28 does not match m/config.json: num_hidden_layers 36 (that is --num-layers 36)"
+    ]
 
 
-@pytest.mark.parametrize("drop, message", [
-    ("--kv-channels 128", "--kv-channels not given (Megatron-LM then uses 80: --hidden-size / --num-attention-heads) "
-                          "does not match m/config.json: head_dim 128 (that is --kv-channels 128)"),
-    ("--swiglu", "no --swiglu does not match m/config.json: hidden_act silu (that is --swiglu)"),
-    ("--group-query-attention", "--num-query-groups not given (Megatron-LM then uses 32: no --group-query-attention:"
-                                " every head its own group) does not match m/config.json: num_key_value_heads 8 "
-                                "(that is --num-query-groups 8)"),
-    ("--norm-epsilon 1e-6", "--norm-epsilon not given (Megatron-LM then uses 1e-05) does not match m/config.json: "
-                            "rms_norm_eps 1e-06 (that is --norm-epsilon 1e-06)"),
-    ("--use-rotary-position-embeddings", "--position-embedding-type not given (Megatron-LM then uses "
-                                         "learned_absolute) does not match m/config.json: model_type qwen3 (that is "
-                                         "--position-embedding-type rope)"),
-])
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (
+            "--kv-channels 128",
+            "--kv-channels not given (Megatron-LM then uses 80: --hidden-size / --num-attention-heads) "
+            "does not match m/config.json: head_dim 128 (that is --kv-channels 128)",
+        ),
+        ("--swiglu", "no --swiglu does not match m/config.json: hidden_act silu (that is --swiglu)"),
+        (
+            "--group-query-attention",
+            "--num-query-groups not given (Megatron-LM then uses 32: no --group-query-attention:"
+            " every head its own group) does not match m/config.json: num_key_value_heads 8 "
+            "(that is --num-query-groups 8)",
+        ),
+        (
+            "--norm-epsilon 1e-6",
+            "--norm-epsilon not given (Megatron-LM then uses 1e-05) does not match m/config.json: "
+            "rms_norm_eps 1e-06 (that is --norm-epsilon 1e-06)",
+        ),
+        (
+            "--use-rotary-position-embeddings",
+            "--position-embedding-type not given (Megatron-LM then uses "
+            "learned_absolute) does not match m/config.json: model_type qwen3 (that is "
+            "--position-embedding-type rope)",
+        ),
+    ],
+)
 def test_a_flag_left_out_is_compared_in_megatrons_default(drop, message):
     """Without a flag Megatron-LM builds its default, which must be the checkpoint's too."""
     words = SLIME_MODEL_ARGS["Qwen3-4B"].replace(drop, "").split()
     assert mismatches(_namespace(words), _published("Qwen3-4B"), "m/config.json") == [message]
 
 
-@pytest.mark.parametrize("vocab, divisible_by, ok", [
-    ("32001", "128", True),  # config.json's vocab_size
-    ("32128", "128", True),  # that size after Megatron-LM's padding
-    ("32064", "64", True),
-    ("32064", "128", False),
-    ("32000", "128", False),
-])
+@pytest.mark.parametrize(
+    "vocab, divisible_by, ok",
+    [
+        ("32001", "128", True),  # config.json's vocab_size
+        ("32128", "128", True),  # that size after Megatron-LM's padding
+        ("32064", "64", True),
+        ("32064", "128", False),
+        ("32000", "128", False),
+    ],
+)
 def test_vocab_size_may_be_given_before_or_after_megatrons_padding(vocab, divisible_by, ok):
     hf = {**_published("Llama-3.1-8B"), "vocab_size": 32001}
-    words = [*SLIME_MODEL_ARGS["Llama-3.1-8B"].replace("--vocab-size 128256", "").split(), "--vocab-size", vocab,
-             "--make-vocab-size-divisible-by", divisible_by]
+    words = [
+        *SLIME_MODEL_ARGS["Llama-3.1-8B"].replace("--vocab-size 128256", "").split(),
+        "--vocab-size",
+        vocab,
+        "--make-vocab-size-divisible-by",
+        divisible_by,
+    ]
     problems = mismatches(_namespace(words), hf, "m/config.json")
-    assert problems == ([] if ok else [f"--vocab-size {vocab} does not match m/config.json: vocab_size 32001 (that is "
-                                       f"--vocab-size 32001)"])
+    assert problems == (
+        []
+        if ok
+        else [f"--vocab-size {vocab} does not match m/config.json: vocab_size 32001 (that is --vocab-size 32001)"]
+    )
 
 
 def test_parse_args_refuses_a_model_description_of_another_checkpoint(tmp_path):
@@ -204,8 +300,10 @@ def test_parse_args_refuses_a_model_description_of_another_checkpoint(tmp_path):
     parse_args([*flags, "--num-rollout", "1", *SLIME_MODEL_ARGS["Qwen3-4B"].split()])  # its own description passes
     with pytest.raises(ConfigError) as e:
         parse_args([*flags, "--num-rollout", "1", *SLIME_MODEL_ARGS["Qwen2.5-7B"].split()])
-    assert str(e.value).startswith("the model flags do not describe --hf-checkpoint's model:\n  --num-layers 28 "
-                                   f"does not match {tmp_path / 'model'}/config.json: num_hidden_layers 36")
+    assert str(e.value).startswith(
+        "the model flags do not describe --hf-checkpoint's model:\n  --num-layers 28 "
+        f"does not match {tmp_path / 'model'}/config.json: num_hidden_layers 36"
+    )
 
 
 def test_without_model_flags_config_json_is_not_compared(tmp_path):

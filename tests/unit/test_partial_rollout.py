@@ -68,13 +68,22 @@ def aborted_sample(tokens: list[int], version: int = 0) -> Sample:
 
 
 def rollout_ctx(router: ScriptedRouter, partial: bool, mask: bool = False) -> RolloutContext:
-    return RolloutContext(data_source=None, generate_ctx=GenerateContext(router, LetterTokenizer()),
-                          generate_fn=generate_sample, reward=ZeroReward(), apply_chat_template=False,
-                          n_samples_per_prompt=1, sampling_params={}, semaphore=asyncio.Semaphore(4),
-                          partial_rollout=partial, mask_offpolicy_in_partial_rollout=mask)
+    return RolloutContext(
+        data_source=None,
+        generate_ctx=GenerateContext(router, LetterTokenizer()),
+        generate_fn=generate_sample,
+        reward=ZeroReward(),
+        apply_chat_template=False,
+        n_samples_per_prompt=1,
+        sampling_params={},
+        semaphore=asyncio.Semaphore(4),
+        partial_rollout=partial,
+        mask_offpolicy_in_partial_rollout=mask,
+    )
 
 
 # -- appending outputs ------------------------------------------------------------------
+
 
 def test_apply_engine_output_replaces_by_default():
     s = aborted_sample([10, 11])
@@ -106,6 +115,7 @@ def test_append_refuses_misaligned_columns():
 
 
 # -- remaining budget -------------------------------------------------------------------
+
 
 def test_continuation_request_sends_the_tokens_so_far_and_the_remaining_budget():
     s = aborted_sample([10, 11, 12])
@@ -151,9 +161,16 @@ def test_generate_sample_finishes_a_spent_sample_without_a_request():
 
 # -- the rollout driver -----------------------------------------------------------------
 
+
 def test_partial_rollout_resumes_across_several_aborts():
-    router = ScriptedRouter([engine_output([10, 11], 0, "abort"), engine_output([12], 1, "abort"),
-                             engine_output([], 2, "abort"), engine_output([13, 14, 15], 2, "length")])
+    router = ScriptedRouter(
+        [
+            engine_output([10, 11], 0, "abort"),
+            engine_output([12], 1, "abort"),
+            engine_output([], 2, "abort"),
+            engine_output([13, 14, 15], 2, "length"),
+        ]
+    )
     s = asyncio.run(generate_one(rollout_ctx(router, partial=True), new_sample(), {"max_new_tokens": 6}))
     assert [c[1]["max_new_tokens"] for c in router.calls] == [6, 4, 3, 3]
     assert router.calls[-1][0] == PROMPT + [10, 11, 12]
@@ -214,6 +231,7 @@ def test_driver_masks_offpolicy_tokens_when_asked():
 
 # -- masking off-policy tokens ----------------------------------------------------------
 
+
 def test_mask_zeroes_tokens_older_than_the_newest_version():
     s = new_sample()
     s.response_tokens, s.weight_versions = [1, 2, 3, 4, 5], [3, 3, 4, 5, 5]
@@ -267,6 +285,7 @@ def test_metrics_are_zero_without_partial_rollouts():
 
 # -- flags ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def base_args(tmp_path):
     return [*minimal_flags(tmp_path, n_prompts=8), "--num-rollout", "2"]
@@ -278,8 +297,9 @@ def test_flags_default_off(base_args):
 
 
 def test_flags_reach_the_rollout_config(base_args):
-    cfg = parse_args(base_args + ["--partial-rollout", "--mask-offpolicy-in-partial-rollout",
-                                  "--pause-generation-mode", "abort"])
+    cfg = parse_args(
+        base_args + ["--partial-rollout", "--mask-offpolicy-in-partial-rollout", "--pause-generation-mode", "abort"]
+    )
     assert cfg.rollout.partial_rollout and cfg.rollout.mask_offpolicy_in_partial_rollout
     assert parse_args(base_args + ["--partial-rollout"]).rollout.mask_offpolicy_in_partial_rollout is False
 

@@ -91,6 +91,7 @@ def test_a_bad_request_is_not_retried():
 
 def test_requests_on_an_engine_taken_out_are_cancelled_and_retried():
     """A hung engine: its requests never answer; the controller takes it out and they move on."""
+
     async def go():
         r = make(["a", "b"], retry=True)
         r.clients["a"].gate = asyncio.Event()  # never opens

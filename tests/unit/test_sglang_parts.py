@@ -20,9 +20,23 @@ def _args(tmp_path, *extra):
 
 
 def test_sglang_flags_pass_through(tmp_path):
-    cfg = parse_args(_args(tmp_path, "--rollout-backend", "sglang", "--sglang-mem-fraction-static", "0.7",
-                           "--sglang-enable-metrics", "--sglang-attention-backend=fa3", "--sglang-python", "/x/python",
-                           "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"))
+    cfg = parse_args(
+        _args(
+            tmp_path,
+            "--rollout-backend",
+            "sglang",
+            "--sglang-mem-fraction-static",
+            "0.7",
+            "--sglang-enable-metrics",
+            "--sglang-attention-backend=fa3",
+            "--sglang-python",
+            "/x/python",
+            "--rollout-num-gpus",
+            "4",
+            "--rollout-num-gpus-per-engine",
+            "2",
+        )
+    )
     e = cfg.engine
     assert e.backend == "sglang" and e.sglang_python == "/x/python"
     assert e.sglang_args == ("--mem-fraction-static", "0.7", "--enable-metrics", "--attention-backend", "fa3")
@@ -47,8 +61,19 @@ def test_sglang_refuses_what_it_cannot_do_yet(tmp_path):
 def test_launch_command(tmp_path):
     from dataclasses import replace
 
-    cfg = parse_args(_args(tmp_path, "--rollout-backend", "sglang", "--sglang-python", "/venv/bin/python",
-                           "--sglang-max-total-tokens", "4096", "--rollout-dtype", "float32")).engine
+    cfg = parse_args(
+        _args(
+            tmp_path,
+            "--rollout-backend",
+            "sglang",
+            "--sglang-python",
+            "/venv/bin/python",
+            "--sglang-max-total-tokens",
+            "4096",
+            "--rollout-dtype",
+            "float32",
+        )
+    ).engine
     proc = make_engine_process(replace(cfg, use_gpu=False), 1, None)
     assert isinstance(proc, SGLangEngineProcess)
     cmd = proc.command()
@@ -68,8 +93,10 @@ def test_launch_command(tmp_path):
 
 
 def test_sglang_meta_is_normalized():
-    meta = {"weight_version": "3", "weight_versions": [{"version": "2", "start": 0, "end": 2},
-                                                       {"version": "3", "start": 2, "end": 5}]}
+    meta = {
+        "weight_version": "3",
+        "weight_versions": [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 5}],
+    }
     normalize_meta(meta, 5)
     assert meta["weight_version"] == 3
     assert meta["output_token_weight_versions"] == [2, 2, 3, 3, 3]
@@ -88,8 +115,14 @@ def _stand_in():
 def test_cpu_stand_in_assign_req_to_token_pool():
     k = _stand_in()
     req_to_token = torch.zeros(3, 8, dtype=torch.int32)
-    k.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), req_to_token, torch.tensor([1, 0]), torch.tensor([3, 3]),
-                                   torch.tensor([10, 11, 20, 21, 22]), 8)
+    k.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]),
+        req_to_token,
+        torch.tensor([1, 0]),
+        torch.tensor([3, 3]),
+        torch.tensor([10, 11, 20, 21, 22]),
+        8,
+    )
     assert req_to_token[2, :4].tolist() == [0, 10, 11, 0]
     assert req_to_token[0, :4].tolist() == [20, 21, 22, 0]
     assert req_to_token[1].sum() == 0

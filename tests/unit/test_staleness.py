@@ -21,24 +21,24 @@ import asyncio
 import json
 import random
 import selectors
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Callable
 
 import pytest
-from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from miles_async.assets.tiny_model import build_tiny_tokenizer
 from miles_async.config import DataConfig, RewardConfig
 from miles_async.rollout.data_source import DataSource, PromptItem
-from miles_async.rollout.filters import BatchAssembler, starved_by_filter, zero_variance_groups
+from miles_async.rollout.filters import BatchAssembler, starved_by_filter
 from miles_async.rollout.fully_async import FullyAsyncProducer, ProducerError
 from miles_async.rollout.generate import GenerateContext
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext
 from miles_async.rollout.sample import Sample, SampleStatus
-from miles_async.rollout.staleness import StalenessManager, staleness_of
+from miles_async.rollout.staleness import StalenessManager
 
 FAST = settings(max_examples=60, deadline=None)
 ROLLOUT_TIMEOUT = 3600.0  # virtual seconds; the loop waits for a batch this long, as train_async.py does
@@ -47,6 +47,7 @@ ROLLOUT_TIMEOUT = 3600.0  # virtual seconds; the loop waits for a batch this lon
 # ---------------------------------------------------------------------------------------------
 # The harness: a virtual clock, a scripted engine, a trainer
 # ---------------------------------------------------------------------------------------------
+
 
 class _VirtualSelector(selectors.DefaultSelector):
     """Never blocks: waiting for the next timer moves the virtual clock to it instead."""
@@ -86,8 +87,13 @@ class ScriptedEngine:
     the whole group answers "1" (and the zero-variance filter drops it).
     """
 
-    def __init__(self, duration: Callable[[Sample], float], zero_variance: Callable[[int], bool] = lambda g: False,
-                 record_versions: bool = True, mask_first_token: bool = False):
+    def __init__(
+        self,
+        duration: Callable[[Sample], float],
+        zero_variance: Callable[[int], bool] = lambda g: False,
+        record_versions: bool = True,
+        mask_first_token: bool = False,
+    ):
         self.duration = duration
         self.zero_variance = zero_variance
         self.record_versions = record_versions
@@ -116,16 +122,39 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def make_producer(engine: ScriptedEngine, *, batch: int, stale: int, conc: int, n_prompts: int = 64,
-                  n_samples: int = 2, seed: int = 0, metadata: dict | None = None) -> FullyAsyncProducer:
+def make_producer(
+    engine: ScriptedEngine,
+    *,
+    batch: int,
+    stale: int,
+    conc: int,
+    n_prompts: int = 64,
+    n_samples: int = 2,
+    seed: int = 0,
+    metadata: dict | None = None,
+) -> FullyAsyncProducer:
     """Built as ``ray/rollout_executor.py`` builds it; call inside the running (virtual) loop."""
     items = [PromptItem(f"p{i}", f"q{i}", "1", dict(metadata or {})) for i in range(n_prompts)]
     data = DataSource(DataConfig("unused", "prompt", "label", "metadata", False, None, True, seed), batch, items)
-    ctx = RolloutContext(data, GenerateContext(None, tokenizer()), engine.generate,
-                         RewardModel(RewardConfig("exact", None, "raise")), False, n_samples,
-                         {"max_new_tokens": 2}, asyncio.Semaphore(1000))
-    return FullyAsyncProducer(ctx, data, StalenessManager(conc, batch, stale), BatchAssembler(batch, 0.0),
-                              60.0, ROLLOUT_TIMEOUT, clock=asyncio.get_running_loop().time)
+    ctx = RolloutContext(
+        data,
+        GenerateContext(None, tokenizer()),
+        engine.generate,
+        RewardModel(RewardConfig("exact", None, "raise")),
+        False,
+        n_samples,
+        {"max_new_tokens": 2},
+        asyncio.Semaphore(1000),
+    )
+    return FullyAsyncProducer(
+        ctx,
+        data,
+        StalenessManager(conc, batch, stale),
+        BatchAssembler(batch, 0.0),
+        60.0,
+        ROLLOUT_TIMEOUT,
+        clock=asyncio.get_running_loop().time,
+    )
 
 
 @dataclass
@@ -138,8 +167,13 @@ class Step:
     started_while_training: int = 0  # requests
 
 
-async def train(producer: FullyAsyncProducer, engine: ScriptedEngine, n_steps: int, train_time: float = 1.0,
-                update_time: float = 0.0) -> list[Step]:
+async def train(
+    producer: FullyAsyncProducer,
+    engine: ScriptedEngine,
+    n_steps: int,
+    train_time: float = 1.0,
+    update_time: float = 0.0,
+) -> list[Step]:
     steps = []
     for step in range(producer.current_step, producer.current_step + n_steps):
         batch = await asyncio.wait_for(producer.get_batch(), ROLLOUT_TIMEOUT)
@@ -154,14 +188,16 @@ async def train(producer: FullyAsyncProducer, engine: ScriptedEngine, n_steps: i
     return steps
 
 
-def run_steps(engine: ScriptedEngine, n_steps: int, train_time: float = 1.0, update_time: float = 0.0,
-              **kw) -> tuple[list[Step], FullyAsyncProducer]:
+def run_steps(
+    engine: ScriptedEngine, n_steps: int, train_time: float = 1.0, update_time: float = 0.0, **kw
+) -> tuple[list[Step], FullyAsyncProducer]:
     async def main():
         producer = make_producer(engine, **kw)
         try:
             return await train(producer, engine, n_steps, train_time, update_time), producer
         finally:
             await producer.stop()
+
     return run_virtual(main())
 
 
@@ -178,19 +214,28 @@ def seeded(seed: int, *key) -> random.Random:
 # The staleness bound, under random completion order
 # ---------------------------------------------------------------------------------------------
 
-sim_params = dict(conc=st.integers(1, 12), batch=st.integers(1, 4), stale=st.integers(0, 3),
-                  filter_p=st.sampled_from([0.0, 0.3, 0.7]), seed=st.integers(0, 2**32 - 1),
-                  train_time=st.sampled_from([0.1, 1.0, 5.0]), update_time=st.sampled_from([0.0, 0.5]))
+sim_params = dict(
+    conc=st.integers(1, 12),
+    batch=st.integers(1, 4),
+    stale=st.integers(0, 3),
+    filter_p=st.sampled_from([0.0, 0.3, 0.7]),
+    seed=st.integers(0, 2**32 - 1),
+    train_time=st.sampled_from([0.1, 1.0, 5.0]),
+    update_time=st.sampled_from([0.0, 0.5]),
+)
 
 
 @FAST
 @given(**sim_params)
-def test_random_durations_never_train_a_token_beyond_the_staleness_bound(conc, batch, stale, filter_p, seed,
-                                                                         train_time, update_time):
+def test_random_durations_never_train_a_token_beyond_the_staleness_bound(
+    conc, batch, stale, filter_p, seed, train_time, update_time
+):
     engine = ScriptedEngine(
-        duration=lambda s: seeded(seed, s.group_index, s.index).expovariate(1.0) * seeded(seed, s.group_index).choice(
-            [0.2, 1.0, 10.0]),
-        zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p)
+        duration=lambda s: (
+            seeded(seed, s.group_index, s.index).expovariate(1.0) * seeded(seed, s.group_index).choice([0.2, 1.0, 10.0])
+        ),
+        zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p,
+    )
     steps, producer = run_steps(engine, 8, train_time, update_time, batch=batch, stale=stale, conc=conc, seed=seed)
     assert [len(s.groups) for s in steps] == [batch] * 8
     for s in steps:
@@ -209,11 +254,18 @@ def test_in_order_completion_needs_no_regeneration(conc, batch, stale, filter_p,
 
 
 @FAST
-@given(conc=st.integers(1, 12), batch=st.integers(1, 4), filter_p=st.sampled_from([0.0, 0.5]),
-       seed=st.integers(0, 2**32 - 1), train_time=st.sampled_from([0.1, 5.0]))
+@given(
+    conc=st.integers(1, 12),
+    batch=st.integers(1, 4),
+    filter_p=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 2**32 - 1),
+    train_time=st.sampled_from([0.1, 5.0]),
+)
 def test_zero_staleness_is_strictly_synchronous(conc, batch, filter_p, seed, train_time):
-    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index, s.index).expovariate(1.0) * 5,
-                            zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p)
+    engine = ScriptedEngine(
+        duration=lambda s: seeded(seed, s.group_index, s.index).expovariate(1.0) * 5,
+        zero_variance=lambda g: seeded(seed, "zv", g).random() < filter_p,
+    )
     steps, producer = run_steps(engine, 6, train_time, batch=batch, stale=0, conc=conc, seed=seed)
     # Every trained token comes from the weights of the very step that trains it, nothing
     # generates while the trainer works, and nothing ever had to be thrown away for staleness.
@@ -225,8 +277,10 @@ def test_zero_staleness_is_strictly_synchronous(conc, batch, filter_p, seed, tra
 @settings(max_examples=30, deadline=None)
 @given(conc=st.integers(1, 8), batch=st.integers(1, 4), stale=st.integers(0, 2), seed=st.integers(0, 2**32 - 1))
 def test_heavy_filtering_still_makes_progress(conc, batch, stale, seed):
-    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 3.0),
-                            zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.9)
+    engine = ScriptedEngine(
+        duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 3.0),
+        zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.9,
+    )
     # 400 prompts: a full pass of drops in a row (the starvation rule) is out of reach at 90%.
     steps, producer = run_steps(engine, 5, batch=batch, stale=stale, conc=conc, seed=seed, n_prompts=400)
     assert [len(s.groups) for s in steps] == [batch] * 5
@@ -273,6 +327,7 @@ def test_a_generate_function_without_versions_is_bounded_by_the_submission_step(
 # The producer's own record, the zero-variance filter, resume
 # ---------------------------------------------------------------------------------------------
 
+
 def test_the_datasets_metadata_is_never_overwritten():
     user = {"epoch": "from the dataset", "submitted_at_step": ["also", "the dataset's"]}
     engine = straggler_engine()
@@ -300,8 +355,11 @@ def test_a_filter_that_keeps_nothing_fails_naming_it_instead_of_waiting_for_the_
         producer = make_producer(engine, batch=2, stale=1, conc=1, n_prompts=16)
         try:
             trained = await train(producer, engine, 3)  # groups 1..6 are informative: 3 batches
-            with pytest.raises(ProducerError, match=r"--zero-variance-filter dropped 16 groups in a row, a full pass "
-                                                    r"over the 16 prompts.*\[1\.0, 1\.0\]"):
+            with pytest.raises(
+                ProducerError,
+                match=r"--zero-variance-filter dropped 16 groups in a row, a full pass "
+                r"over the 16 prompts.*\[1\.0, 1\.0\]",
+            ):
                 await asyncio.wait_for(producer.get_batch(), ROLLOUT_TIMEOUT)
             return trained, producer, asyncio.get_running_loop().time()
         finally:
@@ -313,11 +371,19 @@ def test_a_filter_that_keeps_nothing_fails_naming_it_instead_of_waiting_for_the_
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(6, 20), batch=st.integers(1, 3), stale=st.integers(0, 2), conc=st.integers(1, 6),
-       seed=st.integers(0, 2**32 - 1), crash=st.integers(1, 3))
+@given(
+    n=st.integers(6, 20),
+    batch=st.integers(1, 3),
+    stale=st.integers(0, 2),
+    conc=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+    crash=st.integers(1, 3),
+)
 def test_a_resumed_producer_trains_every_prompt_of_an_epoch_once(n, batch, stale, conc, seed, crash):
-    engine = ScriptedEngine(duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 5.0),
-                            zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.3)
+    engine = ScriptedEngine(
+        duration=lambda s: seeded(seed, s.group_index).uniform(0.1, 5.0),
+        zero_variance=lambda g: seeded(seed, "zv", g).random() < 0.3,
+    )
     common = dict(batch=batch, stale=stale, conc=conc, n_prompts=n, seed=seed)
 
     async def main():
@@ -338,223 +404,3 @@ def test_a_resumed_producer_trains_every_prompt_of_an_epoch_once(n, batch, stale
     assert len(trained) == len(set(trained)), "a prompt was trained twice in one epoch"
     assert [s.step for s in after] == list(range(crash, crash + len(after)))
     assert consumed_in_epoch_0 == {f"p{i}" for i in range(n)}  # every prompt trained or filtered
-
-
-# ---------------------------------------------------------------------------------------------
-# The one definition of staleness
-# ---------------------------------------------------------------------------------------------
-
-def sample(versions: list[int], mask: list[int] | None = None, n_tokens: int | None = None) -> Sample:
-    n = len(versions) if n_tokens is None else n_tokens
-    return Sample("u", 0, 0, "p", response_tokens=[1] * n, weight_versions=versions, loss_mask=mask)
-
-
-def test_staleness_of_counts_the_oldest_trained_token():
-    assert staleness_of(sample([5, 4, 3]), 5, unrecorded_version=0) == 2
-    assert staleness_of(sample([2, 5], mask=[0, 1]), 5, unrecorded_version=0) == 0  # not trained
-    assert staleness_of(sample([2, 5], mask=[0, 0]), 5, unrecorded_version=0) == 0  # nothing trained
-    assert staleness_of(sample([6]), 5, unrecorded_version=0) == 0  # served before on_step caught up
-    assert staleness_of(sample([], n_tokens=3), 5, unrecorded_version=2) == 3
-    assert staleness_of(sample([], n_tokens=0), 5, unrecorded_version=2) == 0
-    with pytest.raises(ValueError, match="uid=u: 1 weight versions but a loss mask of 2"):
-        staleness_of(sample([1], mask=[1, 1]), 3, unrecorded_version=0)
-
-
-# ---------------------------------------------------------------------------------------------
-# StalenessManager
-# ---------------------------------------------------------------------------------------------
-
-def counts(m: StalenessManager) -> tuple[int, ...]:
-    return (m.current_step, m.submitted, m.accepted, m.running, m.filtered)
-
-
-@pytest.mark.parametrize("args", [(0, 1, 0), (1, 0, 0), (1, 1, -1), (1.5, 1, 0), (True, 1, 0), (1, 1, None)])
-def test_constructor_rejects_bad_arguments(args):
-    with pytest.raises(ValueError):
-        StalenessManager(*args)
-
-
-def test_capacity_formula_and_synchronous_budget():
-    m = StalenessManager(max_concurrent_groups=100, batch_size=4, max_staleness_steps=0)
-    assert m.capacity() == 4  # exactly the batch of step 0
-    for _ in range(4):
-        assert m.try_submit()
-    assert not m.try_submit() and m.capacity() == 0
-    m.on_accepted()
-    m.on_filtered()  # a dropped group is replaced, not waited for
-    assert m.capacity() == 1 and m.try_submit()
-    for _ in range(4):
-        m.on_accepted()
-    with pytest.raises(ValueError):
-        m.on_step(2)  # only one batch exists
-    m.on_step(1)
-    assert m.capacity() == 4 and m.pending == 0
-
-
-def test_capacity_is_capped_by_concurrency_and_runs_ahead_by_staleness():
-    m = StalenessManager(max_concurrent_groups=3, batch_size=2, max_staleness_steps=2)
-    assert m.capacity() == 3
-    submitted = 0
-    while m.try_submit():
-        submitted += 1
-        m.on_accepted()
-    assert submitted == 6 == (2 + 0 + 1) * 2  # s + 1 batches ahead of training, no more
-    m.on_step(1)
-    assert m.capacity() == 2
-
-
-def test_protocol_misuse_raises_and_changes_nothing():
-    m = StalenessManager(2, 2, 1)
-    before = counts(m)
-    for call in (m.on_accepted, m.on_filtered):
-        with pytest.raises(RuntimeError):
-            call()
-    assert counts(m) == before
-    for _ in range(2):
-        m.try_submit()
-        m.on_accepted()
-    m.on_step(1)
-    with pytest.raises(RuntimeError):
-        m.on_filtered()  # both accepted groups were trained by step 0
-    with pytest.raises(ValueError):
-        m.on_step(0)
-    with pytest.raises(ValueError):
-        m.on_step("2")  # type: ignore[arg-type]
-    m.on_step(1)  # repeating the current step is harmless
-
-
-def test_resume_at_step_without_a_saved_state():
-    m = StalenessManager(4, 2, 1)
-    with pytest.raises(ValueError):
-        m.on_step(3)  # a fresh manager never saw the 6 groups of 3 steps
-    m.resume_at_step(3)
-    m.on_step(3)
-    assert (m.current_step, m.accepted, m.pending, m.capacity()) == (3, 6, 0, 4)
-    with pytest.raises(RuntimeError):
-        m.resume_at_step(4)
-    with pytest.raises(ValueError):
-        StalenessManager(4, 2, 1).resume_at_step(-1)
-
-
-class StalenessMachine(RuleBasedStateMachine):
-    """Any interleaving of the events the producer sends keeps the counts consistent."""
-
-    @initialize(conc=st.integers(1, 8), batch=st.integers(1, 5), stale=st.integers(0, 3))
-    def setup(self, conc, batch, stale):
-        self.m = StalenessManager(conc, batch, stale)
-        self.model = dict(step=0, submitted=0, accepted=0, running=0, filtered=0)
-
-    @rule()
-    def submit(self):
-        expected = self.m.capacity() > 0
-        assert self.m.try_submit() == expected
-        if expected:
-            self.model["submitted"] += 1
-            self.model["running"] += 1
-
-    @precondition(lambda self: self.m.running > 0)
-    @rule()
-    def accept(self):
-        self.m.on_accepted()
-        self.model["running"] -= 1
-        self.model["accepted"] += 1
-
-    @precondition(lambda self: self.m.pending > 0)
-    @rule()
-    def filter(self):
-        self.m.on_filtered()
-        self.model["accepted"] -= 1
-        self.model["filtered"] += 1
-
-    @rule(data=st.data())
-    def step(self, data):
-        most = self.m.accepted // self.m.batch_size
-        new = data.draw(st.integers(self.m.current_step, most), label="new_step")
-        self.m.on_step(new)
-        self.model["step"] = new
-
-    @precondition(lambda self: self.m.current_step > 0)
-    @rule()
-    def step_backwards_fails(self):
-        before = counts(self.m)
-        with pytest.raises(ValueError):
-            self.m.on_step(self.m.current_step - 1)
-        assert counts(self.m) == before
-
-    @rule()
-    def step_past_accepted_fails(self):
-        with pytest.raises(ValueError):
-            self.m.on_step(self.m.accepted // self.m.batch_size + 1)
-
-    @invariant()
-    def consistent(self):
-        m = self.m
-        assert counts(m) == tuple(self.model.values())
-        assert m.submitted == m.accepted + m.filtered + m.running
-        assert m.running <= m.max_concurrent_groups and m.accepted >= m.trained
-        assert m.accepted + m.running <= m.staleness_limit()
-        assert m.capacity() == max(0, min(m.max_concurrent_groups - m.running,
-                                          (m.max_staleness_steps + m.current_step + 1) * m.batch_size
-                                          - (m.accepted + m.running)))
-
-
-TestStalenessMachine = StalenessMachine.TestCase
-TestStalenessMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
-
-
-# ---------------------------------------------------------------------------------------------
-# filters.py
-# ---------------------------------------------------------------------------------------------
-
-def make_group(uid: str, rewards: list[float]) -> list[Sample]:
-    return [Sample(uid=uid, group_index=0, index=i, prompt="p", reward=r) for i, r in enumerate(rewards)]
-
-
-def test_zero_variance_groups():
-    assert zero_variance_groups([[1.0, 1.0], [0.0, 1.0], [0.5, 0.5 + 1e-9], [], [3.0]], tol=1e-6) == [
-        True, False, True, True, True]
-    assert zero_variance_groups([[0.0, 0.1]], tol=0.1) == [True]
-    with pytest.raises(ValueError):
-        zero_variance_groups([[0.0]], tol=-1.0)
-    with pytest.raises(ValueError):
-        zero_variance_groups([[float("nan"), 1.0]], tol=0.0)
-
-
-def test_batch_assembler_counts_drops_and_keeps_completion_order():
-    asm = BatchAssembler(2, tol=0.0)
-    assert asm.add(make_group("a", [1.0, 1.0])) == "dropped"
-    assert asm.add(make_group("b", [0.0, 1.0])) == "kept"
-    assert not asm.ready()
-    with pytest.raises(RuntimeError):
-        asm.take()
-    assert asm.add(make_group("c", [2.0])) == "kept"  # a singleton has no variance to filter on
-    assert asm.add(make_group("d", [0.0, 0.5])) == "kept"
-    assert asm.ready() and asm.num_ready() == 3
-    assert [g[0].uid for g in asm.take()] == ["b", "c"]
-    assert (asm.kept, asm.dropped, asm.num_ready()) == (3, 1, 1)
-
-
-def test_batch_assembler_without_filter_and_eviction():
-    asm = BatchAssembler(3, None)
-    for uid in "abcd":
-        assert asm.add(make_group(uid, [1.0, 1.0])) == "kept"
-    assert [g[0].uid for g in asm.evict(lambda g: g[0].uid in "ac")] == ["a", "c"]
-    assert [g[0].uid for g in asm.evict(lambda g: True)] == ["b", "d"]
-
-
-def test_batch_assembler_validates_groups():
-    asm = BatchAssembler(1)
-    with pytest.raises(ValueError):
-        asm.add([])
-    with pytest.raises(ValueError):
-        asm.add(make_group("a", [0.0]) + make_group("b", [1.0]))
-    unscored = make_group("a", [0.0, 1.0])
-    unscored[1].reward = None
-    with pytest.raises(ValueError, match="unscored"):
-        asm.add(unscored)
-    for bad in (0, -1, 1.0):
-        with pytest.raises(ValueError):
-            BatchAssembler(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
-        BatchAssembler(2, -0.1)
-    assert (asm.kept, asm.dropped) == (0, 0)

@@ -11,10 +11,31 @@ from miles_async.utils.tracking import Tracker, read_jsonl
 
 def _config(tiny_model, tiny_task, out, *extra):
     train, held_out = tiny_task
-    return parse_args(["--hf-checkpoint", str(tiny_model), "--prompt-data", str(train), "--eval-prompt-data", "mul",
-                       str(held_out), "--use-tis", "--rm-type", "integer", "--rollout-batch-size", "8",
-                       "--n-samples-per-prompt", "4", "--num-rollout", "4", "--lr", "3e-3", "--output-dir", str(out),
-                       *extra])
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            str(tiny_model),
+            "--prompt-data",
+            str(train),
+            "--eval-prompt-data",
+            "mul",
+            str(held_out),
+            "--use-tis",
+            "--rm-type",
+            "integer",
+            "--rollout-batch-size",
+            "8",
+            "--n-samples-per-prompt",
+            "4",
+            "--num-rollout",
+            "4",
+            "--lr",
+            "3e-3",
+            "--output-dir",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _wandb_records(run_dir):
@@ -29,10 +50,10 @@ def _wandb_records(run_dir):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             break
-        chunks += data[pos + 7:pos + 7 + length]
+        chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = wandb_internal_pb2.Record()
@@ -78,15 +99,16 @@ def test_jsonl_tensorboard_and_plot(tiny_model, tiny_task, tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     # the accuracy the train line repeats is not a second tensorboard point at the training step
-    assert [(e.step, e.value) for e in events.Scalars("eval/mul/accuracy")] == [(0, pytest.approx(0.1)),
-                                                                              (3, pytest.approx(0.5))]
+    assert [(e.step, e.value) for e in events.Scalars("eval/mul/accuracy")] == [
+        (0, pytest.approx(0.1)),
+        (3, pytest.approx(0.5)),
+    ]
     assert [e.step for e in events.Scalars("rollout/reward_mean")] == [1, 2, 3, 4]
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_wandb_offline_run_keeps_config_and_late_evals_on_their_own_step(tiny_model, tiny_task, tmp_path,
-                                                                          monkeypatch):
+def test_wandb_offline_run_keeps_config_and_late_evals_on_their_own_step(tiny_model, tiny_task, tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -102,18 +124,32 @@ def test_wandb_offline_run_keeps_config_and_late_evals_on_their_own_step(tiny_mo
     assert len(runs) == 1
     records = _finished_wandb_records(runs[0])
 
-    logged_config = {item.key: json.loads(item.value_json)
-                     for r in records if r.WhichOneof("record_type") == "run" for item in r.run.config.update}
+    logged_config = {
+        item.key: json.loads(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "run"
+        for item in r.run.config.update
+    }
     expected = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert {k: logged_config.get(k) for k in expected} == expected
     assert logged_config["train"]["optimizer"]["lr"] == 3e-3
 
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert [(h["eval/step"], h["eval/mul/accuracy"]) for h in history if "eval/step" in h] == [(0, 0.1), (2, 0.5)]
-    assert [(h["train/step"], h["rollout/reward_mean"]) for h in history if "train/step" in h] == \
-        [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)]
-    axes = {r.metric.glob_name or r.metric.name: r.metric.step_metric
-            for r in records if r.WhichOneof("record_type") == "metric"}
+    assert [(h["train/step"], h["rollout/reward_mean"]) for h in history if "train/step" in h] == [
+        (1, 0.25),
+        (2, 0.5),
+        (3, 0.75),
+        (4, 1.0),
+    ]
+    axes = {
+        r.metric.glob_name or r.metric.name: r.metric.step_metric
+        for r in records
+        if r.WhichOneof("record_type") == "metric"
+    }
     assert axes["eval/*"] == "eval/step"
     assert axes["rollout/*"] == axes["train/*"] == "train/step"

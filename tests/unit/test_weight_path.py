@@ -10,10 +10,16 @@ from miles_async.weights.source import WeightSource, iter_buckets
 from miles_async.weights.update import WeightUpdate, route_for
 
 
-@pytest.mark.parametrize(("method", "engine", "route"), [
-    ("tensor", "embedded", "http"), ("tensor", "sglang", "shared_memory"),
-    ("distributed", "sglang", "process_group"), ("disk", "sglang", "disk"), ("disk", "vllm", "disk"),
-])
+@pytest.mark.parametrize(
+    ("method", "engine", "route"),
+    [
+        ("tensor", "embedded", "http"),
+        ("tensor", "sglang", "shared_memory"),
+        ("distributed", "sglang", "process_group"),
+        ("disk", "sglang", "disk"),
+        ("disk", "vllm", "disk"),
+    ],
+)
 def test_each_method_and_engine_take_their_route(method, engine, route):
     assert route_for(method, engine) == route
 
@@ -34,6 +40,7 @@ def _source(sends: bool, gathers: bool, passes: list[list[str]]) -> WeightSource
         for name in ("a", "b", "c"):
             seen.append(name)  # where Megatron gathers the parameter over TP
             yield name, torch.ones(2)
+
     return WeightSource(tensors, sends=sends, gathers=gathers)
 
 

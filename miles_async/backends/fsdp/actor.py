@@ -24,8 +24,15 @@ from miles_async.weights.source import WeightSource
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int,
-                 load_dir: str | None = None, load_rollout_id: int | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        total_optimizer_steps: int,
+        load_dir: str | None = None,
+        load_rollout_id: int | None = None,
+    ):
         super().__init__(cfg, rank, world_size, total_optimizer_steps)
         self.ref_model = None
         if cfg.algorithm.needs_ref_model and cfg.ref_model_path is not None:
@@ -49,9 +56,13 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     # -- forward passes --------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
-            out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                        position_ids=mb.position_ids.to(self.device), logits_to_keep=mb.max_response_len + 1,
-                        use_cache=False)
+            out = model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.to(self.device),
+                position_ids=mb.position_ids.to(self.device),
+                logits_to_keep=mb.max_response_len + 1,
+                use_cache=False,
+            )
         logits = out.logits[:, :-1, :].float()  # position t predicts response token t
         if temperature != 1.0:
             logits = logits / temperature
@@ -60,10 +71,15 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         return logprobs, entropy
 
     # -- backend hooks of PolicyMixin ---------------------------------------------------------
-    def _train_step(self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs,
-                    metrics_acc: dict) -> None:
-        self._optimizer_step(batch, idx, lambda mb, rows: loss_of(
-            mb, rows, *self._forward(self.model, mb, temperature, with_entropy=True)), metrics_acc)
+    def _train_step(
+        self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+    ) -> None:
+        self._optimizer_step(
+            batch,
+            idx,
+            lambda mb, rows: loss_of(mb, rows, *self._forward(self.model, mb, temperature, with_entropy=True)),
+            metrics_acc,
+        )
 
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -20,8 +20,15 @@ from miles_async.config import TrainConfig
 
 
 class FSDPCritic(TrainWorker):
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int,
-                 load_dir: str | None = None, load_rollout_id: int | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        total_optimizer_steps: int,
+        load_dir: str | None = None,
+        load_rollout_id: int | None = None,
+    ):
         super().__init__(cfg, rank, world_size, total_optimizer_steps)
         if load_dir is not None and load_rollout_id is not None:
             self._load(load_dir, load_rollout_id)
@@ -31,15 +38,18 @@ class FSDPCritic(TrainWorker):
 
         # Dropout in the head would make the value targets noisy for nothing.
         config = AutoConfig.from_pretrained(self.cfg.model_path, num_labels=1, classifier_dropout=0.0)
-        return AutoModelForTokenClassification.from_pretrained(self.cfg.model_path, config=config,
-                                                               dtype=torch.float32)
+        return AutoModelForTokenClassification.from_pretrained(self.cfg.model_path, config=config, dtype=torch.float32)
 
     def _values(self, model, mb: MicroBatch) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
-            out = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                        position_ids=mb.position_ids.to(self.device), use_cache=False)
+            out = model(
+                input_ids=mb.input_ids.to(self.device),
+                attention_mask=mb.attention_mask.to(self.device),
+                position_ids=mb.position_ids.to(self.device),
+                use_cache=False,
+            )
         r = mb.max_response_len
-        return out.logits[:, -(r + 1):-1, 0].float()
+        return out.logits[:, -(r + 1) : -1, 0].float()
 
     def compute_values(self, rollout_id: int, batch: dict) -> list[list[float]]:
         """Every sample's per-token values under the critic before this rollout's update."""
@@ -65,5 +75,6 @@ class FSDPCritic(TrainWorker):
         new = self._values(self.model, mb)
         old = pad_rows([values[i] for i in rows], width).to(self.device)
         target = pad_rows([returns[i] for i in rows], width).to(self.device)
-        return value_loss(new, old, target, mb.response_mask.to(self.device), value_clip=alg.value_clip,
-                          agg_mode=alg.loss_agg_mode)
+        return value_loss(
+            new, old, target, mb.response_mask.to(self.device), value_clip=alg.value_clip, agg_mode=alg.loss_agg_mode
+        )

@@ -39,6 +39,7 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
         if cfg.lr_decay_style == "linear":
             return floor + (1 - floor) * (1 - frac)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
     return f
 
 
@@ -47,8 +48,9 @@ def make_optimizer(params, opt: OptimizerConfig) -> torch.optim.Optimizer:
     weight decay added to the gradient (as Megatron's sgd)."""
     if opt.optimizer == "sgd":
         return torch.optim.SGD(params, lr=opt.lr, momentum=opt.sgd_momentum, weight_decay=opt.weight_decay)
-    return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                             weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, weight_decay=opt.weight_decay
+    )
 
 
 def save_rng_state(folder: Path, rank: int) -> None:
@@ -74,8 +76,9 @@ class TrainWorker:
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self._seed_everything(cfg.seed + rank)
         # Parameters and optimizer state stay fp32; --bf16 runs the matmuls under autocast.
         self.module = self._build_module().to(self.device)
@@ -107,8 +110,9 @@ class TrainWorker:
         if self.world_size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
+        )
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.model = DDP(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -135,12 +139,12 @@ class TrainWorker:
     def _shard(self, n: int) -> tuple[list[list[int]], list[int]]:
         """This worker's samples of each optimizer step: every world_size-th of the step's slice."""
         gbs = self.cfg.global_batch_size
-        steps = [list(range(s, min(s + gbs, n)))[self.rank::self.world_size] for s in range(0, n, gbs)]
+        steps = [list(range(s, min(s + gbs, n)))[self.rank :: self.world_size] for s in range(0, n, gbs)]
         return steps, [i for step in steps for i in step]
 
     def _collate(self, batch: dict, idx: list[int]) -> MicroBatch:
-        prompts = [batch["tokens"][i][:batch["prompt_lengths"][i]] for i in idx]
-        responses = [batch["tokens"][i][batch["prompt_lengths"][i]:] for i in idx]
+        prompts = [batch["tokens"][i][: batch["prompt_lengths"][i]] for i in idx]
+        responses = [batch["tokens"][i][batch["prompt_lengths"][i] :] for i in idx]
         return collate(prompts, responses, [batch["loss_masks"][i] for i in idx], self.pad_id)
 
     def _micro_batches(self, batch: dict, idx: list[int]) -> list[list[int]]:
@@ -148,14 +152,15 @@ class TrainWorker:
         return [[idx[j] for j in mb] for mb in pack_micro_batches(lengths, self.cfg.max_tokens_per_gpu)]
 
     @torch.no_grad()
-    def _per_sample(self, fn: Callable[[MicroBatch], torch.Tensor], batch: dict,
-                    idx: list[int]) -> dict[int, list[float]]:
+    def _per_sample(
+        self, fn: Callable[[MicroBatch], torch.Tensor], batch: dict, idx: list[int]
+    ) -> dict[int, list[float]]:
         """``fn``'s ``[B, R]`` output for each sample, cut to its response length."""
         out: dict[int, list[float]] = {}
         for rows in self._micro_batches(batch, idx):
             values = fn(self._collate(batch, rows))
             for r, i in enumerate(rows):
-                out[i] = values[r, :batch["response_lengths"][i]].float().cpu().tolist()
+                out[i] = values[r, : batch["response_lengths"][i]].float().cpu().tolist()
         return out
 
     def _optimizer_step(self, batch: dict, idx: list[int], loss_fn: LossFn, metrics_acc: dict) -> None:
@@ -182,8 +187,9 @@ class TrainWorker:
         if self.cfg.optimizer.clip_grad > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.optimizer.clip_grad)
         else:
-            grad_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in self.module.parameters()
-                                       if p.grad is not None))
+            grad_norm = torch.sqrt(
+                sum((p.grad.float() ** 2).sum() for p in self.module.parameters() if p.grad is not None)
+            )
         metrics_acc.setdefault("grad_norm", []).append(float(grad_norm))
         self.optimizer.step()
         self.scheduler.step()
@@ -209,22 +215,32 @@ class TrainWorker:
             state.pop("lm_head.weight", None)
         save_file(state, str(out / "model.safetensors"))
         if save_optimizer:
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "optimizer_steps": self.optimizer_steps}, out / "optimizer.pt")
+            torch.save(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "optimizer_steps": self.optimizer_steps,
+                },
+                out / "optimizer.pt",
+            )
 
     def _load(self, load_dir: str, rollout_id: int) -> None:
         from safetensors.torch import load_file
 
         src = iteration_dir(load_dir, rollout_id) / self.cfg.role
         if not (src / "model.safetensors").exists():
-            hint = " (written by a run without a critic, i.e. not --advantage-estimator ppo)" \
-                if self.cfg.role == "critic" else ""
+            hint = (
+                " (written by a run without a critic, i.e. not --advantage-estimator ppo)"
+                if self.cfg.role == "critic"
+                else ""
+            )
             raise RuntimeError(f"--load: {src} holds no {self.cfg.role} weights{hint}")
         missing, unexpected = self.module.load_state_dict(load_file(str(src / "model.safetensors")), strict=False)
         missing = [k for k in missing if k != "lm_head.weight"]
         if missing or unexpected:
-            raise RuntimeError(f"--load: {src} does not match the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
+            raise RuntimeError(
+                f"--load: {src} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         if getattr(self.module.config, "tie_word_embeddings", False):
             self.module.tie_weights()
         if (src / "optimizer.pt").exists():

@@ -40,7 +40,6 @@ from miles_async.weights.disk import save_hf_folder
 from miles_async.weights.source import WeightSource
 
 
-
 def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mb``'s rows right-aligned from position 0 (no attention mask needed beyond causal).
 
@@ -58,7 +57,7 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
     ids = torch.full((b, s), pad_id, dtype=torch.long)
     for i in range(b):
         start = p - int(prompt_lens[i])
-        ids[i, :int(lens[i])] = mb.input_ids[i, start:start + int(lens[i])]
+        ids[i, : int(lens[i])] = mb.input_ids[i, start : start + int(lens[i])]
     pos = torch.arange(s).expand(b, s).contiguous()
     targets = (prompt_lens[:, None] - 1 + torch.arange(r)[None, :]).clamp(0, s - 1)
     return ids, pos, targets
@@ -67,16 +66,24 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
 class MegatronTrainActor(PolicyMixin, TrainWorker):
     # TrainWorker's __init__ builds an HF module at once; here building waits for the
     # process group, so only its batch helpers (_collate, _micro_batches, _per_sample) are reused.
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int,
-                 load_dir: str | None = None, load_rollout_id: int | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        total_optimizer_steps: int,
+        load_dir: str | None = None,
+        load_rollout_id: int | None = None,
+    ):
         torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.total_optimizer_steps = total_optimizer_steps
         self._load_from = (load_dir, load_rollout_id)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self._seed_everything(cfg.seed + rank)
         from transformers import AutoConfig
 
@@ -84,8 +91,13 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         self.arch = ArchSpec.from_hf(hf_config)
         self.pad_id = hf_config.pad_token_id or 0
         m = cfg.megatron
-        self.par = ParallelSizes(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                 m.context_parallel_size, m.sequence_parallel, m.use_distributed_optimizer)
+        self.par = ParallelSizes(
+            m.tensor_model_parallel_size,
+            m.pipeline_model_parallel_size,
+            m.context_parallel_size,
+            m.sequence_parallel,
+            m.use_distributed_optimizer,
+        )
         self.bf16 = cfg.dtype == "bfloat16"
         self.optimizer_steps = 0
         self._init_policy_state()
@@ -94,8 +106,11 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
     # -- set-up -------------------------------------------------------------------------
     def init_process_group(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         init_parallel(self.rank, self.world_size, self.par, master_addr, master_port, self.cfg.seed)
@@ -107,8 +122,11 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         self.dp_group = ps.get_data_parallel_group()
         self._seed_everything(self.cfg.seed + self.dp_rank)  # TP ranks of a replica share their RNG
         module = self._build_gpt(self.cfg.model_path).to(self.device)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=self.par.distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.par.distributed_optimizer,
+        )
         trained = module
         if self.bf16:
             from megatron.core.transformer.module import Float16Module
@@ -120,12 +138,24 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         cfg.no_sync_func = self.model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
         opt = self.cfg.optimizer
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer=opt.optimizer, lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
-            adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
-            sgd_momentum=opt.sgd_momentum,
-            bf16=self.bf16, fp16=False, params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-            use_distributed_optimizer=self.par.distributed_optimizer), [self.model])
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=opt.optimizer,
+                lr=opt.lr,
+                min_lr=opt.min_lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.clip_grad,
+                sgd_momentum=opt.sgd_momentum,
+                bf16=self.bf16,
+                fp16=False,
+                params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                use_distributed_optimizer=self.par.distributed_optimizer,
+            ),
+            [self.model],
+        )
         self._lr_at = lr_lambda(opt, self.total_optimizer_steps)
         self._set_lr()
         if self.cfg.algorithm.needs_ref_model and self.cfg.ref_model_path is not None:
@@ -151,7 +181,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
     # -- data parallelism over the DP group (TP ranks of one replica see the same samples) --
     def _shard(self, n: int) -> tuple[list[list[int]], list[int]]:
         gbs = self.cfg.global_batch_size
-        steps = [list(range(s, min(s + gbs, n)))[self.dp_rank::self.dp_size] for s in range(0, n, gbs)]
+        steps = [list(range(s, min(s + gbs, n)))[self.dp_rank :: self.dp_size] for s in range(0, n, gbs)]
         return steps, [i for step in steps for i in step]
 
     def _all_reduce_sum(self, value: float) -> float:
@@ -172,10 +202,11 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
     def _logits(self, model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
 
-    def _outputs(self, logits: torch.Tensor, mb: MicroBatch, targets: torch.Tensor, temperature: float,
-                 with_entropy: bool):
+    def _outputs(
+        self, logits: torch.Tensor, mb: MicroBatch, targets: torch.Tensor, temperature: float, with_entropy: bool
+    ):
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        logits = logits[rows, targets.to(logits.device), :self.arch.vocab_size].float()  # [B, R, V]
+        logits = logits[rows, targets.to(logits.device), : self.arch.vocab_size].float()  # [B, R, V]
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = logprobs_from_logits(logits, mb.response_ids.to(logits.device))
@@ -189,8 +220,9 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         return self._outputs(self._logits(model, ids, pos), mb, targets, temperature, with_entropy)
 
     # -- one optimizer step through Megatron's schedule ------------------------------------------
-    def _train_step(self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs,
-                    metrics_acc: dict) -> None:
+    def _train_step(
+        self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+    ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         agg = self.cfg.algorithm.loss_agg_mode
@@ -215,14 +247,21 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
                 # The schedule divides by the number of micro-batches and DDP averages over
                 # DP ranks; undo both so the step's loss is the global sum of shares.
                 return loss * share * self.dp_size * n_micro, {}
+
             return logits, loss_func
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         seq = max(len(batch["tokens"][i]) for i in idx)
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-                                    num_microbatches=n_micro, seq_length=seq, micro_batch_size=1,
-                                    forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro),
+            model=[self.model],
+            num_microbatches=n_micro,
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         self._set_lr()
         _, grad_norm, _ = self.optimizer.step()
         metrics_acc.setdefault("grad_norm", []).append(float(grad_norm) if grad_norm is not None else 0.0)
@@ -268,20 +307,31 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         dist_checkpointing.save(self._sharded_state(save_optimizer), str(dist_dir))
         save_rng_state(out, self.rank)
         if self.rank == 0:
-            (out / "megatron_meta.json").write_text(json.dumps({
-                "optimizer_steps": self.optimizer_steps, "has_optimizer": save_optimizer,
-                "tp": self.tp, "dp": self.dp_size, "format": "megatron.core.dist_checkpointing (torch_dist)"}))
+            (out / "megatron_meta.json").write_text(
+                json.dumps(
+                    {
+                        "optimizer_steps": self.optimizer_steps,
+                        "has_optimizer": save_optimizer,
+                        "tp": self.tp,
+                        "dp": self.dp_size,
+                        "format": "megatron.core.dist_checkpointing (torch_dist)",
+                    }
+                )
+            )
 
     def _load(self, load_dir: str, rollout_id: int) -> None:
         from megatron.core import dist_checkpointing
 
         src = iteration_dir(load_dir, rollout_id) / self.cfg.role
         if not (src / "megatron").is_dir():
-            raise RuntimeError(f"--load: {src} holds no Megatron checkpoint (folder 'megatron'); a checkpoint of "
-                               f"--train-backend fsdp cannot be resumed with --train-backend megatron")
+            raise RuntimeError(
+                f"--load: {src} holds no Megatron checkpoint (folder 'megatron'); a checkpoint of "
+                f"--train-backend fsdp cannot be resumed with --train-backend megatron"
+            )
         meta = json.loads((src / "megatron_meta.json").read_text())
-        state = dist_checkpointing.load(self._sharded_state(meta["has_optimizer"], is_loading=True),
-                                        str(src / "megatron"))
+        state = dist_checkpointing.load(
+            self._sharded_state(meta["has_optimizer"], is_loading=True), str(src / "megatron")
+        )
         self.module.load_state_dict(state["model"])
         if meta["has_optimizer"]:
             self.optimizer.load_state_dict(state["optimizer"])

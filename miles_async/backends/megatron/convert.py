@@ -45,8 +45,9 @@ def fuse_qkv(arch: ArchSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     g, hd = arch.num_kv_heads, arch.head_dim
     per = arch.num_heads // g
     tail = q.shape[1:]
-    return torch.cat([q.reshape(g, per * hd, *tail), k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)],
-                     dim=1).reshape(-1, *tail)
+    return torch.cat([q.reshape(g, per * hd, *tail), k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1).reshape(
+        -1, *tail
+    )
 
 
 def split_qkv(arch: ArchSpec, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -65,8 +66,14 @@ def _pad_vocab(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # -- HF -> Megatron ------------------------------------------------------------------------
-def hf_shard(name: str, get: Callable[[str], torch.Tensor], arch: ArchSpec, tp: int, rank: int,
-             layer_number: Callable[[int], int] = lambda i: i) -> torch.Tensor:
+def hf_shard(
+    name: str,
+    get: Callable[[str], torch.Tensor],
+    arch: ArchSpec,
+    tp: int,
+    rank: int,
+    layer_number: Callable[[int], int] = lambda i: i,
+) -> torch.Tensor:
     """This TP rank's value of Megatron parameter ``name``, read from HF tensors through ``get``."""
     vocab = arch.padded_vocab(tp)
     if name == "embedding.word_embeddings.weight":
@@ -146,9 +153,13 @@ def _gather(t: torch.Tensor, dim: int, group, tp: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def export_hf(model, arch: ArchSpec, tp: int = 1, group=None,
-              tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(
+    model,
+    arch: ArchSpec,
+    tp: int = 1,
+    group=None,
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group.
 
     ``tensor_of`` picks what is exported per parameter (default the weight; e.g. its
@@ -158,11 +169,11 @@ def export_hf(model, arch: ArchSpec, tp: int = 1, group=None,
     for name, p in model.named_parameters():
         t = tensor_of(p).detach()
         if name == "embedding.word_embeddings.weight":
-            yield "model.embed_tokens.weight", _gather(t, 0, group, tp)[:arch.vocab_size]
+            yield "model.embed_tokens.weight", _gather(t, 0, group, tp)[: arch.vocab_size]
             continue
         if name == "output_layer.weight":
             if not arch.tie_word_embeddings:
-                yield "lm_head.weight", _gather(t, 0, group, tp)[:arch.vocab_size]
+                yield "lm_head.weight", _gather(t, 0, group, tp)[: arch.vocab_size]
             continue
         if name == "decoder.final_layernorm.weight":
             yield "model.norm.weight", t

@@ -25,8 +25,8 @@ def prefill_inputs(contexts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.
     ids = torch.full((len(contexts), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(contexts), longest), dtype=torch.long)
     for i, ctx in enumerate(contexts):
-        ids[i, longest - len(ctx):] = torch.tensor(ctx, dtype=torch.long)
-        mask[i, longest - len(ctx):] = 1
+        ids[i, longest - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+        mask[i, longest - len(ctx) :] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return ids, mask, positions
 
@@ -63,10 +63,12 @@ class KVBatch:
         old_len, new_len = self.mask.shape[1], mask.shape[1]
         total = max(old_len, new_len)
         for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, total - old_len, 2),
-                                   _left_pad(theirs.keys, total - new_len, 2)])
-            mine.values = torch.cat([_left_pad(mine.values, total - old_len, 2),
-                                     _left_pad(theirs.values, total - new_len, 2)])
+            mine.keys = torch.cat(
+                [_left_pad(mine.keys, total - old_len, 2), _left_pad(theirs.keys, total - new_len, 2)]
+            )
+            mine.values = torch.cat(
+                [_left_pad(mine.values, total - old_len, 2), _left_pad(theirs.values, total - new_len, 2)]
+            )
         self.mask = torch.cat([_left_pad(self.mask, total - old_len, 1), _left_pad(mask, total - new_len, 1)])
 
     def drop_finished(self) -> None:

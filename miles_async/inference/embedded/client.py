@@ -39,7 +39,7 @@ def serialize_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
 def safetensors_metadata(raw: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors blob (its header: 8-byte little-endian length, then JSON)."""
     size = int.from_bytes(raw[:8], "little")
-    return json.loads(raw[8:8 + size]).get("__metadata__") or {}
+    return json.loads(raw[8 : 8 + size]).get("__metadata__") or {}
 
 
 class EmbeddedEngineClient(EngineClient):
@@ -56,8 +56,9 @@ class EmbeddedEngineClient(EngineClient):
         tensors = await asyncio.to_thread(load, raw)
         return tensors, int(safetensors_metadata(raw)["weight_version"])
 
-    async def update_weights_from_tensors(self, named_tensors: list[tuple[str, torch.Tensor]],
-                                          weight_version: int | None = None, flush: bool = False) -> dict[str, Any]:
+    async def update_weights_from_tensors(
+        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: int | None = None, flush: bool = False
+    ) -> dict[str, Any]:
         data = await asyncio.to_thread(serialize_tensors, named_tensors)
         params = {"flush": "1" if flush else "0"}
         if weight_version is not None:

@@ -110,8 +110,14 @@ class Engine:
         self._live: dict[str, Seq] = {}
         self._paused = False
         self._stopping = False
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_batches": 0, "max_batch_size": 0,
-                      "prefill_rows_deduplicated": 0, "busy_seconds": 0.0}
+        self.stats = {
+            "decode_steps": 0,
+            "decode_tokens": 0,
+            "prefill_batches": 0,
+            "max_batch_size": 0,
+            "prefill_rows_deduplicated": 0,
+            "busy_seconds": 0.0,
+        }
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -226,8 +232,9 @@ class Engine:
     def weights_snapshot(self) -> concurrent.futures.Future:
         """(copies of the parameters, weight version), read between two decode steps so no update is half
         applied; one name per storage (tied weights appear once)."""
-        return self.run_between_steps(lambda: ({n: p.detach().clone() for n, p in self.model.named_parameters()},
-                                               self.weight_version))
+        return self.run_between_steps(
+            lambda: ({n: p.detach().clone() for n, p in self.model.named_parameters()}, self.weight_version)
+        )
 
     def weights_checksum(self) -> concurrent.futures.Future:
         """(per-parameter checksums, weight version), computed between two decode steps."""

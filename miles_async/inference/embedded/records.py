@@ -53,6 +53,7 @@ class GenerationResult:
 @dataclass
 class Seq:
     """One request on the decode thread: its prompt, what it generated so far and who waits for it."""
+
     rid: str
     prompt: list[int]
     params: SamplingParams

@@ -347,9 +347,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             {"success": False, "message": f"model_path: {exc}", "weight_version": engine.weight_version}, status=400
         )
     logger.info("weights loaded from %s, weight_version=%d", path, new_version)
-    return web.json_response(
-        {"success": True, "message": f"loaded {path}", "weight_version": new_version}
-    )
+    return web.json_response({"success": True, "message": f"loaded {path}", "weight_version": new_version})
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:

@@ -53,8 +53,9 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
             table[name].copy_(tensor)  # copy_ casts to the model dtype
 
 
-def read_checkpoint(model: torch.nn.Module, model_path: str, dtype: torch.dtype,
-                    attn_implementation: str) -> dict[str, torch.Tensor]:
+def read_checkpoint(
+    model: torch.nn.Module, model_path: str, dtype: torch.dtype, attn_implementation: str
+) -> dict[str, torch.Tensor]:
     """The tensors of an HF checkpoint folder of ``model``'s architecture, named as ``model`` names them.
 
     When the checkpoint's names do not map 1:1 onto the model (e.g. transformers renames or fuses

@@ -32,8 +32,9 @@ class SGLangEngineClient(EngineClient):
             self._tp_size = int(info.get("tp_size", 1))
         return self._tp_size
 
-    async def update_weights_from_serialized(self, payload: str, weight_version: int | None = None,
-                                             flush: bool = False) -> dict[str, Any]:
+    async def update_weights_from_serialized(
+        self, payload: str, weight_version: int | None = None, flush: bool = False
+    ) -> dict[str, Any]:
         """One bucket as the base64 of its pickled (name, tensor) handles, loaded by every TP rank."""
         body: dict[str, Any] = {"serialized_named_tensors": [payload] * await self.tp_size(), "flush_cache": flush}
         if weight_version is not None:

@@ -24,8 +24,12 @@ from pathlib import Path
 from miles_async.inference.launcher import ServerEngineProcess, engine_python
 
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
-CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--disable-cuda-graph", None),
-                ("--max-total-tokens", "32768"))
+CPU_DEFAULTS = (
+    ("--device", "cpu"),
+    ("--attention-backend", "torch_native"),
+    ("--disable-cuda-graph", None),
+    ("--max-total-tokens", "32768"),
+)
 
 
 def cpu_shims_dir() -> Path:
@@ -37,15 +41,27 @@ class SGLangEngineProcess(ServerEngineProcess):
 
     def command(self) -> list[str]:
         cfg = self.cfg
-        cmd = [engine_python("sglang", cfg.sglang_python), "-m", "sglang.launch_server",
-               "--model-path", self.model_path,
-               "--host", cfg.host,
-               "--port", str(self.port),
-               "--dtype", cfg.dtype,
-               "--max-running-requests", str(cfg.max_running_requests),
-               "--tp-size", str(cfg.num_gpus_per_engine),
-               "--random-seed", str(cfg.seed + self.index),
-               "--weight-version", str(self.weight_version)]
+        cmd = [
+            engine_python("sglang", cfg.sglang_python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            cfg.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            cfg.dtype,
+            "--max-running-requests",
+            str(cfg.max_running_requests),
+            "--tp-size",
+            str(cfg.num_gpus_per_engine),
+            "--random-seed",
+            str(cfg.seed + self.index),
+            "--weight-version",
+            str(self.weight_version),
+        ]
         given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:

@@ -30,8 +30,21 @@ REQUEST_ID_PREFIX = "generate-tokens-"
 PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}
 # SGLang sampling-param names -> vLLM's; a name in neither map is refused rather than silently dropped.
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-SAME = {"temperature", "top_p", "top_k", "min_p", "ignore_eos", "stop", "stop_token_ids", "skip_special_tokens",
-        "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "n"}
+SAME = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "ignore_eos",
+    "stop",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "n",
+}
 
 
 def vllm_sampling_params(params: dict[str, Any], return_logprob: bool) -> dict[str, Any]:
@@ -76,11 +89,20 @@ def sglang_shaped(answer: dict[str, Any]) -> dict[str, Any]:
 class VLLMEngineClient(EngineClient):
     """``EngineClient`` for one vLLM server."""
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], return_logprob: bool = True,
-                       rid: str | None = None, timeout: float | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"token_ids": list(input_ids),
-                                "sampling_params": vllm_sampling_params(sampling_params, return_logprob),
-                                "output_mode": "text", "return_token_ids": True}
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "token_ids": list(input_ids),
+            "sampling_params": vllm_sampling_params(sampling_params, return_logprob),
+            "output_mode": "text",
+            "return_token_ids": True,
+        }
         if rid is not None:
             body["request_id"] = rid
         answer = await self._request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
@@ -116,8 +138,9 @@ class VLLMEngineClient(EngineClient):
         return await self._request("POST", "/reset_prefix_cache")
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
-        await self._request("POST", "/collective_rpc",
-                            json_body={"method": "reload_hf_weights", "kwargs": {"weights_path": model_path}})
+        await self._request(
+            "POST", "/collective_rpc", json_body={"method": "reload_hf_weights", "kwargs": {"weights_path": model_path}}
+        )
         await self.flush_cache()
         if weight_version is not None:
             await self.set_weight_version(weight_version)

@@ -38,16 +38,28 @@ class VLLMEngineProcess(ServerEngineProcess):
 
     def command(self) -> list[str]:
         cfg = self.cfg
-        cmd = [engine_python("vllm", cfg.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", self.model_path,
-               "--host", cfg.host,
-               "--port", str(self.port),
-               "--dtype", cfg.dtype,
-               "--max-num-seqs", str(cfg.max_running_requests),
-               "--tensor-parallel-size", str(cfg.num_gpus_per_engine),
-               "--seed", str(cfg.seed + self.index),
-               "--enable-scale-out",
-               "--worker-extension-cls", WORKER_EXTENSION]
+        cmd = [
+            engine_python("vllm", cfg.vllm_python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_path,
+            "--host",
+            cfg.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            cfg.dtype,
+            "--max-num-seqs",
+            str(cfg.max_running_requests),
+            "--tensor-parallel-size",
+            str(cfg.num_gpus_per_engine),
+            "--seed",
+            str(cfg.seed + self.index),
+            "--enable-scale-out",
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+        ]
         given = self.given(cfg.vllm_args)
         if "--logprobs-mode" not in given:
             cmd += ["--logprobs-mode", "processed_logprobs"]
@@ -65,7 +77,7 @@ class VLLMEngineProcess(ServerEngineProcess):
             visible = env.get("CUDA_VISIBLE_DEVICES")
             gpus = visible.split(",") if visible else [str(i) for i in range(64)]
             tp = self.cfg.num_gpus_per_engine
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[self.index * tp:(self.index + 1) * tp])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[self.index * tp : (self.index + 1) * tp])
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         return env
@@ -73,11 +85,14 @@ class VLLMEngineProcess(ServerEngineProcess):
     def wait_healthy(self, timeout: float) -> None:
         super().wait_healthy(timeout)
         try:
-            r = requests.post(self.url + "/update_weight_version", json={"new_version": str(self.weight_version)},
-                              timeout=30)
+            r = requests.post(
+                self.url + "/update_weight_version", json={"new_version": str(self.weight_version)}, timeout=30
+            )
             r.raise_for_status()
         except requests.RequestException as e:
             self.stop()
-            raise EngineStartError(f"vLLM engine {self.index} at {self.url} is up but did not take its weight "
-                                   f"version (is VLLM_SERVER_DEV_MODE=1 honoured by this vLLM?): {e}; see "
-                                   f"{self.log_path}") from e
+            raise EngineStartError(
+                f"vLLM engine {self.index} at {self.url} is up but did not take its weight "
+                f"version (is VLLM_SERVER_DEV_MODE=1 honoured by this vLLM?): {e}; see "
+                f"{self.log_path}"
+            ) from e

@@ -182,9 +182,7 @@ def test_dead_decode_thread_fails_requests(model_dirs: dict[str, Path]) -> None:
         url = str(srv.make_url("")).rstrip("/")
         try:
             async with EmbeddedEngineClient(url, timeout=10) as c:
-                first = await asyncio.gather(
-                    *(c.generate([1, 2, 3], GREEDY) for _ in range(3)), return_exceptions=True
-                )
+                first = await asyncio.gather(*(c.generate([1, 2, 3], GREEDY) for _ in range(3)), return_exceptions=True)
                 later = await asyncio.gather(c.generate([1, 2, 3], GREEDY), return_exceptions=True)
                 return first + later, await c.health(), await asyncio.gather(c.pause(), return_exceptions=True)
         finally:

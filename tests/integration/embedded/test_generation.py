@@ -160,7 +160,7 @@ def test_identical_prompts_share_one_prefill(server: ServerProc, model_dirs: dic
         got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
         with torch.no_grad():
             logits = ref(input_ids=torch.tensor([prompt + out])).logits[0].float()
-        expected = logits[len(prompt) - 1: len(prompt) - 1 + len(out)].log_softmax(-1)
+        expected = logits[len(prompt) - 1 : len(prompt) - 1 + len(out)].log_softmax(-1)
         expected = expected.gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
         assert torch.allclose(got, expected, atol=1e-4)
 

@@ -27,9 +27,14 @@ import torch
 __version__ = "0.0.0+miles-async-cpu-standin"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor,
-                                 out_cache_loc: torch.Tensor, pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     starts = start_offset.tolist()
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
@@ -37,12 +42,13 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     for row, start, end in zip(rows, starts, ends):
         n = end - start
         if n > 0:
-            req_to_token[row, start:end] = out_cache_loc[offset:offset + n].to(req_to_token.dtype)
+            req_to_token[row, start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
         offset += n
 
 
-def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor,
-                                src_loc: torch.Tensor) -> None:
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
     import ctypes
 
     tgt = tgt_loc.tolist()
@@ -58,8 +64,9 @@ def __getattr__(name: str):
         raise AttributeError(name)
 
     def missing(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name} is not in the CPU stand-in "
-                                  "(miles_async/inference/sglang/cpu_shims)")
+        raise NotImplementedError(
+            f"sgl_kernel.{name} is not in the CPU stand-in (miles_async/inference/sglang/cpu_shims)"
+        )
 
     missing.__name__ = name
     return missing
