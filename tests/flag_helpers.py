@@ -31,3 +31,11 @@ def minimal_flags(tmp_path: Path, n_prompts: int = 16, data: Path | None = None,
         "--output-dir",
         str(tmp_path / "out"),
     ]
+
+
+def tiny_train_flags(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
+    """A trainer on a tiny model and task: rollouts of 4 prompts x 4 samples, micro-batches of at most 24
+    tokens; ``extra`` sets the optimizer and the batch split."""
+    common = "--use-tis --rollout-batch-size 4 --n-samples-per-prompt 4 --num-rollout 2 --rm-type integer"
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(task), "--output-dir", str(out),
+            *common.split(), "--max-tokens-per-gpu", "24", *extra]  # fmt: skip

@@ -13,6 +13,7 @@ from miles_async.arguments import parse_args
 from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.rollout.batch import to_train_batch
 from miles_async.rollout.sample import Sample
+from tests.flag_helpers import tiny_train_flags
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,29 +57,7 @@ def _worker(rank, cfg, world, port, out):
 
 def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
-    common = [
-        "--use-tis",
-        "--hf-checkpoint",
-        str(tiny_model),
-        "--prompt-data",
-        str(train),
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--num-rollout",
-        "2",
-        "--rm-type",
-        "integer",
-        "--lr",
-        "1e-2",
-        "--global-batch-size",
-        "8",
-        "--max-tokens-per-gpu",
-        "24",
-        "--output-dir",
-        str(tmp_path),
-    ]
+    common = tiny_train_flags(tiny_model, train, tmp_path, "--lr", "1e-2", "--global-batch-size", "8")
     one = parse_args(common)
     two = parse_args(common + ["--actor-num-gpus-per-node", "2"])
     assert two.cluster.num_train_workers == 2

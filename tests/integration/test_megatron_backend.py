@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.flag_helpers import tiny_train_flags
+
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,32 +80,9 @@ def _batch(seed: int = 0) -> dict:
 
 
 def _args(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--use-tis",
-        "--hf-checkpoint",
-        str(model),
-        "--prompt-data",
-        str(task),
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--num-rollout",
-        "2",
-        "--rm-type",
-        "integer",
-        "--lr",
-        "1e-2",
-        "--global-batch-size",
-        "8",
-        "--max-tokens-per-gpu",
-        "24",
-        "--output-dir",
-        str(out),
-        "--train-backend",
-        "megatron",
-        *extra,
-    ]
+    # "--train-backend megatron" stays last: the torch twin of a command is this one without its last two words.
+    return tiny_train_flags(model, task, out, "--lr", "1e-2", "--global-batch-size", "8", *extra,
+                            "--train-backend", "megatron")  # fmt: skip
 
 
 def _logits_worker(rank, world, port, models: list[str], out: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.flag_helpers import tiny_train_flags
 from tests.integration.test_megatron_backend import _batch, _spawn
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,28 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _argv(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
     """One optimizer step per rollout (the global batch is the whole rollout of 16 samples), no clipping."""
-    return [
-        "--use-tis",
-        "--hf-checkpoint",
-        str(model),
-        "--prompt-data",
-        str(task),
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--num-rollout",
-        "2",
-        "--rm-type",
-        "integer",
-        "--clip-grad",
-        "0",
-        "--max-tokens-per-gpu",
-        "24",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
+    return tiny_train_flags(model, task, out, "--clip-grad", "0", *extra)
 
 
 def saved_activation_bytes(forward) -> int:
