@@ -35,7 +35,7 @@ from miles_async.config import (
     train,
 )
 from miles_async.config.capabilities import check_capabilities
-from miles_async.config.declare import ConfigError, Flag, check_needs, check_values, without_effect
+from miles_async.config.declare import ConfigError, Flag, check_needs, check_values, require, without_effect
 from miles_async.config.machine import Machine
 
 __all__ = ["ConfigError", "build_config", "build_parser", "parse_args"]
@@ -165,13 +165,40 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
     return without_effect(ns, FLAGS)
 
 
+def _count_prompts(ns: argparse.Namespace) -> int:
+    """Reads --prompt-data (each line checked, naming file and line); at least one rollout's worth. The files
+    and the reward plugins are read here, at the top, because the rollout code that knows their format sits
+    above the typed configs."""
+    from miles_async.rollout.data_source import count_and_validate_prompts
+    from miles_async.rollout.rewards import validate_reward_flags
+
+    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
+    require(
+        num_prompts >= ns.rollout_batch_size,
+        f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}",
+    )
+    return num_prompts
+
+
+def _eval_datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """--eval-prompt-data as (name, path) pairs, each file read and checked (naming file and line)."""
+    from miles_async.rollout.data_source import count_and_validate_prompts
+
+    values = ns.eval_prompt_data or []
+    pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
+    for name, path in pairs:
+        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
+    return pairs
+
+
 def build_config(ns: argparse.Namespace) -> Config:
     """Validate the namespace, then assemble the per-component configs. What only the machine that runs the job
     can tell goes through one ``Machine``: an error, or under --check-config a warning."""
     machine = Machine(check_config=ns.check_config)
     warnings = validate(ns, machine)
-    num_prompts = rollout.count_prompts(ns)
-    eval_datasets = evaluation.datasets(ns)
+    num_prompts = _count_prompts(ns)
+    eval_datasets = _eval_datasets(ns)
     global_batch, num_steps = train.batch_split(ns)
     num_rollout, per_epoch = loop.num_rollout(ns, num_prompts)
     start_rollout_id = checkpoint.start_rollout_id(ns, num_rollout)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from miles_async.algorithms import ESTIMATORS
 from miles_async.algorithms.losses import masked_whiten
-from miles_async.config import ESTIMATORS
 
 __all__ = [
     "grpo_advantages",

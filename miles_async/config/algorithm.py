@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from miles_async.algorithms import ESTIMATORS
 from miles_async.config.declare import (
     When,
     above,
@@ -18,8 +19,6 @@ from miles_async.config.declare import (
     when_value,
     within,
 )
-
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 
 
 @dataclass(frozen=True)

@@ -52,17 +52,6 @@ GROUPS = (
 )
 
 
-def datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """--eval-prompt-data as (name, path) pairs, each file read and checked (naming file and line)."""
-    from miles_async.rollout.data_source import count_and_validate_prompts
-
-    values = ns.eval_prompt_data or []
-    pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
-    for name, path in pairs:
-        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
-    return pairs
-
-
 def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) -> EvalConfig:
     return EvalConfig(
         datasets=eval_datasets,

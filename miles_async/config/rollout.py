@@ -151,30 +151,16 @@ GROUPS = (
 
 def validate(ns: argparse.Namespace) -> None:
     """The reward and the plugins: each imports (a PluginError names the flag otherwise)."""
-    from miles_async.rollout.rewards import validate_reward_flags
     from miles_async.utils.plugins import load_function
 
     require(
         (ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
         "give exactly one of --rm-type and --custom-rm-path",
     )
-    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
     for dest in PLUGIN_FLAGS:
         value = getattr(ns, dest)
         if value is not None:
             load_function(value, flag="--" + dest.replace("_", "-"))
-
-
-def count_prompts(ns: argparse.Namespace) -> int:
-    """Reads --prompt-data (each line checked, naming file and line); at least one rollout's worth."""
-    from miles_async.rollout.data_source import count_and_validate_prompts
-
-    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
-    require(
-        num_prompts >= ns.rollout_batch_size,
-        f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}",
-    )
-    return num_prompts
 
 
 def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> RolloutConfig:

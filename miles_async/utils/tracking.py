@@ -8,9 +8,11 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles_async.config import Config
+if TYPE_CHECKING:  # the type only: utils/ sits below config/
+    from miles_async.config import Config
+
 
 logger = logging.getLogger(__name__)
 
