@@ -111,8 +111,15 @@ class BatchAssembler:
         return out
 
 
+# Drops in a row that chance alone cannot explain: even a reward that leaves 70% of groups without
+# variance drops 64 in a row with probability 0.7**64 ~ 1e-10. Small data sets would otherwise trip the
+# rule by chance (6 prompts at 30% zero-variance groups: 0.3**6 ~ 7e-4 per window).
+MIN_DROPS_IN_A_ROW = 64
+
+
 def starved_by_filter(dropped_in_a_row: int, num_prompts: int) -> bool:
-    """Whether the zero-variance filter has dropped, in a row, as many groups as the data has prompts.
+    """Whether the zero-variance filter has dropped, in a row, as many groups as the data has prompts
+    (and at least ``MIN_DROPS_IN_A_ROW``).
 
     Nothing kept over a full pass's worth of groups means the reward gives every sample of a
     group the same value (a broken verifier, a label key that matches nothing, a task already
@@ -120,4 +127,4 @@ def starved_by_filter(dropped_in_a_row: int, num_prompts: int) -> bool:
     bound grows with the data, so a dataset whose informative prompts are rare is not stopped
     early, and it never costs more generation than one epoch.
     """
-    return dropped_in_a_row >= num_prompts
+    return dropped_in_a_row >= max(num_prompts, MIN_DROPS_IN_A_ROW)

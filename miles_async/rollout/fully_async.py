@@ -125,8 +125,8 @@ class FullyAsyncProducer:
         in_a_row, prompts = self.assembler.dropped_in_a_row, len(self.data_source.items)
         if starved_by_filter(in_a_row, prompts):
             raise ProducerError(
-                f"--zero-variance-filter dropped {in_a_row} groups in a row, a full pass over the {prompts} prompts "
-                f"of the data: every sample of each group got the same reward (the last group: "
+                f"--zero-variance-filter dropped {in_a_row} groups in a row, at least a full pass over the {prompts} "
+                f"prompts of the data: every sample of each group got the same reward (the last group: "
                 f"{[s.reward for s in group]}), so no batch can be trained. Check the reward (--rm-type, "
                 f"--custom-rm-path, --label-key) or run without --zero-variance-filter."
             )
