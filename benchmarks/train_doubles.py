@@ -8,11 +8,14 @@ inherit the environment of the run that starts them and import the double from t
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.doubles_env import seconds_from_env
 from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.ray.train_group import ACTOR_CLASS_ENV
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 TRAIN_SECONDS_ENV = "MILES_ASYNC_TRAIN_SECONDS"
 
@@ -26,7 +29,7 @@ class FixedTrainCost(FSDPTrainActor):
         super().__init__(*args, **kwargs)
 
     def train(
-        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+        self, rollout_id: int, batch: RolloutBatch, temperature: float = 1.0, values: list[list[float]] | None = None
     ) -> dict:
         t0 = time.time()
         time.sleep(self.train_seconds)

@@ -23,13 +23,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 BACKENDS = ("fsdp", "megatron")
 THREADS = 2
 N_PROMPTS, N_SAMPLES, PROMPT_LEN, RESPONSE_LEN = 8, 8, 40, 8
 
 
-def _batch(vocab: int, seed: int = 0) -> dict:
+def _batch(vocab: int, seed: int = 0) -> RolloutBatch:
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 
@@ -107,7 +111,7 @@ def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
         {
             "build_seconds": time.time() - t0,
             "torch_threads": torch.get_num_threads(),
-            "tokens": sum(len(t) for t in batch["tokens"]),
+            "tokens": sum(len(t) for t in batch.tokens),
         }
     )
     while (rollout := conn.recv()) is not None:

@@ -40,16 +40,24 @@ def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: 
 
 def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[dict], abs_tol: float) -> None:
     """The engine's log-probs of its own outputs equal the trainer's for the same tokens (temperature 1)."""
+    from miles_async.rollout.batch import to_train_batch
+    from miles_async.rollout.sample import Sample
+
     for p, o in zip(prompts, outputs):
-        trainer_lp = actor._logprobs_of(
-            actor.module,
-            {
-                "tokens": [p + o["output_ids"]],
-                "prompt_lengths": [len(p)],
-                "response_lengths": [len(o["output_ids"])],
-                "loss_masks": [[1] * len(o["output_ids"])],
-            },
-            [0],
-            1.0,
-        )[0]
+        batch = to_train_batch(
+            [
+                [
+                    Sample(
+                        uid="0",
+                        group_index=0,
+                        index=0,
+                        prompt="",
+                        prompt_tokens=p,
+                        response_tokens=o["output_ids"],
+                        reward=0.0,
+                    )
+                ]
+            ]
+        )
+        trainer_lp = actor._logprobs_of(actor.module, batch, [0], 1.0)[0]
         assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=abs_tol)

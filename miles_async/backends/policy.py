@@ -9,17 +9,10 @@ optimizer steps. With a critic the loop calls them separately, so the critic can
 train on the returns while the actor trains; otherwise ``train`` runs both.
 
 ``PolicyMixin`` holds all of that orchestration and the per-micro-batch loss assembly
-(policy loss + entropy bonus + KL loss, from ``miles_async.algorithms``); a backend
-supplies only:
-
-* ``_forward(model, mb, temperature, with_entropy) -> (logprobs [B, R], entropy | None)``,
-* ``_train_step(batch, idx, temperature, loss_of, metrics_acc)``: one optimizer step over
-  this worker's samples ``idx``, calling ``loss_of(mb, rows, logprobs, entropy)`` on each
-  micro-batch's forward outputs,
-* ``_shard``, ``_per_sample``, ``_all_gather_dict`` (over the data-parallel group),
-  ``_current_lr()``, ``optimizer_steps``, ``module``/``model``/``ref_model``/``device``,
-* for ``--keep-old-actor``: ``_snapshot_weights()`` and ``_model_with_weights(state)``,
-* ``_weight_source()``: its policy's HF-named tensors and which rank sends them (``miles_async.weights``).
+(policy loss + entropy bonus + KL loss, from ``miles_async.algorithms``); a backend's worker
+supplies only what ``PolicyBackend`` declares (checked when the worker is built): its
+forward pass, one optimizer step, its data-parallel place, and its weights; with
+--keep-old-actor also ``KeepsOldWeights``.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,12 +32,17 @@ from miles_async.algorithms.losses import (
     masked_mean,
     policy_loss,
 )
+from miles_async.backends.data_parallel import DataParallel, all_gather_dict, shard
 from miles_async.backends.packing import MicroBatch, pad_rows
 from miles_async.utils.weight_checksum import tensor_checksums
 from miles_async.weights.disk import write_engine_folder
 from miles_async.weights.sender import WeightSender
-from miles_async.weights.source import iter_buckets
+from miles_async.weights.source import WeightSource, iter_buckets
 from miles_async.weights.update import DTYPES, WeightUpdate
+
+if TYPE_CHECKING:
+    from miles_async.config import TrainConfig
+    from miles_async.rollout.batch import RolloutBatch
 
 # loss_of(micro_batch, sample_indices, logprobs [B, R], entropy [B, R]) -> (loss, metrics)
 LossOfOutputs = Callable[
@@ -79,14 +78,14 @@ def _rollout_logprob_gap(logprobs: list[float], loss_mask: list[int], response_l
     return None if bad is None else f"rollout log-prob {logprobs[bad]} at trained response token {bad}"
 
 
-def require_rollout_logprobs(batch: dict, rows: list[int], flag: str) -> None:
+def require_rollout_logprobs(batch: RolloutBatch, rows: list[int], flag: str) -> None:
     """Fail the step on the first sample whose trained tokens lack the engine's log-probs: ``--use-tis``
     would otherwise weigh them against nothing, and ``--use-rollout-logprobs`` would read log-prob 0."""
     for i in rows:
-        gap = _rollout_logprob_gap(batch["rollout_logprobs"][i], batch["loss_masks"][i], batch["response_lengths"][i])
+        gap = _rollout_logprob_gap(batch.rollout_logprobs[i], batch.loss_masks[i], batch.response_lengths[i])
         if gap is not None:
             raise ValueError(
-                f"{flag}: sample uid={batch['uids'][i]} (index {i} of the rollout) has {gap}; "
+                f"{flag}: sample uid={batch.uids[i]} (index {i} of the rollout) has {gap}; "
                 f"{flag} needs the engine's log-prob of every trained response token (a custom "
                 f"generate function must fill Sample.rollout_logprobs, one per response token)"
             )
@@ -99,31 +98,94 @@ def reduce_metrics(acc: dict[str, list[float]], prefix: str) -> dict[str, float]
     return {f"{prefix}/{k}": float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in acc.items()}
 
 
+class PolicyBackend(Protocol):
+    """What ``PolicyMixin`` needs of the worker class it is mixed into."""
+
+    cfg: TrainConfig
+    dp: DataParallel  # the replicas that split each step's samples (miles_async.backends.data_parallel)
+    module: torch.nn.Module | None  # the policy's weights
+    model: torch.nn.Module | None  # what training runs (``module`` under the data-parallel wrapper)
+    ref_model: torch.nn.Module | None  # the reference policy (--ref-load), or None
+    optimizer_steps: int
+
+    def _forward(
+        self, model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs ``[B, R]`` of ``mb``'s responses under ``model``, and their entropy if asked."""
+
+    def _train_step(
+        self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+    ) -> None:
+        """One optimizer step over this worker's samples ``idx``, calling ``loss_of(mb, rows, logprobs, entropy)``
+        on each micro-batch's forward outputs."""
+
+    def _per_sample(
+        self, fn: Callable[[MicroBatch], torch.Tensor], batch: RolloutBatch, idx: list[int]
+    ) -> dict[int, list[float]]:
+        """``fn``'s ``[B, R]`` output for each of the samples ``idx``, cut to its response length."""
+
+    def _current_lr(self) -> float:
+        """The LR of the optimizer step just taken."""
+
+    def _weight_source(self) -> WeightSource:
+        """The policy's HF-named tensors and which rank sends them (``miles_async.weights``)."""
+
+
+class KeepsOldWeights(Protocol):
+    """What ``PolicyMixin`` also needs of a backend that supports --keep-old-actor."""
+
+    def _snapshot_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's weights, away from the device."""
+
+    def _model_with_weights(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A model that evaluates with the weights of a snapshot."""
+
+
+def _protocol_members(protocol: type) -> list[str]:
+    return sorted(
+        {*protocol.__annotations__, *(k for k, v in vars(protocol).items() if callable(v) and not k.startswith("__"))}
+    )
+
+
 class PolicyMixin:
+    """The RL side of a policy worker, mixed into a backend's worker class (a ``PolicyBackend``, and with
+    --keep-old-actor a ``KeepsOldWeights``)."""
+
     _prepared: Prepared | None = None
 
     def _init_policy_state(self) -> None:
+        self._require(PolicyBackend)
+        if self.cfg.algorithm.keep_old_actor:
+            self._require(KeepsOldWeights)
         # --keep-old-actor: CPU copies of the weights of every version still in flight.
         self._kept_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._prepared = None
         self._weight_sender = WeightSender()
 
+    def _require(self, protocol: type) -> None:
+        missing = [name for name in _protocol_members(protocol) if not hasattr(self, name)]
+        if missing:
+            raise TypeError(
+                f"{type(self).__qualname__} mixes in PolicyMixin but lacks {missing} "
+                f"(see miles_async.backends.policy.{protocol.__qualname__})"
+            )
+
     # -- log-probs ------------------------------------------------------------------------
-    def _logprobs_of(self, model, batch: dict, idx: list[int], temperature: float) -> dict[int, list[float]]:
+    def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
         return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
 
     def _logprobs_under_generating_weights(
-        self, batch: dict, idx: list[int], temperature: float
+        self, batch: RolloutBatch, idx: list[int], temperature: float
     ) -> dict[int, list[float]]:
         by_version: dict[int, list[int]] = {}
         for i in idx:
-            versions, mask = batch["weight_versions"][i], batch["loss_masks"][i]
+            versions, mask = batch.weight_versions[i], batch.loss_masks[i]
             # A partial rollout's prefix from older weights is masked out of the loss
             # (--mask-offpolicy-in-partial-rollout), so only the newest version matters.
             newest = max(versions, default=-1)
             if any(v != newest and m for v, m in zip(versions, mask)):
                 raise RuntimeError(
-                    f"--keep-old-actor: sample {batch['uids'][i]} trains tokens of several weight "
+                    f"--keep-old-actor: sample {batch.uids[i]} trains tokens of several weight "
                     f"versions {sorted(set(versions))}"
                 )
             by_version.setdefault(newest, []).append(i)
@@ -131,7 +193,7 @@ class PolicyMixin:
         for version, rows in sorted(by_version.items()):
             if version not in self._kept_weights:
                 raise RuntimeError(
-                    f"--keep-old-actor: weight version {version} (sample {batch['uids'][rows[0]]}) is "
+                    f"--keep-old-actor: weight version {version} (sample {batch.uids[rows[0]]}) is "
                     f"no longer kept; kept versions: {sorted(self._kept_weights)}"
                 )
             out.update(
@@ -170,17 +232,17 @@ class PolicyMixin:
     # -- one rollout -----------------------------------------------------------------------
     @torch.no_grad()
     def prepare(
-        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+        self, rollout_id: int, batch: RolloutBatch, temperature: float = 1.0, values: list[list[float]] | None = None
     ) -> list[list[float]] | None:
         """Old/ref log-probs and the whole batch's advantages; returns the critic's targets (ppo)."""
         alg = self.cfg.algorithm
-        n = len(batch["rewards"])
-        steps, mine = self._shard(n)
+        n = len(batch)
+        steps, mine = shard(n, self.cfg.global_batch_size, self.dp)
         if alg.use_tis or alg.use_rollout_logprobs:
             require_rollout_logprobs(batch, mine, "--use-tis" if alg.use_tis else "--use-rollout-logprobs")
         self.model.eval()
         if alg.use_rollout_logprobs:
-            old = {i: batch["rollout_logprobs"][i] for i in mine}
+            old = {i: batch.rollout_logprobs[i] for i in mine}
         elif alg.keep_old_actor:
             old = self._logprobs_under_generating_weights(batch, mine, temperature)
         elif len(steps) == 1 and alg.kl_coef == 0:
@@ -192,19 +254,19 @@ class PolicyMixin:
             old = self._logprobs_of(self.module, batch, mine, temperature)
         ref = self._logprobs_of(self.ref_model, batch, mine, temperature) if self.ref_model is not None else None
 
-        width = max(1, max(batch["response_lengths"]))
-        mask = _padded(batch["loss_masks"], width)
+        width = max(1, max(batch.response_lengths))
+        mask = _padded(batch.loss_masks, width)
         kl = None
         if alg.kl_coef > 0:
             # Per-token reward penalty over the whole batch: every worker needs every sample's KL.
-            old_all, ref_all = self._all_gather_dict(old), self._all_gather_dict(ref)
+            old_all, ref_all = all_gather_dict(old, self.dp), all_gather_dict(ref, self.dp)
             kl = compute_approx_kl(
                 _padded([old_all[i] for i in range(n)], width), _padded([ref_all[i] for i in range(n)], width), "k1"
             )
         advantages, returns = compute_advantages(
             alg.advantage_estimator,
-            torch.tensor(batch["rewards"], dtype=torch.float32),
-            torch.tensor(batch["group_index"]),
+            torch.tensor(batch.rewards, dtype=torch.float32),
+            torch.tensor(batch.group_index),
             mask,
             normalize_std=alg.normalize_std,
             values=_padded(values, width) if values is not None else None,
@@ -217,10 +279,10 @@ class PolicyMixin:
         self._prepared = Prepared(rollout_id, steps, advantages, mask, old, ref)
         if returns is None:
             return None
-        return [returns[i, : batch["response_lengths"][i]].tolist() for i in range(n)]
+        return [returns[i, : batch.response_lengths[i]].tolist() for i in range(n)]
 
     def train(
-        self, rollout_id: int, batch: dict, temperature: float = 1.0, values: list[list[float]] | None = None
+        self, rollout_id: int, batch: RolloutBatch, temperature: float = 1.0, values: list[list[float]] | None = None
     ) -> dict:
         t0 = time.time()
         if self._prepared is None or self._prepared.rollout_id != rollout_id:
@@ -249,7 +311,7 @@ class PolicyMixin:
 
     def _policy_loss(
         self,
-        batch: dict,
+        batch: RolloutBatch,
         prep: Prepared,
         mb: MicroBatch,
         rows: list[int],
@@ -266,10 +328,8 @@ class PolicyMixin:
             adv = torch.nn.functional.pad(adv, (0, width - adv.shape[1]))
         adv = adv.to(device)
         # With --use-tis, prepare() checked every trained token's log-prob; otherwise they only feed metrics.
-        has_rollout_lp = alg.use_tis or all(
-            len(batch["rollout_logprobs"][i]) == batch["response_lengths"][i] for i in rows
-        )
-        rollout_lp = pad_rows([batch["rollout_logprobs"][i] for i in rows], width).to(device)
+        has_rollout_lp = alg.use_tis or all(len(batch.rollout_logprobs[i]) == batch.response_lengths[i] for i in rows)
+        rollout_lp = pad_rows([batch.rollout_logprobs[i] for i in rows], width).to(device)
         old_lp = logprobs.detach() if prep.old is None else pad_rows([prep.old[i] for i in rows], width).to(device)
         loss, m = policy_loss(
             logprobs,

@@ -1,25 +1,62 @@
-"""Groups of samples -> the columnar batch the trainer consumes, plus rollout metrics."""
+"""Groups of samples -> the columnar batch the trainers consume, plus rollout metrics."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, fields
 
 from miles_async.rollout.sample import Sample, SampleStatus
 
 
-def to_train_batch(groups: list[list[Sample]]) -> dict:
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One rollout's samples, column by column (row ``i`` of every column is sample ``i``): what the rollout
+    executor puts in Ray's object store and every training worker reads. Plain lists, cheap to pickle."""
+
+    tokens: list[list[int]]  # prompt + response
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    loss_masks: list[list[int]]  # one per response token: 1 where it is trained
+    rollout_logprobs: list[list[float]]  # the engine's, one per response token (a custom generate may leave none)
+    weight_versions: list[list[int]]  # the engine weight version that generated each response token
+    rewards: list[float]
+    group_index: list[int]
+    uids: list[str]
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for f in fields(self):
+            if len(getattr(self, f.name)) != n:
+                raise ValueError(f"RolloutBatch: {len(getattr(self, f.name))} {f.name} for {n} samples")
+        for i, (tokens, p, r, mask) in enumerate(
+            zip(self.tokens, self.prompt_lengths, self.response_lengths, self.loss_masks)
+        ):
+            where = f"RolloutBatch: sample uid={self.uids[i]} (index {i})"
+            if len(tokens) != p + r:
+                raise ValueError(f"{where} has {len(tokens)} tokens for a prompt of {p} and a response of {r}")
+            if len(mask) != r:
+                raise ValueError(
+                    f"{where} has a loss mask of {len(mask)} for {r} response tokens (Sample.loss_mask, "
+                    f"e.g. from a custom generate function, needs one entry per response token)"
+                )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def to_train_batch(groups: list[list[Sample]]) -> RolloutBatch:
     samples = [s for g in groups for s in g]
-    return {
-        "tokens": [s.tokens for s in samples],
-        "prompt_lengths": [len(s.prompt_tokens) for s in samples],
-        "response_lengths": [s.response_length for s in samples],
-        "loss_masks": [s.effective_loss_mask() for s in samples],
-        "rollout_logprobs": [s.rollout_logprobs for s in samples],
-        "weight_versions": [s.weight_versions for s in samples],
-        "rewards": [float(s.reward) for s in samples],
-        "group_index": [s.group_index for s in samples],
-        "uids": [s.uid for s in samples],
-    }
+    return RolloutBatch(
+        tokens=[s.tokens for s in samples],
+        prompt_lengths=[len(s.prompt_tokens) for s in samples],
+        response_lengths=[s.response_length for s in samples],
+        loss_masks=[s.effective_loss_mask() for s in samples],
+        rollout_logprobs=[s.rollout_logprobs for s in samples],
+        weight_versions=[s.weight_versions for s in samples],
+        rewards=[float(s.reward) for s in samples],
+        group_index=[s.group_index for s in samples],
+        uids=[s.uid for s in samples],
+    )
 
 
 def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -11,14 +12,14 @@ import torch
 from miles_async.arguments import parse_args
 from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.backends.fsdp.critic import FSDPCritic
-from miles_async.rollout.batch import to_train_batch
+from miles_async.rollout.batch import RolloutBatch, to_train_batch
 from miles_async.rollout.sample import Sample
 from miles_async.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _batch(seed: int = 0, version: int = 0) -> dict:
+def _batch(seed: int = 0, version: int = 0) -> RolloutBatch:
     rng = random.Random(seed)
     groups = []
     for g in range(4):
@@ -78,10 +79,10 @@ def test_critic_values_sit_where_the_policy_predicts_each_response_token(tiny_mo
     values = critic.compute_values(0, batch)
     with torch.no_grad():
         for i in (0, 5, 11):
-            p, n = batch["prompt_lengths"][i], batch["response_lengths"][i]
-            out = critic.module(input_ids=torch.tensor([batch["tokens"][i]])).logits[0, :, 0]
+            p, n = batch.prompt_lengths[i], batch.response_lengths[i]
+            out = critic.module(input_ids=torch.tensor([batch.tokens[i]])).logits[0, :, 0]
             torch.testing.assert_close(torch.tensor(values[i]), out[p - 1 : p - 1 + n], rtol=1e-4, atol=1e-5)
-    assert [len(v) for v in values] == batch["response_lengths"]
+    assert [len(v) for v in values] == batch.response_lengths
 
 
 def test_ppo_returns_are_the_outcome_and_the_critic_fits_them(tiny_model, tiny_task, tmp_path):
@@ -105,13 +106,13 @@ def test_ppo_returns_are_the_outcome_and_the_critic_fits_them(tiny_model, tiny_t
         values = critic.compute_values(step, batch)
         returns = actor.prepare(step, batch, 1.0, values)
         # gamma = lambda = 1: the return of every token is the sequence's outcome reward.
-        for r, ret in zip(batch["rewards"], returns):
+        for r, ret in zip(batch.rewards, returns):
             assert ret == pytest.approx([r] * len(ret), abs=1e-5)
         # ... and the advantage is that reward minus the token's value.
         adv = actor._prepared.advantages
         for i in (0, 7):
-            n = batch["response_lengths"][i]
-            torch.testing.assert_close(adv[i, :n], batch["rewards"][i] - torch.tensor(values[i]), rtol=1e-5, atol=1e-5)
+            n = batch.response_lengths[i]
+            torch.testing.assert_close(adv[i, :n], batch.rewards[i] - torch.tensor(values[i]), rtol=1e-5, atol=1e-5)
         losses.append(critic.train(step, batch, values, returns)["critic/vf_loss"])
     assert losses[-1] < 0.5 * losses[0], losses
     metrics = actor.train(5, batch, 1.0, values)
@@ -148,7 +149,7 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
     actor.train(1, _batch(1, version=1))
     stale = _batch(2, version=0)
     actor.prepare(2, stale, 1.0)
-    idx = list(range(len(stale["rewards"])))
+    idx = list(range(len(stale)))
     want = initial._logprobs_of(initial.module, stale, idx, 1.0)
     current = actor._logprobs_of(actor.module, stale, idx, 1.0)
     for i in idx:
@@ -184,9 +185,10 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
     actor = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
     batch = _batch()
     trainer_lp = actor._logprobs_of(actor.module, batch, list(range(16)), 1.0)
-    batch["rollout_logprobs"] = [
-        [lp + (2.0 if k % 2 else -2.0) for k, lp in enumerate(trainer_lp[i])] for i in range(16)
-    ]
+    batch = dataclasses.replace(
+        batch,
+        rollout_logprobs=[[lp + (2.0 if k % 2 else -2.0) for k, lp in enumerate(trainer_lp[i])] for i in range(16)],
+    )
     m = actor.train(0, batch)
     assert m["train/optimizer_steps"] == 2
     # Truncation lands exactly on the upper bound; masking (token level, every ratio outside) leaves no weight.
@@ -196,8 +198,7 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
         assert m["train/pg_loss"] == 0 and m["train/grad_norm"] == 0
     else:  # the same batch without the gap (every weight 1) gives another loss
         plain = FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=10)
-        batch["rollout_logprobs"] = [trainer_lp[i] for i in range(16)]
-        unweighted = plain.train(0, batch)
+        unweighted = plain.train(0, dataclasses.replace(batch, rollout_logprobs=[trainer_lp[i] for i in range(16)]))
         assert unweighted["train/tis_clipfrac"] == 0
         assert abs(unweighted["train/pg_loss"] - m["train/pg_loss"]) > 1e-3, (unweighted, m)
     # Old log-probs are recomputed once before both steps, so the logged gap is exactly the one planted.
@@ -209,7 +210,7 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
         assert m["train/tis_weight_mean"] == (0.0 if mode == "mask" else pytest.approx(1.0, abs=0.2))
     else:
         # Per sequence the signs cancel on even lengths (ratio 1, kept) and leave e^2 on odd ones.
-        odd = sum(n % 2 for n in batch["response_lengths"]) / 16
+        odd = sum(n % 2 for n in batch.response_lengths) / 16
         assert 0 < m["train/tis_clipfrac"] < 1 and odd > 0
         assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
         assert m["train/tis_mean"] < math.exp(2) - 1e-3
@@ -224,24 +225,24 @@ def test_a_trained_token_without_a_rollout_logprob_fails_the_step_naming_the_sam
     actor = FSDPTrainActor(_cfg(tiny_model, tiny_task, tmp_path, flag).train, 0, 1, total_optimizer_steps=10)
     before = actor.state_checksum()
     short = _batch()
-    short["rollout_logprobs"][5] = short["rollout_logprobs"][5][:-1]  # e.g. a custom generate function's tail
+    short.rollout_logprobs[5] = short.rollout_logprobs[5][:-1]  # e.g. a custom generate function's tail
     with pytest.raises(
         ValueError,
         match=rf"{flag}: sample uid=1-1 \(index 5 of the rollout\) has "
-        rf"{short['response_lengths'][5] - 1} rollout log-probs for "
-        rf"{short['response_lengths'][5]} response tokens",
+        rf"{short.response_lengths[5] - 1} rollout log-probs for "
+        rf"{short.response_lengths[5]} response tokens",
     ):
         actor.train(0, short)
     nan = _batch()
-    nan["rollout_logprobs"][5][0] = float("nan")
+    nan.rollout_logprobs[5][0] = float("nan")
     with pytest.raises(ValueError, match=r"sample uid=1-1 .* has rollout log-prob nan at trained response token 0"):
         actor.train(0, nan)
     assert actor.optimizer_steps == 0 and actor.state_checksum() == before
     # Only trained tokens need one: a sample that trains nothing, or a NaN under a loss-mask 0, is fine.
     untrained = _batch()
-    untrained["rollout_logprobs"][5], untrained["loss_masks"][5] = [], [0] * untrained["response_lengths"][5]
+    untrained.rollout_logprobs[5], untrained.loss_masks[5] = [], [0] * untrained.response_lengths[5]
     masked = _batch()
-    masked["rollout_logprobs"][6][0], masked["loss_masks"][6][0] = float("nan"), 0
+    masked.rollout_logprobs[6][0], masked.loss_masks[6][0] = float("nan"), 0
     for ok in (untrained, masked):
         assert math.isfinite(actor.train(0, ok)["train/pg_loss"])
     assert actor.optimizer_steps == 2

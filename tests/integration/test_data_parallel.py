@@ -10,15 +10,16 @@ import torch
 import torch.multiprocessing as mp
 
 from miles_async.arguments import parse_args
+from miles_async.backends.data_parallel import DataParallel, all_gather_dict, all_reduce_sum, shard
 from miles_async.backends.fsdp.actor import FSDPTrainActor
-from miles_async.rollout.batch import to_train_batch
+from miles_async.rollout.batch import RolloutBatch, to_train_batch
 from miles_async.rollout.sample import Sample
 from tests.flag_helpers import tiny_train_flags
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _batch(seed: int = 0) -> dict:
+def _batch(seed: int = 0) -> RolloutBatch:
     rng = random.Random(seed)
     groups = []
     for g in range(4):
@@ -55,15 +56,52 @@ def _worker(rank, cfg, world, port, out):
     _train(cfg, rank, world, port, out)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dp_helpers(rank: int, port: int, out) -> None:
+    """Four ranks as Megatron lays out TP 2 x DP 2: ranks 0 and 2 are one data-parallel group, 1 and 3 the other."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    dp = DataParallel(rank // 2, 2, groups[rank % 2])
+    result = {
+        "shard": shard(10, 4, dp),
+        "sum": all_reduce_sum(float(rank + 1), dp, torch.device("cpu")),
+        "gathered": all_gather_dict({rank: [float(rank)]}, dp),
+    }
+    torch.save(result, out / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_data_parallel_helpers_work_over_the_group_they_are_given(tmp_path):
+    """Sums and gathers stay inside the given group (not the world), and its replicas split each step's samples."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_dp_helpers, args=(r, port, tmp_path)) for r in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert [g["sum"] for g in got] == [4.0, 6.0, 4.0, 6.0]  # 1 + 3 and 2 + 4
+    assert got[0]["gathered"] == got[2]["gathered"] == {0: [0.0], 2: [2.0]}
+    assert got[1]["gathered"] == got[3]["gathered"] == {1: [1.0], 3: [3.0]}
+    # Steps of 4 samples out of 10, dealt alternately to the group's two replicas; TP peers get the same ones.
+    assert got[0]["shard"] == got[1]["shard"] == ([[0, 2], [4, 6], [8]], [0, 2, 4, 6, 8])
+    assert got[2]["shard"] == got[3]["shard"] == ([[1, 3], [5, 7], [9]], [1, 3, 5, 7, 9])
+
+
 def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     train, _ = tiny_task
     common = tiny_train_flags(tiny_model, train, tmp_path, "--lr", "1e-2", "--global-batch-size", "8")
     one = parse_args(common)
     two = parse_args(common + ["--actor-num-gpus-per-node", "2"])
     assert two.cluster.num_train_workers == 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ctx = mp.get_context("spawn")
     p = ctx.Process(target=_worker, args=(0, one, 1, port, tmp_path / "single.pt"))
     p.start()

@@ -92,4 +92,4 @@ def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on
         assert time.monotonic() - t0 >= MATH_VERIFY_DEADLINE_S  # it was really cut off, not settled
         assert out["metrics"]["rollout/reward_timeouts"] == 1
         assert out["metrics"]["rollout/reward_errors"] == 0
-        assert ray.get(out["data"][0])["rewards"] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+        assert ray.get(out["data"][0]).rewards == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]

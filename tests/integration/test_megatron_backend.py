@@ -11,12 +11,16 @@ import os
 import random
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.flag_helpers import tiny_train_flags
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
 
@@ -49,7 +53,7 @@ def _spawn(target, world: int, *args, timeout: float = 240) -> None:
     assert [p.exitcode for p in procs] == [0] * world
 
 
-def _batch(seed: int = 0) -> dict:
+def _batch(seed: int = 0) -> RolloutBatch:
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 

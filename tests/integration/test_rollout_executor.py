@@ -71,13 +71,13 @@ def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny
     ex = _executor(cfg, engine.url)
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
-    assert len(batch["tokens"]) == 6 and batch["group_index"] == [0, 0, 1, 1, 2, 2]
+    assert len(batch.tokens) == 6 and batch.group_index == [0, 0, 1, 1, 2, 2]
     for toks, p, r, lp, wv in zip(
-        batch["tokens"],
-        batch["prompt_lengths"],
-        batch["response_lengths"],
-        batch["rollout_logprobs"],
-        batch["weight_versions"],
+        batch.tokens,
+        batch.prompt_lengths,
+        batch.response_lengths,
+        batch.rollout_logprobs,
+        batch.weight_versions,
     ):
         assert len(toks) == p + r and len(lp) == r and wv == [0] * r
     assert out["metrics"]["rollout/num_samples"] == 6
@@ -110,9 +110,9 @@ def test_every_plugin_point(local_ray, engine, tiny_model, tiny_task, tmp_path):
     ex = _executor(cfg, engine.url)
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
-    assert batch["uids"][::2] == ["c0", "c1", "c2", "c3", "c4", "c5"]  # two draws from the custom source
-    assert batch["response_lengths"] == [1] * 12  # the custom generate function ran
-    assert batch["rewards"] == [1.0] * 12  # and so did the custom reward, seeing its trace
+    assert batch.uids[::2] == ["c0", "c1", "c2", "c3", "c4", "c5"]  # two draws from the custom source
+    assert batch.response_lengths == [1] * 12  # the custom generate function ran
+    assert batch.rewards == [1.0] * 12  # and so did the custom reward, seeing its trace
 
 
 def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_task, tmp_path):
@@ -127,7 +127,7 @@ def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_tas
     )
     out = ray.get(_executor(cfg, engine.url).generate.remote(0))
     assert out["metrics"]["rollout/reward_errors"] == 6
-    assert ray.get(out["data"][0])["rewards"] == [0.0] * 6
+    assert ray.get(out["data"][0]).rewards == [0.0] * 6
 
 
 def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
@@ -140,7 +140,7 @@ def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
     try:
         out = ray.get(ex.drain.remote(0), timeout=120)
         batch = ray.get(out["data"][0])
-        assert len(batch["tokens"]) == 6 and len(set(batch["group_index"])) == 3  # one batch: 3 groups of 2
+        assert len(batch.tokens) == 6 and len(set(batch.group_index)) == 3  # one batch: 3 groups of 2
         assert out["metrics"]["async/staleness_max"] == 0  # the producer's own metrics; no update yet
         log = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
         assert log[0]["rollout_id"] == 0 and log[0]["epochs"] == [0, 0, 0]

@@ -270,7 +270,7 @@ def test_batch_and_metrics_carry_the_mask_and_the_counts():
     fresh = new_sample()
     fresh.response_tokens, fresh.weight_versions, fresh.rollout_logprobs, fresh.reward = [4], [1], [-1.0], 0.0
     groups = [[resumed, fresh]]
-    assert to_train_batch(groups)["loss_masks"] == [[0, 1, 1], [1]]
+    assert to_train_batch(groups).loss_masks == [[0, 1, 1], [1]]
     m = rollout_metrics(groups)
     assert m["rollout/partial_resumed_samples"] == 1
     assert m["rollout/offpolicy_masked_tokens"] == 1

@@ -12,6 +12,7 @@ import copy
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.config import TrainConfig
 from miles_async.weights.source import WeightSource
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
@@ -72,7 +76,7 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     # -- backend hooks of PolicyMixin ---------------------------------------------------------
     def _train_step(
-        self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+        self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
     ) -> None:
         self._optimizer_step(
             batch,

@@ -10,13 +10,19 @@ position just before it.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from miles_async.algorithms.losses import value_loss
-from miles_async.backends.fsdp.worker import TrainWorker, reduce_metrics
+from miles_async.backends.data_parallel import all_gather_dict, shard
+from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch, pad_rows
+from miles_async.backends.policy import reduce_metrics
 from miles_async.config import TrainConfig
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 
 class FSDPCritic(TrainWorker):
@@ -51,16 +57,18 @@ class FSDPCritic(TrainWorker):
         r = mb.max_response_len
         return out.logits[:, -(r + 1) : -1, 0].float()
 
-    def compute_values(self, rollout_id: int, batch: dict) -> list[list[float]]:
+    def compute_values(self, rollout_id: int, batch: RolloutBatch) -> list[list[float]]:
         """Every sample's per-token values under the critic before this rollout's update."""
-        _, mine = self._shard(len(batch["rewards"]))
+        _, mine = shard(len(batch), self.cfg.global_batch_size, self.dp)
         self.model.eval()
-        values = self._all_gather_dict(self._per_sample(lambda mb: self._values(self.module, mb), batch, mine))
-        return [values[i] for i in range(len(batch["rewards"]))]
+        values = all_gather_dict(self._per_sample(lambda mb: self._values(self.module, mb), batch, mine), self.dp)
+        return [values[i] for i in range(len(batch))]
 
-    def train(self, rollout_id: int, batch: dict, values: list[list[float]], returns: list[list[float]]) -> dict:
+    def train(
+        self, rollout_id: int, batch: RolloutBatch, values: list[list[float]], returns: list[list[float]]
+    ) -> dict:
         t0 = time.time()
-        steps, _ = self._shard(len(batch["rewards"]))
+        steps, _ = shard(len(batch), self.cfg.global_batch_size, self.dp)
         self.model.train()
         metrics_acc: dict[str, list[float]] = {}
         for idx in steps:

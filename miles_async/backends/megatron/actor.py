@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
-from miles_async.backends.fsdp.worker import TrainWorker, load_rng_state, lr_lambda, save_rng_state
+from miles_async.backends.data_parallel import DataParallel
 from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf
 from miles_async.backends.megatron.model import (
     ArchSpec,
@@ -34,10 +35,14 @@ from miles_async.backends.megatron.model import (
 )
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
+from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
 from miles_async.weights.disk import save_hf_folder
 from miles_async.weights.source import WeightSource
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 
 def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,9 +68,7 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
     return ids, pos, targets
 
 
-class MegatronTrainActor(PolicyMixin, TrainWorker):
-    # TrainWorker's __init__ builds an HF module at once; here building waits for the
-    # process group, so only its batch helpers (_collate, _micro_batches, _per_sample) are reused.
+class MegatronTrainActor(PolicyMixin, BaseWorker):
     def __init__(
         self,
         cfg: TrainConfig,
@@ -75,16 +78,9 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         load_dir: str | None = None,
         load_rollout_id: int | None = None,
     ):
-        torch.set_num_threads(cfg.num_threads)
-        self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+        super().__init__(cfg, rank, world_size)
         self.total_optimizer_steps = total_optimizer_steps
         self._load_from = (load_dir, load_rollout_id)
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        self._seed_everything(cfg.seed + rank)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(cfg.model_path)
@@ -99,9 +95,9 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             m.use_distributed_optimizer,
         )
         self.bf16 = cfg.dtype == "bfloat16"
-        self.optimizer_steps = 0
-        self._init_policy_state()
+        # Built in init_process_group, once Megatron's parallel groups exist.
         self.module = self.model = self.ref_model = None
+        self._init_policy_state()
 
     # -- set-up -------------------------------------------------------------------------
     def init_process_group(self, master_addr: str, master_port: int) -> None:
@@ -117,10 +113,10 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
-        self._seed_everything(self.cfg.seed + self.dp_rank)  # TP ranks of a replica share their RNG
+        self.dp = DataParallel(
+            ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        )
+        seed_everything(self.cfg.seed + self.dp.rank)  # TP ranks of a replica share their RNG
         module = self._build_gpt(self.cfg.model_path).to(self.device)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -178,26 +174,6 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         # The LR of the step just taken, as the torch scheduler reports it.
         return self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps)
 
-    # -- data parallelism over the DP group (TP ranks of one replica see the same samples) --
-    def _shard(self, n: int) -> tuple[list[list[int]], list[int]]:
-        gbs = self.cfg.global_batch_size
-        steps = [list(range(s, min(s + gbs, n)))[self.dp_rank :: self.dp_size] for s in range(0, n, gbs)]
-        return steps, [i for step in steps for i in step]
-
-    def _all_reduce_sum(self, value: float) -> float:
-        if self.dp_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t.item())
-
-    def _all_gather_dict(self, part: dict) -> dict:
-        if self.dp_size == 1:
-            return part
-        parts: list[dict] = [{} for _ in range(self.dp_size)]
-        dist.all_gather_object(parts, part, group=self.dp_group)
-        return {k: v for p in parts for k, v in p.items()}
-
     # -- forward ----------------------------------------------------------------------------
     def _logits(self, model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
@@ -221,14 +197,12 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
 
     # -- one optimizer step through Megatron's schedule ------------------------------------------
     def _train_step(
-        self, batch: dict, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+        self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
     ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        agg = self.cfg.algorithm.loss_agg_mode
         micro = self._micro_batches(batch, idx)
-        total_tokens = sum(sum(batch["loss_masks"][i]) for i in idx)
-        total = self._all_reduce_sum(float(total_tokens if agg == "token_mean" else len(idx)))
+        step_size = self._step_size(batch, idx)
         n_micro = len(micro)
 
         def forward_step(data_iterator, model):
@@ -240,19 +214,17 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
             def loss_func(output):
                 logprobs, entropy = self._outputs(output, mb, targets, temperature, with_entropy=True)
                 loss, m = loss_of(mb, rows, logprobs, entropy)
-                share = (mb.response_mask.sum().item() if agg == "token_mean" else len(rows)) / max(total, 1.0)
                 m["loss"] = loss.detach()
                 for key, value in m.items():
                     metrics_acc.setdefault(key, []).append(float(value))
-                # The schedule divides by the number of micro-batches and DDP averages over
-                # DP ranks; undo both so the step's loss is the global sum of shares.
-                return loss * share * self.dp_size * n_micro, {}
+                # The schedule divides by the number of micro-batches; undo it (the share undoes DDP's mean).
+                return loss * self._share(mb, rows, step_size) * n_micro, {}
 
             return logits, loss_func
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        seq = max(len(batch["tokens"][i]) for i in idx)
+        seq = max(len(batch.tokens[i]) for i in idx)
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
@@ -274,7 +246,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
 
     def _weight_source(self) -> WeightSource:
         # Global rank 0 sends; the other TP ranks of its replica take part in each parameter's TP gather.
-        return WeightSource(self._export, sends=self.rank == 0, gathers=self.dp_rank == 0)
+        return WeightSource(self._export, sends=self.rank == 0, gathers=self.dp.rank == 0)
 
     def save_hf(self, path: str) -> None:
         def write(named) -> None:
@@ -313,7 +285,7 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
                         "optimizer_steps": self.optimizer_steps,
                         "has_optimizer": save_optimizer,
                         "tp": self.tp,
-                        "dp": self.dp_size,
+                        "dp": self.dp.size,
                         "format": "megatron.core.dist_checkpointing (torch_dist)",
                     }
                 )
@@ -338,9 +310,6 @@ class MegatronTrainActor(PolicyMixin, TrainWorker):
         self.optimizer_steps = meta["optimizer_steps"]
         self._set_lr()
         load_rng_state(src, self.rank)
-
-    def state_checksum(self) -> float:
-        return float(sum(p.detach().double().sum() for p in self.module.parameters()))
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The whole policy under HF names (tests and tools; every TP rank must call it)."""
