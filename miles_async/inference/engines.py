@@ -33,7 +33,8 @@ class EngineSpec:
     # "disk" (an HF folder it reloads), "distributed" (an NCCL/gloo broadcast from the trainer's rank 0).
     weight_routes: tuple[str, ...]
     # The trainer-side module (miles_async.weights) of its "tensor" route: "http" (the bytes over HTTP) or
-    # "shared_memory" (handles to the trainer's memory, for an engine on the trainer's node).
+    # "shared_memory" (handles to the trainer's memory, for an engine on the trainer's node: CUDA IPC handles
+    # when the trainer's weights are on a GPU, shared-memory files when on the CPU).
     tensor_route: str = "http"
 
 

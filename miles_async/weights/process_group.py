@@ -2,9 +2,10 @@
 trainer's rank 0 and every engine's tensor-parallel ranks, the weights broadcast from rank 0 in buckets
 (``update_weights_from_distributed``).
 
-On GPUs the group is NCCL (the route Miles and slime use between the trainer and non-colocated engines);
-on the CPU the same calls run over gloo, which is how the suite drives this route against SGLang's real
-CPU server: the only line that differs on a GPU is the backend name (scripts/gpu/check_sglang_nccl.sh).
+On GPUs the group is NCCL (the route Miles and slime use between the trainer and non-colocated engines) and
+the buckets are broadcast from the trainer's GPU memory, with no stop on the CPU; on the CPU the same calls
+run over gloo, which is how the suite drives this route against SGLang's real CPU server: the only line that
+differs on a GPU is the backend name (scripts/gpu/check_sglang_nccl.sh).
 
 Protocol, per SGLang's HTTP API:
 1. ``/init_weights_update_group`` on every engine (``rank_offset`` 1 + i * tp, ``world_size`` 1 + n * tp),
@@ -33,6 +34,7 @@ import requests
 import torch
 
 from miles_async.inference.launcher import free_port
+from miles_async.weights.node import LOOPBACK, node_address
 from miles_async.weights.update import WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -164,7 +166,9 @@ class EngineWeightGroup:
             if last:
                 body["weight_version"] = str(int(weight_version))
             answers = self._post_all("/update_weights_from_distributed", [body] * len(self.urls))
-            tensors = [t.to(self.device, non_blocking=True).contiguous() for _, t in current]
+            # On the group's device: a GPU bucket goes out as it is over NCCL (a CPU one is copied up), a GPU
+            # bucket is copied down for gloo; a blocking copy, so gloo never reads a copy still in flight.
+            tensors = [t.to(self.device).contiguous() for _, t in current]
             broadcast = self._pool.submit(self._broadcast, tensors)
             self._race(broadcast, answers, "/update_weights_from_distributed")
             sent += sum(t.numel() * t.element_size() for t in tensors)
@@ -195,11 +199,9 @@ class EngineWeightGroup:
 
 def trainer_address(urls: list[str]) -> str:
     """Where the engines reach rank 0's rendezvous: loopback when they all run here, else this node's address."""
-    if {urlparse(u).hostname for u in urls} <= {"127.0.0.1", "localhost"}:
+    if all(urlparse(u).hostname in LOOPBACK for u in urls):
         return "127.0.0.1"
-    import ray
-
-    return ray.util.get_node_ip_address()
+    return node_address()
 
 
 class ProcessGroupRoute:

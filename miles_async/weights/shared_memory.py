@@ -1,12 +1,20 @@
-"""The shared-memory route: SGLang on the trainer's node loads the tensors from the trainer's memory
-(``/update_weights_from_tensor``); only handles travel over HTTP.
+"""The same-node route (``--weight-update-method tensor`` into SGLang): SGLang on the trainer's node loads the
+tensors from the trainer's memory (``/update_weights_from_tensor``); only handles travel over HTTP.
 
-SGLang takes the tensors pickled with torch's multiprocessing reductions: CUDA IPC handles for GPU tensors
-(the colocated route of Miles and slime), shared-memory files for CPU tensors. For the CPU the file-system
-sharing strategy is used while pickling: torch's default, file descriptors, hands them over through a socket
-back to this process that only a child of it may use (an unrelated server is refused: "digest sent was
-rejected"). Each bucket is copied once into shared memory, for every engine, and kept alive until they have
-all loaded it.
+SGLang takes the tensors pickled with torch's multiprocessing reductions, so the handle follows the bucket's
+device: GPU tensors go as CUDA IPC handles to the trainer's GPU memory, uncopied (the colocated route of
+Miles and slime), CPU tensors as shared-memory files. Either is memory of this node, so an engine on
+another node is refused before anything is sent.
+
+- CUDA: the GPU is named by its UUID rather than this process's index for it, because the engine numbers
+  its visible GPUs by its own ``CUDA_VISIBLE_DEVICES``; SGLang's rebuild (``monkey_patch_torch_reductions``)
+  takes either. Torch counts the consumers of a CUDA handle per pickling, so every TP rank of every engine
+  gets a pickle of its own (SGLang's ranks each load their entry of ``serialized_named_tensors``).
+- CPU: the file-system sharing strategy is used while pickling: torch's default, file descriptors, hands
+  them over through a socket back to this process that only a child of it may use (an unrelated server is
+  refused: "digest sent was rejected"). Each bucket is copied once into shared memory, for every engine.
+
+Either way the bucket is kept alive until every engine has loaded it.
 """
 
 from __future__ import annotations
@@ -20,40 +28,77 @@ import torch
 
 from miles_async.inference.client import EngineClient
 from miles_async.weights.http import Bucket, stream_buckets
+from miles_async.weights.node import node_address, on_this_node
+
+_DEVICE_ARG = 6  # the GPU index in torch's reduce_tensor arguments for rebuild_cuda_tensor
 
 
-def shared_memory_pickle(named_tensors: Bucket) -> tuple[str, list[torch.Tensor]]:
-    """(base64 of the pickled (name, tensor) list, the shared tensors to keep alive until the engine loaded them)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as mp
-
-    shared: list[tuple[str, torch.Tensor]] = []
-    for name, t in named_tensors:
+def share(bucket: Bucket) -> Bucket:
+    """The bucket as engines map it: GPU tensors as they are, CPU tensors copied into shared memory."""
+    shared: Bucket = []
+    for name, t in bucket:
         t = t.detach()
         if t.device.type == "cpu":
             buf = torch.empty(t.shape, dtype=t.dtype).share_memory_()
             buf.copy_(t)
             t = buf
         shared.append((name, t))
+    return shared
+
+
+def _reduce_naming_the_gpu(t: torch.Tensor):
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(t)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def pickle_handles(shared: Bucket) -> str:
+    """Base64 of the pickled (name, tensor) list of a ``share``d bucket, for one engine rank."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
         out = io.BytesIO()
-        ForkingPickler(out, 4).dump(shared)
+        pickler = ForkingPickler(out, 4)
+        pickler.dispatch_table[torch.Tensor] = _reduce_naming_the_gpu
+        pickler.dump(shared)
     finally:
         mp.set_sharing_strategy(before)
-    return base64.b64encode(out.getvalue()).decode(), [t for _, t in shared]
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def refuse_other_nodes(urls: list[str]) -> None:
+    """Handles to this node's memory mean nothing on another node: say so, before the update starts."""
+    elsewhere = [u for u in urls if not on_this_node(u)]
+    if elsewhere:
+        raise ValueError(
+            f"--weight-update-method tensor hands SGLang handles to the trainer's memory (CUDA IPC handles, "
+            f"shared-memory files), which only an engine on the trainer's node ({node_address()}) can open; "
+            f"the engines at {elsewhere} run on another node: use --weight-update-method distributed (or disk)"
+        )
 
 
 async def _post_handles(clients: list[EngineClient], bucket: Bucket, version: int | None, flush: bool) -> None:
-    payload, keep_alive = await asyncio.to_thread(shared_memory_pickle, bucket)
-    await asyncio.gather(*[c.update_weights_from_serialized(payload, version, flush=flush) for c in clients])
-    del keep_alive  # loaded everywhere: the shared files may go
+    # ``shared`` lives until every engine has loaded it (then its shared files may go).
+    shared = await asyncio.to_thread(share, bucket)
+
+    async def post(c: EngineClient) -> None:
+        payloads = [pickle_handles(shared) for _ in range(await c.tp_size())]
+        await c.update_weights_from_serialized(payloads, version, flush=flush)
+
+    await asyncio.gather(*[post(c) for c in clients])
 
 
 async def push_buckets(
     buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str = "sglang"
 ) -> int:
-    """Hand each bucket to every engine as shared-memory handles; returns the bytes sent per engine."""
+    """Hand each bucket to every engine as handles to this node's memory; returns the bytes sent per engine."""
+    refuse_other_nodes(urls)
     return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles)

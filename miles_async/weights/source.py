@@ -37,12 +37,13 @@ class WeightSource:
 def iter_buckets(
     named_tensors: NamedTensors, dtype: torch.dtype, bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors (cast to the engine's dtype, on the CPU) into buckets of about ``bucket_bytes``, so an
-    update never holds a second full copy."""
+    """Group tensors (cast to the engine's dtype) into buckets of about ``bucket_bytes``, so an update never
+    holds a second full copy. Each stays on its own device, uncopied if already in ``dtype``: a GPU tensor
+    leaves the GPU only if its route needs the CPU (the http route's serialization), when it is sent."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named_tensors:
-        t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+        t = t.detach().to(dtype=dtype).contiguous()
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

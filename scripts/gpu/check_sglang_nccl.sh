@@ -7,14 +7,10 @@
 # tests run over gloo): the server starts on the GPU, /init_weights_update_group joins
 # an NCCL group with the trainer's rank 0, perturbed weights broadcast in buckets of
 # --update-weight-buffer-size bytes under their HF names reach the engine (/update_weights_from_distributed,
-# version in the last bucket), the version is reported, greedy outputs change and the engine's
-# log-probs equal transformers' on the same weights. Prints PASS or fails with the reason.
+# version in the last bucket) straight from the trainer's GPU memory (every broadcast tensor is on the GPU and
+# no op of the bucketing or the push copies a weight to the CPU), the version is reported, the engine's
+# weights (/get_weights_by_name) equal the trainer's bit for bit, greedy outputs change and the engine's
+# log-probs equal transformers' on the same weights. Prints PASS or fails with the reason; exits 2 at once
+# when no GPU is visible.
 # Time: the SGLang environment build (once, ~10 min, ~11 GB), then about a minute.
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="$(bash "$ROOT/scripts/setup_env.sh")"
-SGLANG_VENV="$(MILES_ASYNC_SGLANG_FULL=1 MILES_ASYNC_SGLANG_VENV="${MILES_ASYNC_SGLANG_VENV:-$HOME/.cache/miles-async/venv-sglang-gpu}" \
-  bash "$ROOT/scripts/setup_sglang_env.sh" | tail -1)"
-cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" scripts/gpu/check_sglang_nccl.py --sglang-python "$SGLANG_VENV/bin/python" "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/run_sglang_check.sh" check_sglang_nccl "$@"

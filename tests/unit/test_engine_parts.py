@@ -152,13 +152,14 @@ def test_sglang_tensor_route_pickles_shared_memory_handles_and_restores_the_stra
     import torch
     import torch.multiprocessing as mp
 
-    from miles_async.weights.shared_memory import shared_memory_pickle
+    from miles_async.weights.shared_memory import pickle_handles, share
 
     before = mp.get_sharing_strategy()
     tensors = [("a.weight", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b.bias", torch.ones(4))]
-    payload, keep = shared_memory_pickle(tensors)
+    shared = share(tensors)
+    payload = pickle_handles(shared)
     assert mp.get_sharing_strategy() == before
-    assert all(t.is_shared() for t in keep) and not tensors[0][1].is_shared()  # copies; the trainer's stay put
+    assert all(t.is_shared() for _, t in shared) and not tensors[0][1].is_shared()  # copies; the trainer's stay
     loaded = pickle.loads(base64.b64decode(payload))
     assert [n for n, _ in loaded] == ["a.weight", "b.bias"]
     assert all(torch.equal(t, src) for (_, t), (_, src) in zip(loaded, tensors))

@@ -58,3 +58,46 @@ def test_buckets_cast_and_split_at_the_size():
     buckets = list(iter_buckets(named, torch.bfloat16, bucket_bytes=12))
     assert [[n for n, _ in b] for b in buckets] == [["a"], ["b", "c"]]
     assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
+
+
+def test_buckets_stay_on_the_tensors_device_and_reuse_a_tensor_already_in_the_dtype():
+    """GPU weights must not be copied to the CPU to be bucketed (the meta device stands in for the GPU here:
+    a tensor there has no bytes to copy, so moving it to the CPU fails)."""
+    on_meta = [("a", torch.ones(4, device="meta")), ("b", torch.ones(2, device="meta", dtype=torch.bfloat16))]
+    (bucket,) = iter_buckets(on_meta, torch.bfloat16, bucket_bytes=1 << 20)
+    assert [(t.device.type, t.dtype) for _, t in bucket] == [("meta", torch.bfloat16)] * 2
+    live = torch.arange(4, dtype=torch.bfloat16)
+    (bucket,) = iter_buckets([("c", live)], torch.bfloat16, bucket_bytes=1 << 20)
+    assert bucket[0][1].data_ptr() == live.data_ptr()  # no copy of a tensor already in the engine's dtype
+
+
+def test_this_node_is_loopback_or_its_address_and_any_other_host_is_not():
+    from miles_async.weights.node import node_address, on_this_node
+
+    assert on_this_node("http://127.0.0.1:30000") and on_this_node("http://localhost:30000")
+    assert on_this_node(f"http://{node_address()}:30000")
+    assert not on_this_node("http://192.0.2.1:30000")  # TEST-NET-1: nobody's address
+
+
+def test_the_same_node_route_refuses_an_engine_on_another_node_naming_the_flag():
+    """Handles to this node's memory (CUDA IPC, shared-memory files) cannot be opened on another node: the push
+    stops before any bucket is read or any engine is called, naming --weight-update-method."""
+    from miles_async.weights.sender import WeightSender
+
+    read: list[str] = []
+
+    def buckets():
+        read.append("bucket")
+        yield [("a", torch.ones(2))]
+
+    update = WeightUpdate(
+        version=1,
+        route="shared_memory",
+        dtype="float32",
+        timeout=2,
+        targets=("http://192.0.2.1:30000",),
+        engine="sglang",
+    )
+    with pytest.raises(ValueError, match=r"http://192\.0\.2\.1:30000.*--weight-update-method distributed"):
+        WeightSender().push(buckets(), update)
+    assert read == []

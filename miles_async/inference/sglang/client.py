@@ -33,10 +33,10 @@ class SGLangEngineClient(EngineClient):
         return self._tp_size
 
     async def update_weights_from_serialized(
-        self, payload: str, weight_version: int | None = None, flush: bool = False
+        self, payloads: list[str], weight_version: int | None = None, flush: bool = False
     ) -> dict[str, Any]:
-        """One bucket as the base64 of its pickled (name, tensor) handles, loaded by every TP rank."""
-        body: dict[str, Any] = {"serialized_named_tensors": [payload] * await self.tp_size(), "flush_cache": flush}
+        """One bucket as the base64 of its pickled (name, tensor) handles, one pickle per TP rank (``tp_size``)."""
+        body: dict[str, Any] = {"serialized_named_tensors": payloads, "flush_cache": flush}
         if weight_version is not None:
             body["weight_version"] = str(int(weight_version))
         out = await self._request("POST", "/update_weights_from_tensor", json_body=body)
