@@ -150,6 +150,38 @@ def _step_worker(rank, world, port, argv: list[str], out: str) -> None:
         torch.save({"metrics": metrics, "grads": grads, "weights": weights}, out)
 
 
+def _save_and_resume(meg, cfg, rank: int, world: int, port: int, ckpt: str) -> dict:
+    """Save after step 0 and take step 1; a fresh actor loads the checkpoint and takes the same step 1."""
+    from miles_async.backends.megatron.actor import MegatronTrainActor
+
+    meg.save(ckpt, 0)
+    saved = meg.hf_state()
+    continued = meg.train(1, _batch(1))
+    resumed = MegatronTrainActor(cfg, rank, world, total_optimizer_steps=10, load_dir=ckpt, load_rollout_id=0)
+    resumed.init_process_group("127.0.0.1", port)
+    resumed_at = resumed.hf_state()
+    resumed_metrics = resumed.train(1, _batch(1))
+    return {
+        "saved": saved,
+        "continued": continued,
+        "continued_weights": meg.hf_state(),
+        "resumed_at": resumed_at,
+        "resumed": resumed_metrics,
+        "resumed_weights": resumed.hf_state(),
+        "resumed_steps": resumed.optimizer_steps,
+    }
+
+
+def _assert_resumed_exactly(r: dict) -> None:
+    """The loaded weights are the saved ones and the next step is the same step, to the bit."""
+    for k in r["saved"]:
+        assert torch.equal(r["resumed_at"][k], r["saved"][k]), k
+    assert r["resumed_steps"] == r["continued"]["train/optimizer_steps"]
+    assert r["resumed"]["train/loss"] == pytest.approx(r["continued"]["train/loss"], rel=1e-6)
+    for k in r["continued_weights"]:
+        torch.testing.assert_close(r["resumed_weights"][k], r["continued_weights"][k], rtol=0, atol=0)
+
+
 def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str], ckpt: str, out: str) -> None:
     from miles_async.arguments import parse_args
     from miles_async.backends.fsdp.actor import FSDPTrainActor
@@ -162,30 +194,30 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
     same_checksums = fsdp.weights_checksum("bfloat16") == meg.weights_checksum("bfloat16")
     fsdp_metrics = fsdp.train(0, _batch(0))
     meg_metrics = meg.train(0, _batch(0))
-    meg.save(ckpt, 0)
     meg.save_hf(ckpt + "/hf")
-    saved = meg.hf_state()
-    continued = meg.train(1, _batch(1))
-    resumed = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=10, load_dir=ckpt, load_rollout_id=0)
-    resumed.init_process_group("127.0.0.1", port)
-    resumed_at = resumed.hf_state()
-    resumed_metrics = resumed.train(1, _batch(1))
     torch.save(
         {
             "fsdp": fsdp_metrics,
             "megatron": meg_metrics,
             "fsdp_weights": fsdp.module.state_dict(),
-            "saved": saved,
-            "continued": continued,
-            "continued_weights": meg.hf_state(),
-            "resumed_at": resumed_at,
-            "resumed": resumed_metrics,
-            "resumed_weights": resumed.hf_state(),
-            "resumed_steps": resumed.optimizer_steps,
             "same_checksums": same_checksums,
+            **_save_and_resume(meg, cfg, 0, 1, port, ckpt),
         },
         out,
     )
+
+
+def _distopt_resume_worker(rank, world, port, argv: list[str], ckpt: str, out: str) -> None:
+    from miles_async.arguments import parse_args
+    from miles_async.backends.megatron.actor import MegatronTrainActor
+
+    cfg = parse_args(argv).train
+    meg = MegatronTrainActor(cfg, rank, world, total_optimizer_steps=10)
+    meg.init_process_group("127.0.0.1", port)
+    meg.train(0, _batch(0))
+    r = _save_and_resume(meg, cfg, rank, world, port, ckpt)
+    if rank == 0:
+        torch.save(r, out)
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -277,13 +309,8 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
     fsdp_weights = r["fsdp_weights"]
     for k, v in r["saved"].items():
         torch.testing.assert_close(v, fsdp_weights[k], rtol=1e-3, atol=2e-4)
-    # Resume: the loaded weights are the saved ones and the next step is the same step.
-    for k in r["saved"]:
-        assert torch.equal(r["resumed_at"][k], r["saved"][k]), k
     assert r["resumed_steps"] == 4
-    assert r["resumed"]["train/loss"] == pytest.approx(r["continued"]["train/loss"], rel=1e-6)
-    for k in r["continued_weights"]:
-        torch.testing.assert_close(r["resumed_weights"][k], r["continued_weights"][k], rtol=0, atol=0)
+    _assert_resumed_exactly(r)
     assert (tmp_path / "ckpt" / "iter_0000000" / "actor" / "megatron" / ".metadata").is_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -323,6 +350,16 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
         for k, w in r["weights"].items():
             torch.testing.assert_close(w, one["weights"][k], rtol=1e-3, atol=1e-4)
     assert out["tp2"]["grads"]
+
+
+def test_distributed_optimizer_over_two_data_parallel_ranks_resumes_exactly(tiny_model, tiny_task, tmp_path):
+    """DP 2 with --use-distributed-optimizer: each rank saves its shard of the Adam state and a fresh pair of
+    actors loads it back, so the next step after --load is the step the saving actors take."""
+    train, _ = tiny_task
+    argv = _args(tiny_model, train, tmp_path, "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer")
+    _spawn(_distopt_resume_worker, 2, argv, str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
+    r = torch.load(tmp_path / "out.pt", weights_only=False)
+    _assert_resumed_exactly(r)
 
 
 def test_gpu_check_script_runs_its_checks_on_the_cpu():

@@ -263,8 +263,35 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         state = {"model": self.module.sharded_state_dict()}
         if with_optimizer:
             # is_loading: a fresh optimizer has no Adam state yet; Megatron creates it as the load target.
-            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+            # Not so the distributed optimizer over torch's Adam (no Apex/TE, as on the CPU): it reads the step
+            # count from that state first. Megatron's own zero-gradient dummy step creates it; the load then
+            # overwrites the main parameters and Adam state it touched (the step: _restore_adam_steps).
+            if is_loading and self.par.distributed_optimizer:
+                for opt in self._inner_optimizers():
+                    opt._init_optimizer_states_with_dummy_values()
+            # The distributed optimizer's default layout (fully_sharded_model_space) builds flattened-range
+            # tensors that megatron-core >= 0.16 refuses to save; dp_reshardable, the layout Megatron's own
+            # trainer uses, writes each rank's buffer shard as is (DP may change on --load, TP may not).
+            # Other optimizers ignore this key.
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                state["model"], is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            )
         return state
+
+    def _inner_optimizers(self) -> list:
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def _restore_adam_steps(self) -> None:
+        """After the distributed optimizer's load, torch Adam's per-parameter steps are wrong twice over: all
+        parameters share one step tensor (each optimizer step would add one per parameter), and dp_reshardable
+        copied the load target's (the dummy state's) count into it. The checkpoint's count is on each param
+        group. (Apex/TE Adam keep the step on the group only: nothing to do.)"""
+        for opt in self._inner_optimizers():
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    state = opt.optimizer.state.get(p, {})
+                    if "step" in state and "step" in group:
+                        state["step"] = torch.full_like(state["step"], group["step"])
 
     def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True) -> None:
         from megatron.core import dist_checkpointing
@@ -306,7 +333,12 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         )
         self.module.load_state_dict(state["model"])
         if meta["has_optimizer"]:
-            self.optimizer.load_state_dict(state["optimizer"])
+            # In fp32 the distributed optimizer's main parameters are views of the (grad-requiring) model
+            # parameters, which Megatron's dp_reshardable load copies into without turning autograd off.
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.par.distributed_optimizer:
+                self._restore_adam_steps()
         self.optimizer_steps = meta["optimizer_steps"]
         self._set_lr()
         load_rng_state(src, self.rank)
