@@ -59,9 +59,11 @@ GROUPS = (
         flag("--context-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
         flag(
             "--sequence-parallel",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
+            default=False,
             needs=When("--tensor-model-parallel-size > 1", lambda ns: ns.tensor_model_parallel_size > 1),
-            help="needs --tensor-model-parallel-size > 1",
+            help="needs --tensor-model-parallel-size > 1 (and Transformer Engine); --no-sequence-parallel turns off "
+            "a launcher's --sequence-parallel, e.g. on a machine without Transformer Engine",
         ),
         flag(
             "--use-distributed-optimizer",

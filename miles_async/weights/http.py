@@ -19,9 +19,16 @@ SendBucket = Callable[[list[EngineClient], Bucket, "int | None", bool], Awaitabl
 
 
 async def stream_buckets(
-    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str, send: SendBucket
+    buckets: Iterable[Bucket],
+    urls: list[str],
+    weight_version: int,
+    timeout: float,
+    engine: str,
+    send: SendBucket,
+    flush: bool = True,
 ) -> int:
-    """Bracket the buckets with each engine's begin/end of an update; returns the bytes sent per engine."""
+    """Bracket the buckets with each engine's begin/end of an update; returns the bytes sent per engine.
+    ``flush``: the engines flush their prefix cache with the last bucket (``WeightUpdate.flush_cache``)."""
     clients = [make_client(engine, u, timeout) for u in urls]
     buckets = iter(buckets)
     sent = 0
@@ -31,7 +38,7 @@ async def stream_buckets(
         while current is not None:
             following = next(buckets, None)
             last = following is None
-            await send(clients, current, weight_version if last else None, last)
+            await send(clients, current, weight_version if last else None, last and flush)
             sent += bucket_bytes(current)
             current = following
         await asyncio.gather(*[c.end_weight_update() for c in clients])
@@ -46,7 +53,12 @@ async def _post_tensors(clients: list[EngineClient], bucket: Bucket, version: in
 
 
 async def push_buckets(
-    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str = "embedded"
+    buckets: Iterable[Bucket],
+    urls: list[str],
+    weight_version: int,
+    timeout: float,
+    engine: str = "embedded",
+    flush: bool = True,
 ) -> int:
     """Send each bucket to every engine over HTTP; returns the bytes sent per engine."""
-    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_tensors)
+    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_tensors, flush)

@@ -145,7 +145,7 @@ class EngineWeightGroup:
             "weight group %s: %d ranks over %s in %.1fs", GROUP_NAME, world, self.backend, time.perf_counter() - t0
         )
 
-    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], weight_version: int) -> int:
+    def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], weight_version: int, flush: bool = True) -> int:
         """Broadcast every bucket; returns the bytes sent."""
         if self.pg is None:
             self.connect()
@@ -161,7 +161,7 @@ class EngineWeightGroup:
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in current],
                 "shapes": [list(t.shape) for _, t in current],
                 "group_name": GROUP_NAME,
-                "flush_cache": last,
+                "flush_cache": last and flush,
             }
             if last:
                 body["weight_version"] = str(int(weight_version))
@@ -220,7 +220,7 @@ class ProcessGroupRoute:
             self.group = EngineWeightGroup(
                 urls, update.ranks_per_engine, backend, trainer_address(urls), update.timeout
             )
-        return self.group.push(buckets, update.version)
+        return self.group.push(buckets, update.version, update.flush_cache)
 
     def close(self) -> None:
         if self.group is not None:

@@ -23,10 +23,14 @@ class WeightSender:
         t0 = time.time()
         targets = list(update.targets)
         if update.route == HTTP:
-            nbytes = asyncio.run(http.push_buckets(buckets, targets, update.version, update.timeout, update.engine))
+            nbytes = asyncio.run(
+                http.push_buckets(buckets, targets, update.version, update.timeout, update.engine, update.flush_cache)
+            )
         elif update.route == SHARED_MEMORY:
             nbytes = asyncio.run(
-                shared_memory.push_buckets(buckets, targets, update.version, update.timeout, update.engine)
+                shared_memory.push_buckets(
+                    buckets, targets, update.version, update.timeout, update.engine, update.flush_cache
+                )
             )
         elif update.route == PROCESS_GROUP:
             nbytes = self._process_group.push(buckets, update)

@@ -97,8 +97,13 @@ async def _post_handles(clients: list[EngineClient], bucket: Bucket, version: in
 
 
 async def push_buckets(
-    buckets: Iterable[Bucket], urls: list[str], weight_version: int, timeout: float, engine: str = "sglang"
+    buckets: Iterable[Bucket],
+    urls: list[str],
+    weight_version: int,
+    timeout: float,
+    engine: str = "sglang",
+    flush: bool = True,
 ) -> int:
     """Hand each bucket to every engine as handles to this node's memory; returns the bytes sent per engine."""
     refuse_other_nodes(urls)
-    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles)
+    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles, flush)

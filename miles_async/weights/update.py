@@ -38,6 +38,9 @@ class WeightUpdate:
     bucket_bytes: int = 512 << 20  # --update-weight-buffer-size
     ranks_per_engine: int = 1  # the process group route: each engine's tensor-parallel ranks
     folder: str | None = None  # the disk route: where the HF folder goes
+    # The engines drop their prefix cache with the last bucket. Not under --pause-generation-mode in_place:
+    # the paused requests keep their KV (that mode's point) and SGLang refuses a flush while any is held.
+    flush_cache: bool = True
 
     def __post_init__(self):
         if self.route not in ROUTES:
