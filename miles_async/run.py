@@ -10,8 +10,10 @@ import ray
 from ray.actor import ActorHandle
 
 from miles_async.config import Config
+from miles_async.config.placement import worker_plan
 from miles_async.ray.cluster import actor_options, init_ray
 from miles_async.ray.inference_controller import InferenceController
+from miles_async.ray.placement import GroupPlacement, release, reserve
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.ray.train_group import TrainGroup
 from miles_async.utils.async_utils import wait_for
@@ -38,6 +40,7 @@ class Run:
         self.processes_path = os.path.join(cfg.tracking.output_dir, "processes.json")
         self._engine_pids: list[int] = []
         self._engine_busy = 0.0
+        self.placement: dict[str, GroupPlacement] = {}
         init_ray(cfg.cluster)
 
     async def __aenter__(self) -> Run:
@@ -52,7 +55,9 @@ class Run:
         await self.dispose()
 
     async def start(self) -> None:
-        """Engines and trainers load their models in parallel; each start-up surfaces its own errors."""
+        """The placement groups first (on a cluster with GPUs), then engines and trainers load their models in
+        parallel; each start-up surfaces its own errors."""
+        self.placement = await reserve(worker_plan(self.cfg), self.cfg.cluster.placement_timeout)
         await asyncio.gather(self._start_rollout(), self._start_trainers())
         self._engine_pids = (await self._record_processes())["engines_started"]
         self._engine_busy = await self.controller.busy_seconds.remote()
@@ -63,8 +68,12 @@ class Run:
 
     async def _start_rollout(self) -> None:
         cfg = self.cfg
-        opts = actor_options(cfg.cluster, num_threads=1)
-        self.controller = ray.remote(InferenceController).options(**opts).remote(cfg.engine, cfg.tracking.output_dir)
+        opts = actor_options(num_threads=1)
+        self.controller = (
+            ray.remote(InferenceController)
+            .options(**opts)
+            .remote(cfg.engine, cfg.tracking.output_dir, self.placement.get("rollout"))
+        )
         engine_urls = await self.controller.start.remote()
         self.executor = (
             ray.remote(RolloutExecutor)
@@ -93,6 +102,7 @@ class Run:
             total_steps,
             cfg.checkpoint.load,
             self._load_rollout_id,
+            self.placement.get("actor"),
         )
         if cfg.critic is not None:
             self.critic = TrainGroup(
@@ -102,6 +112,7 @@ class Run:
                 total_steps,
                 cfg.checkpoint.load,
                 self._load_rollout_id,
+                self.placement.get("critic"),
             )
         await asyncio.gather(*[g.init() for g in self._models()])
 
@@ -117,6 +128,16 @@ class Run:
             "engines_started": await self.controller.all_engine_pids.remote(),
             "executor": await self.executor.pid.remote(),
             "train_workers": [pid for g in self._models() for pid in await g.pids()],
+            # Where each training rank and engine server ran, and the GPUs Ray gave it.
+            "placement": [
+                *[
+                    p
+                    for role, g in (("actor", self.actor), ("critic", self.critic))
+                    if g
+                    for p in await g.placement(role)
+                ],
+                *await self.controller.placement.remote(),
+            ],
             "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path(),
         }
         atomic_write_json(self.processes_path, procs)
@@ -206,3 +227,5 @@ class Run:
             ray.kill(handle)
         for group in self._models():
             group.dispose()
+        release(self.placement)
+        self.placement = {}

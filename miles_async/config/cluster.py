@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from miles_async.config.algorithm import CRITIC
-from miles_async.config.declare import at_least, flag, group
+from miles_async.config.declare import at_least, flag, group, positive
 
 
 @dataclass(frozen=True)
@@ -15,12 +15,21 @@ class ClusterConfig:
     num_train_workers: int
     use_gpu: bool
     num_critic_workers: int = 0
+    placement_timeout: float = 300.0
 
 
 GROUPS = (
     group(
         "cluster",
         flag("--ray-address", default=None, help="join an existing Ray cluster instead of starting a local one"),
+        flag(
+            "--placement-timeout",
+            type=float,
+            default=300.0,
+            check=positive(),
+            help="seconds to wait for Ray to grant the placement groups (on a cluster with GPUs); then the run "
+            "fails, naming the group it could not place",
+        ),
         flag("--actor-num-nodes", type=int, default=1, check=at_least(1)),
         flag(
             "--actor-num-gpus-per-node",
@@ -68,4 +77,5 @@ def build(ns: argparse.Namespace, use_gpu: bool) -> ClusterConfig:
         num_train_workers=num_train_workers(ns),
         use_gpu=use_gpu,
         num_critic_workers=num_critic_workers(ns),
+        placement_timeout=ns.placement_timeout,
     )

@@ -2,21 +2,21 @@
 plugins), then the resolved configuration and the worker plan are printed instead of a run.
 
 The plan lists each group of workers the run starts (the actor's training workers, the critic's, the rollout
-engines) with how many there are and the GPUs each takes. Placement groups will add each group's bundles and
-nodes to the same rows (``WorkerGroup``), so the printing stays one function of the plan.
+engines) with how many there are, the GPUs each takes and the placement-group bundles reserved for them on a Ray
+cluster with GPUs (``config.placement``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 
 import yaml
 
-from miles_async.config import Config, TrainConfig
+from miles_async.config import Config
 from miles_async.config.declare import flag, group
 from miles_async.config.machine import Machine
+from miles_async.config.placement import worker_plan
 
 GROUPS = (
     group(
@@ -31,53 +31,6 @@ GROUPS = (
         ),
     ),
 )
-
-
-@dataclass(frozen=True)
-class WorkerGroup:
-    name: str  # "actor", "critic", "rollout"
-    workers: int  # processes (training ranks) or engines
-    gpus_per_worker: int  # on a machine with GPUs; without, each worker runs on the CPU
-    detail: str  # what the workers are: backend and parallel layout, or the engine
-
-    def line(self) -> str:
-        unit = "engine" if self.name == "rollout" else "worker"
-        return (
-            f"{self.name}: {_count(self.workers, unit)} x {_count(self.gpus_per_worker, 'GPU')} = "
-            f"{_count(self.workers * self.gpus_per_worker, 'GPU')}; {self.detail}"
-        )
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
-
-
-def _trainer(name: str, cfg: TrainConfig, workers: int) -> WorkerGroup:
-    if cfg.backend == "megatron":
-        m = cfg.megatron
-        layout = (
-            f"megatron TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
-            f"{m.context_parallel_size}, data parallel {workers // m.model_parallel_size}"
-        )
-    else:
-        layout = f"fsdp (torch DDP), data parallel {workers}"
-    return WorkerGroup(name, workers, 1, layout)
-
-
-def worker_plan(cfg: Config) -> tuple[WorkerGroup, ...]:
-    groups = [_trainer("actor", cfg.train, cfg.cluster.num_train_workers)]
-    if cfg.critic is not None:
-        groups.append(_trainer("critic", cfg.critic, cfg.cluster.num_critic_workers))
-    engine = cfg.engine
-    groups.append(
-        WorkerGroup(
-            "rollout",
-            engine.num_engines,
-            engine.num_gpus_per_engine,
-            f"{engine.backend} engines, weights by {engine.weight_update_method}",
-        )
-    )
-    return tuple(groups)
 
 
 def render(cfg: Config) -> str:

@@ -73,6 +73,9 @@ class EngineProcess:
         self.model_path = model_path or cfg.model_path
         self.log_path = Path(log_dir) / f"engine_{index}.log" if log_dir else None
         self.proc: subprocess.Popen | None = None
+        # Which --rollout-num-gpus-per-engine wide slice of the visible GPUs is this engine's: its index when
+        # engines share the GPUs of one process, 0 when every visible GPU is its own (a placement bundle).
+        self.gpu_slot = index
 
     def command(self) -> list[str]:
         """The server's command line."""

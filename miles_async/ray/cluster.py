@@ -29,13 +29,11 @@ def init_ray(cfg: ClusterConfig) -> None:
         )
 
 
-def actor_options(cfg: ClusterConfig, num_threads: int, gpu: bool = False) -> dict:
-    """Resource requests: CPU-only actors ask for no Ray CPUs (their threads are bounded instead),
-    so a 2-core laptop can host the executor, the controller and a trainer at once."""
-    opts: dict = {
+def actor_options(num_threads: int) -> dict:
+    """Resource requests: actors ask for no Ray CPUs (their threads are bounded instead), so a 2-core laptop can
+    host the executor, the controller and a trainer at once. GPUs come from placement bundles
+    (``ray.placement``), never from here."""
+    return {
         "num_cpus": 0,
         "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads)}},
     }
-    if gpu and cfg.use_gpu:
-        opts["num_gpus"] = 1
-    return opts

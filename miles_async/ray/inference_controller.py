@@ -27,7 +27,7 @@ import time
 
 from miles_async.config import EngineConfig
 from miles_async.inference.client import EngineClient, EngineError
-from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.inference.engines import make_client
 from miles_async.inference.fault_tolerance import (
     AllEnginesFailed,
     EngineSupervisor,
@@ -35,6 +35,8 @@ from miles_async.inference.fault_tolerance import (
     Probe,
 )
 from miles_async.inference.router import is_engine_failure
+from miles_async.ray.engine_host import make_engines
+from miles_async.ray.placement import GroupPlacement
 from miles_async.utils.weight_checksum import first_mismatch
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,12 @@ SEED_BUCKET_BYTES = 512 * 1024**2
 
 
 class InferenceController:
-    def __init__(self, cfg: EngineConfig, log_dir: str | None = None):
+    def __init__(self, cfg: EngineConfig, log_dir: str | None = None, placement: GroupPlacement | None = None):
         self.cfg = cfg
         self.log_dir = log_dir
-        self.engines = [make_engine_process(cfg, i, log_dir) for i in range(cfg.num_engines)]
+        # Each engine on its bundle of the rollout placement group (a cluster with GPUs), else a child of this actor.
+        self.engines = make_engines(cfg, log_dir, placement)
+        self._tails = [""] * cfg.num_engines  # each engine's log tail when it last failed a probe
         self.started_pids: list[int] = []
         self.clients: list[EngineClient] = []
         self.supervisor: EngineSupervisor | None = None
@@ -58,11 +62,9 @@ class InferenceController:
         self._busy_offset = [0.0] * cfg.num_engines
 
     async def start(self) -> list[str]:
-        for e in self.engines:
-            e.start()
-            self.started_pids.append(e.proc.pid)
-        # Health polling blocks, so run it off the event loop, all engines at once.
-        await asyncio.gather(*[asyncio.to_thread(e.wait_healthy, self.cfg.startup_timeout) for e in self.engines])
+        await asyncio.gather(*[e.start() for e in self.engines])
+        self.started_pids.extend(e.pid for e in self.engines)
+        await asyncio.gather(*[e.wait_healthy(self.cfg.startup_timeout) for e in self.engines])
         self.clients = [make_client(self.cfg.backend, e.url, self.cfg.request_timeout) for e in self.engines]
         ft = self.cfg.fault_tolerance
         if ft is not None:
@@ -95,7 +97,11 @@ class InferenceController:
         return [self.engines[i].url for i in self._serving()]
 
     def engine_pids(self) -> list[int]:
-        return [e.proc.pid for e in self.engines if e.proc is not None]
+        return [e.pid for e in self.engines if e.pid is not None]
+
+    def placement(self) -> list[dict]:
+        """Where each engine's server runs: node, address and the GPUs it was given (``placement.where``)."""
+        return [e.where for e in self.engines]
 
     def all_engine_pids(self) -> list[int]:
         """Every engine process ever started, restarted ones included."""
@@ -123,30 +129,31 @@ class InferenceController:
 
     async def _probe(self, i: int) -> tuple[Probe, str]:
         e = self.engines[i]
-        if not e.alive():
-            return Probe.DEAD, f"process {e.proc.pid} exited with code {e.proc.returncode}"
+        alive, code = await e.state()
+        if not alive:
+            self._tails[i] = await e.tail_log(15)
+            return Probe.DEAD, f"process {e.pid} exited with code {code}"
         timeout = self.cfg.fault_tolerance.health_check_timeout
         if await self.clients[i].health(timeout=timeout):
             return Probe.OK, ""
+        self._tails[i] = await e.tail_log(15)
         return Probe.FAILED, f"/health did not answer 200 within {timeout:.1f}s (--rollout-health-check-timeout)"
 
     def _describe(self, i: int) -> str:
         e = self.engines[i]
-        return f"{e.url}, log {e.log_path}:\n{e.tail_log(15)}" if e.log_path else e.url
+        return f"{e.url}, log {e.log_path}:\n{self._tails[i]}" if e.log_path else e.url
 
     async def _restart(self, i: int) -> None:
         """Replace engine i by a fresh process (new port) holding the current weights; raises on failure."""
-        old = self.engines[i]
-        await asyncio.to_thread(old.stop, 1.0)  # kills a hung one; nothing to do for a dead one
+        e = self.engines[i]
+        await e.stop(1.0)  # kills a hung one; nothing to do for a dead one
         await self.clients[i].close()
         self._busy_offset[i] += self._busy_last[i]
         self._busy_last[i] = 0.0
-        new = make_engine_process(self.cfg, i, self.log_dir)
-        self.engines[i] = new
-        new.start()
-        self.started_pids.append(new.proc.pid)
-        await asyncio.to_thread(new.wait_healthy, self.cfg.startup_timeout)
-        self.clients[i] = make_client(self.cfg.backend, new.url, self.cfg.request_timeout)
+        await e.start()  # a new server (new port) on the same node and GPUs
+        self.started_pids.append(e.pid)
+        await e.wait_healthy(self.cfg.startup_timeout)
+        self.clients[i] = make_client(self.cfg.backend, e.url, self.cfg.request_timeout)
         await self._seed(i)
 
     async def _seed(self, i: int) -> None:
@@ -177,7 +184,7 @@ class InferenceController:
         logger.warning(
             "engine %d restarted: pid %d at %s, weight version %d copied from engine %d",
             i,
-            self.engines[i].proc.pid,
+            self.engines[i].pid,
             self.engines[i].url,
             version,
             peer,
@@ -194,24 +201,23 @@ class InferenceController:
                 logger.warning("could not tell %s about the engines: %r", listener, e)
 
     # -- calls on every serving engine ---------------------------------------------------------
-    def _check_alive(self) -> None:
+    async def _check_alive(self) -> None:
         if self._fatal is not None:
             raise RuntimeError(self._fatal)
         if self.supervisor is not None:
             if self.supervisor.failed is not None:
                 raise RuntimeError(str(self.supervisor.failed))
             return
-        dead = [e for e in self.engines if not e.alive()]
-        if dead:
-            e = dead[0]
-            raise RuntimeError(
-                f"engine {e.index} ({e.url}) died with code {e.proc.returncode}; last log lines:\n{e.tail_log()}"
-            )
+        for e, (alive, code) in zip(self.engines, await asyncio.gather(*[e.state() for e in self.engines])):
+            if not alive:
+                raise RuntimeError(
+                    f"engine {e.index} ({e.url}) died with code {code}; last log lines:\n{await e.tail_log(30)}"
+                )
 
     async def _each(self, method: str, *args) -> dict[int, object]:
         """Call ``method`` on every serving engine. With fault tolerance an engine that fails the call is
         reported to the supervisor and left out of the answer instead of failing it."""
-        self._check_alive()
+        await self._check_alive()
         idx = self._serving()
         results = await asyncio.gather(
             *[getattr(self.clients[i], method)(*args) for i in idx], return_exceptions=self.supervisor is not None
@@ -221,7 +227,7 @@ class InferenceController:
             if isinstance(r, BaseException):
                 if not (isinstance(r, EngineError) and is_engine_failure(r)):
                     raise r
-                self.supervisor.report_failure(i, str(r), certain=not self.engines[i].alive())
+                self.supervisor.report_failure(i, str(r), certain=not (await self.engines[i].state())[0])
                 continue
             out[i] = r
         if self.supervisor is not None:
@@ -284,5 +290,4 @@ class InferenceController:
             await self.supervisor.close()
         for c in self.clients:
             await c.close()
-        for e in self.engines:
-            await asyncio.to_thread(e.stop)
+        await asyncio.gather(*[e.close() for e in self.engines])

@@ -9,6 +9,7 @@ import ray
 
 from miles_async.config import ClusterConfig, TrainConfig
 from miles_async.ray.cluster import actor_options
+from miles_async.ray.placement import GroupPlacement, where
 from miles_async.utils.plugins import PluginError, load_function
 from miles_async.weights.update import WeightUpdate
 
@@ -58,11 +59,16 @@ class TrainGroup:
         total_optimizer_steps: int,
         load_dir: str | None,
         load_rollout_id: int | None,
+        placement: GroupPlacement | None = None,
     ):
+        """``placement``: the group's placement group (a cluster with GPUs): rank ``i`` on its ``i``-th bundle, with
+        that bundle's GPU; without, CPU workers wherever Ray starts them."""
         remote_cls = ray.remote(worker_class(cfg))
-        opts = actor_options(cluster, num_threads=cfg.num_threads, gpu=True)
+        opts = actor_options(num_threads=cfg.num_threads)
         self.actors = [
-            remote_cls.options(**opts).remote(cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id)
+            remote_cls.options(**opts, **(placement.options(rank) if placement else {})).remote(
+                cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id
+            )
             for rank in range(num_workers)
         ]
 
@@ -91,6 +97,12 @@ class TrainGroup:
 
     async def pids(self) -> list[int]:
         return await self._all("pid")
+
+    async def placement(self, role: str) -> list[dict]:
+        """Where each rank runs (``placement.where``), asked of the worker itself whatever its backend."""
+        return await asyncio.gather(
+            *[a.__ray_call__.remote(lambda _self, r=rank: where(role, r)) for rank, a in enumerate(self.actors)]
+        )
 
     def dispose(self) -> None:
         for a in self.actors:

@@ -149,15 +149,15 @@ def test_a_killed_engine_is_restarted_with_the_current_weights(cfg, tmp_path, ti
             weights = _perturbed_weights(tiny_model, seed=1)
             await push_buckets(iter_buckets(weights, torch.bfloat16, 1 << 16), urls, 7, 60)
             await controller.end_weight_update()
-            old_pid = controller.engines[1].proc.pid
+            old_pid = controller.engines[1].pid
             t_kill = time.monotonic()
             os.kill(old_pid, signal.SIGKILL)
             while controller.health_metrics()["engine/restarts"] < 1:
                 assert time.monotonic() - t_kill < 120, controller.supervisor.engines
                 await asyncio.sleep(0.1)
             restarted = controller.engines[1]
-            assert restarted.proc.pid != old_pid and restarted.alive()
-            assert controller.all_engine_pids() == [controller.engines[0].proc.pid, old_pid, restarted.proc.pid]
+            assert restarted.pid != old_pid and (await restarted.state())[0]
+            assert controller.all_engine_pids() == [controller.engines[0].pid, old_pid, restarted.pid]
             assert controller.supervisor.state(1) == EngineState.HEALTHY
             # out of the router as soon as detected, back only once seeded, at its new URL
             assert listener.calls[0] == ([urls[0]], None)
@@ -181,7 +181,7 @@ def test_an_engine_that_stops_answering_is_replaced(cfg, tmp_path):
         controller = InferenceController(engine_cfg, str(tmp_path))
         urls = await controller.start()
         try:
-            hung = controller.engines[0].proc.pid
+            hung = controller.engines[0].pid
             os.kill(hung, signal.SIGSTOP)
             t0 = time.monotonic()
             while controller.supervisor.serving() != [1]:
@@ -217,7 +217,7 @@ def test_with_no_engine_left_the_run_fails_naming_the_engine_and_its_log(cfg, tm
         await controller.start()
         controller.attach(Handle(Listener()))
         try:
-            os.kill(controller.engines[0].proc.pid, signal.SIGKILL)
+            os.kill(controller.engines[0].pid, signal.SIGKILL)
             t0 = time.monotonic()
             while Listener.fatal is None:
                 assert time.monotonic() - t0 < 10

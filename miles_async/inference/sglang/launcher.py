@@ -7,8 +7,8 @@ engine: ``EngineProcess``), with the python of SGLang's virtual environment
 Command line: model, host/port, dtype, ``--max-running-requests`` (--sglang-server-concurrency),
 ``--tp-size`` (--rollout-num-gpus-per-engine), ``--random-seed``, ``--weight-version`` (the version
 the engine starts at), then every ``--sglang-<flag>`` of our command line as ``--<flag>``.
-On GPUs engine ``i`` takes GPUs ``[i * tp, (i + 1) * tp)`` (``--base-gpu-id``) of those visible to the
-controller. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
+On GPUs an engine takes the ``tp`` GPUs of its slot (``--base-gpu-id``; ``EngineProcess.gpu_slot``) of those
+visible to it: on a cluster, its placement bundle's. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
 ``cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
@@ -65,7 +65,7 @@ class SGLangEngineProcess(ServerEngineProcess):
         given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
-                cmd += ["--base-gpu-id", str(self.index * cfg.num_gpus_per_engine)]
+                cmd += ["--base-gpu-id", str(self.gpu_slot * cfg.num_gpus_per_engine)]
         else:
             for flag, value in CPU_DEFAULTS:
                 if flag not in given:

@@ -77,7 +77,7 @@ class VLLMEngineProcess(ServerEngineProcess):
             visible = env.get("CUDA_VISIBLE_DEVICES")
             gpus = visible.split(",") if visible else [str(i) for i in range(64)]
             tp = self.cfg.num_gpus_per_engine
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[self.index * tp : (self.index + 1) * tp])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[self.gpu_slot * tp : (self.gpu_slot + 1) * tp])
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         return env
