@@ -5,6 +5,9 @@
 #
 #   HF_CHECKPOINT=/models/Qwen3-4B DATA_DIR=/data bash scripts/run-qwen3-4B-async.sh [--dry-run] [extra flags]
 #
+# MODEL_ARGS_FILE (default scripts/models/qwen3-4B.sh) is the model-args file sourced for MODEL_ARGS,
+# e.g. scripts/models/qwen3-tiny.sh for a CPU rehearsal with a tiny random Qwen3.
+#
 # Extra flags are appended, so they override the defaults below; --dry-run prints the
 # final command instead of running it. Ray: train_async.py starts a local Ray on this
 # node; with RAY_ADDRESS=host:port (e.g. under scripts/slurm/train-async.sbatch) it joins
@@ -19,8 +22,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/lib/launch.sh
 source "$ROOT/scripts/lib/launch.sh"
+MODEL_ARGS_FILE="${MODEL_ARGS_FILE:-$ROOT/scripts/models/qwen3-4B.sh}"
 # shellcheck source=scripts/models/qwen3-4B.sh
-source "$ROOT/scripts/models/qwen3-4B.sh"
+source "$MODEL_ARGS_FILE"
 parse_launcher_args "$@"
 
 PYTHON="${PYTHON:-python3}"

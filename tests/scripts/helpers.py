@@ -1,19 +1,26 @@
-"""Shared helpers for the script tests: where things are, finding the lint tools, and
-finding (and ending) every process a test started, by a marker in its environment."""
+"""Shared helpers for the script tests: where things are, finding the lint tools, finding (and
+ending) every process a test started, by a marker in its environment, and a run of the Slurm script."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "stubs"
 GOLDEN = Path(__file__).resolve().parent / "golden"
+SBATCH = ROOT / "scripts" / "slurm" / "train-async.sbatch"
 # The interpreter's own bin folder (a venv's), not resolved: the venv's ray, shellcheck, hadolint.
 VENV_BIN = Path(sys.executable).parent
 
@@ -84,6 +91,93 @@ def kill_marked(marker: str) -> None:
 
 def short_tmp(prefix: str) -> Path:
     """A short folder under /tmp: Ray's unix socket paths must stay under ~107 characters."""
-    import tempfile
-
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+class Job:
+    """One run of the sbatch script, as Slurm would start it, with everything it spawns marked."""
+
+    def __init__(self, nodes: list[str], **env: str):
+        self.tmp = short_tmp("mst")
+        self.marker = uuid.uuid4().hex
+        self.port = free_port()
+        self.save_dir = self.tmp / "ckpt"
+        self.work = self.tmp / "work"
+        self.work.mkdir()
+        self.log_path = self.tmp / "job.log"
+        self.env = {
+            **os.environ,
+            "PATH": f"{STUBS}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "MILES_TEST_MARKER": self.marker,
+            "MILES_ASYNC_ROOT": str(ROOT),
+            "SLURM_JOB_NODELIST": ",".join(nodes),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "test-job",
+            "GPUS_PER_NODE": "2",
+            "RAY_NUM_CPUS": "1",
+            "RAY_PORT": str(self.port),
+            "RAY_CLIENT_SERVER_PORT": str(free_port()),
+            "RAY_INCLUDE_DASHBOARD": "false",
+            "RAY_TEMP_DIR": str(self.tmp / "ray"),
+            "RAY_START_EXTRA_ARGS": "--object-store-memory=100000000",
+            "RAY_START_TIMEOUT": "90",
+            "RAY_STOP_GRACE": "5",
+            "SAVE_DIR": str(self.save_dir),
+            "SAVE_TIMEOUT": "60",
+            "PYTHON": sys.executable,
+            "STUB_SRUN_LOG": str(self.tmp / "srun.log"),
+            "STUB_SCONTROL_LOG": str(self.tmp / "scontrol.log"),
+            "FAKE_TRAIN_DIR": str(self.work),
+            "RAY_DEDUP_LOGS": "0",
+            **env,
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *cmd: str) -> Job:
+        # Appended to, as Slurm's --open-mode=append does for a requeued job started again.
+        with open(self.log_path, "ab") as log:
+            # Its own session, like a batch script; the marker finds what it leaves behind.
+            self.proc = subprocess.Popen(
+                ["bash", str(SBATCH), *cmd],
+                cwd=self.tmp,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def srun_steps(self) -> list[tuple[str, str]]:
+        path = self.tmp / "srun.log"
+        return [tuple(line.split("\t", 1)) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for(self, what: str, cond, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            if self.proc.poll() is not None and not cond():
+                pytest.fail(f"job exited ({self.proc.returncode}) before {what}:\n{self.log}")
+            time.sleep(0.3)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.log}")
+
+    def report(self) -> dict:
+        path = self.work / "report.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job still running after {timeout}s:\n{self.log}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        kill_marked(self.marker)
+        shutil.rmtree(self.tmp, ignore_errors=True)

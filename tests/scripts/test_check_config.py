@@ -4,7 +4,8 @@ files at the paths and with the keys the command names, and every other check th
 starts (no Ray, no output folder); the command exits 0 and prints the resolved configuration and the worker plan.
 
 The Qwen3 launcher's command is also run with each other scripts/models/*.sh MODEL_ARGS in place of Qwen3-4B's,
-against that model's published config.json, and with a checkpoint of another model, which fails naming the flags.
+against that model's published config.json (the tiny Qwen3's: against the tiny random model, through
+MODEL_ARGS_FILE), and with a checkpoint of another model, which fails naming the flags.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 QWEN3 = "scripts/run-qwen3-4B-async.sh"
 CPU = "scripts/run-smollm2-cpu-async.sh"
 QWEN3_PLAN = [
-    "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2",
-    "rollout: 2 engines x 2 GPUs = 4 GPUs; sglang engines, weights by distributed",
+    "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2; placement group of 4 bundles "
+    "x 1 GPU (PACK)",
+    "rollout: 2 engines x 2 GPUs = 4 GPUs; sglang engines, weights by distributed; placement group of 2 bundles x "
+    "2 GPUs (PACK)",
 ]
 
 
@@ -90,8 +93,10 @@ def test_cpu_launcher_passes_check_config(tmp_path):
     proc = _check_config(CPU, _launcher_env(tmp_path, CPU, "SmolLM2-135M"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _plan(proc.stdout) == [
-        "actor: 1 worker x 1 GPU = 1 GPU; fsdp (torch DDP), data parallel 1",
-        "rollout: 1 engine x 1 GPU = 1 GPU; embedded engines, weights by tensor",
+        "actor: 1 worker x 1 GPU = 1 GPU; fsdp (torch DDP), data parallel 1; placement group of 1 bundle x 1 GPU "
+        "(PACK)",
+        "rollout: 1 engine x 1 GPU = 1 GPU; embedded engines, weights by tensor; placement group of 1 bundle x 1 GPU "
+        "(PACK)",
     ]
     assert "# warnings (0)" in proc.stdout
     assert not (tmp_path / "out").exists()
@@ -130,6 +135,24 @@ def test_each_models_args_pass_check_config_against_its_published_config(tmp_pat
     assert words[start:end] == _script_model_args("qwen3-4B")
     command = words[:start] + _script_model_args(args_file) + words[end:] + ["--check-config"]
     proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _plan(proc.stdout) == QWEN3_PLAN
+
+
+def test_the_tiny_qwen3_args_pass_check_config_against_the_tiny_qwen3(tmp_path):
+    """The Qwen3 launcher with MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh (the rehearsal cluster's model, in
+    tests/scripts/test_rehearsal_cluster.py) against the tiny random Qwen3 of miles_async/assets/tiny_model.py."""
+    from miles_async.assets.tiny_model import make_tiny_model
+
+    env = _launcher_env(tmp_path, QWEN3, "Qwen3-4B")
+    env.update(
+        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-tiny.sh"),
+        HF_CHECKPOINT=str(make_tiny_model(tmp_path / "tiny", arch="qwen3")),
+    )
+    words = _words(_run(QWEN3, env, ["--dry-run"]).stdout)
+    start, end = words.index(str(ROOT / "train_async.py")) + 1, words.index("--hf-checkpoint")
+    assert words[start:end] == _script_model_args("qwen3-tiny")
+    proc = _check_config(QWEN3, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _plan(proc.stdout) == QWEN3_PLAN
 

@@ -4,134 +4,19 @@ cluster with fake GPU counts, and tests/scripts/fake_train.py as the training co
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
-from tests.scripts.helpers import (
-    ROOT,
-    STUBS,
-    VENV_BIN,
-    cmdline,
-    free_port,
-    kill_marked,
-    marked_pids,
-    short_tmp,
-    wait_marked_gone,
-)
+from tests.scripts.helpers import ROOT, SBATCH, cmdline, marked_pids, wait_marked_gone
 
 pytestmark = pytest.mark.timeout(240)
 
-SBATCH = ROOT / "scripts" / "slurm" / "train-async.sbatch"
 FAKE_TRAIN = [sys.executable, str(ROOT / "tests" / "scripts" / "fake_train.py")]
-
-
-class Job:
-    """One run of the sbatch script, as Slurm would start it, with everything it spawns marked."""
-
-    def __init__(self, nodes: list[str], **env: str):
-        self.tmp = short_tmp("mst")
-        self.marker = uuid.uuid4().hex
-        self.port = free_port()
-        self.save_dir = self.tmp / "ckpt"
-        self.work = self.tmp / "work"
-        self.work.mkdir()
-        self.log_path = self.tmp / "job.log"
-        self.env = {
-            **os.environ,
-            "PATH": f"{STUBS}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-            "MILES_TEST_MARKER": self.marker,
-            "MILES_ASYNC_ROOT": str(ROOT),
-            "SLURM_JOB_NODELIST": ",".join(nodes),
-            "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NAME": "test-job",
-            "GPUS_PER_NODE": "2",
-            "RAY_NUM_CPUS": "1",
-            "RAY_PORT": str(self.port),
-            "RAY_CLIENT_SERVER_PORT": str(free_port()),
-            "RAY_INCLUDE_DASHBOARD": "false",
-            "RAY_TEMP_DIR": str(self.tmp / "ray"),
-            "RAY_START_EXTRA_ARGS": "--object-store-memory=100000000",
-            "RAY_START_TIMEOUT": "90",
-            "RAY_STOP_GRACE": "5",
-            "SAVE_DIR": str(self.save_dir),
-            "SAVE_TIMEOUT": "60",
-            "PYTHON": sys.executable,
-            "STUB_SRUN_LOG": str(self.tmp / "srun.log"),
-            "STUB_SCONTROL_LOG": str(self.tmp / "scontrol.log"),
-            "FAKE_TRAIN_DIR": str(self.work),
-            "RAY_DEDUP_LOGS": "0",
-            **env,
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, *cmd: str) -> Job:
-        with open(self.log_path, "wb") as log:
-            # Its own session, like a batch script; the marker finds what it leaves behind.
-            self.proc = subprocess.Popen(
-                ["bash", str(SBATCH), *cmd],
-                cwd=self.tmp,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def srun_steps(self) -> list[tuple[str, str]]:
-        path = self.tmp / "srun.log"
-        return [tuple(line.split("\t", 1)) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def wait_for(self, what: str, cond, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return
-            if self.proc.poll() is not None and not cond():
-                pytest.fail(f"job exited ({self.proc.returncode}) before {what}:\n{self.log}")
-            time.sleep(0.3)
-        pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.log}")
-
-    def report(self) -> dict:
-        path = self.work / "report.json"
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"job still running after {timeout}s:\n{self.log}")
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        kill_marked(self.marker)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-@pytest.fixture
-def job_factory():
-    jobs: list[Job] = []
-
-    def make(nodes: list[str], **env: str) -> Job:
-        jobs.append(Job(nodes, **env))
-        return jobs[-1]
-
-    yield make
-    for job in jobs:
-        job.close()
 
 
 def _flag(argv: list[str], name: str) -> str | None:

@@ -1,0 +1,200 @@
+"""The GPU cluster path rehearsed on this machine: scripts/slurm/train-async.sbatch starts a three-node Ray
+cluster (a head and two workers, each its own `ray start` with 2 logical GPUs and a Ray resource naming its node)
+and runs the Qwen3 launcher as written, on a tiny random Qwen3 (MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh),
+with the real train_async.py: Megatron TP 2 over gloo and two real SGLang CPU servers. Sizes come from flags
+appended to the launcher's command, as an operator would give them.
+
+Stand-ins, for what cannot run here: `srun` and `scontrol` (tests/scripts/stubs: every "node" is a set of local
+processes) and the GPUs (Ray's logical GPUs; every process computes on the CPU).
+
+The run records where each actor worker and engine ran and which GPUs Ray gave it (processes.json's
+"placement"); the actor and the engines must sit on different nodes with disjoint GPUs. Then Slurm's warning
+before the time limit (USR1): the run saves, the job asks to be requeued, Slurm stops it (SIGTERM) and starts it
+again, and the new run resumes from that checkpoint and ends at --num-rollout. Nothing is left running on any
+node after either run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.runner import all_pids, wait_all_dead
+from tests.engines.conftest import _engine_python
+from tests.scripts.helpers import ROOT, Job, cmdline, marked_pids, wait_marked_gone
+
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.sglang]
+
+NODES = ["node1", "node2", "node3"]
+NODE_RESOURCE = "rehearsal_"  # each Ray node's resource "rehearsal_<Slurm node>" (the stub srun adds it)
+NUM_ROLLOUT = 10  # enough that the first run is still training when Slurm stops it after the save
+LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-4B-async.sh")]
+# Appended to the launcher's command (they override its own): 2 Megatron workers as one TP 2 group, 2 SGLang
+# engines of 1 GPU, 2 prompts x 2 samples a step, 4-token answers, one tiny eval before training.
+SIZES = [
+    "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+    "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+    "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+    "--global-batch-size", "4", "--rollout-max-response-len", "4",
+    "--eval-max-response-len", "4", "--n-samples-per-eval-prompt", "1",
+]  # fmt: skip
+# What the CPU needs: no sequence parallelism (it needs Transformer Engine), fp32 engines (SGLang's CPU
+# kernels), one trainer thread per worker on 2 cores, a generous start-up for two engine servers and two Megatron
+# workers sharing them, no plot.
+CPU = [
+    "--no-sequence-parallel",
+    "--rollout-dtype",
+    "float32",
+    "--train-num-threads",
+    "1",
+    "--engine-startup-timeout",
+    "400",
+    "--no-plot",
+]
+
+
+def _model_and_data(tmp: Path) -> tuple[Path, Path]:
+    """The tiny Qwen3 and the tiny task at the paths the launcher reads under DATA_DIR."""
+    from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
+
+    model = make_tiny_model(tmp / "model", seed=0, arch="qwen3")
+    train, held_out = make_tiny_task_dataset(tmp / "task", n_train=64, n_eval=8, seed=0)
+    data = tmp / "data"
+    for src, dst in ((train, "dapo-math-17k/dapo-math-17k.jsonl"), (held_out, "aime-2024/aime-2024.jsonl")):
+        (data / dst).parent.mkdir(parents=True)
+        (data / dst).write_text(src.read_text())
+    return model, data
+
+
+def _ray_nodes(job: Job) -> dict[str, str]:
+    """Ray node id -> Slurm node name, asked of the live cluster (each node's "rehearsal_<name>" resource)."""
+    code = (
+        "import json, logging, sys, ray\n"
+        "ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)\n"
+        "print(json.dumps({n['NodeID']: [r for r in n['Resources'] if r.startswith(sys.argv[2])]\n"
+        "                  for n in ray.nodes() if n['Alive']}))\n"
+    )
+    address = re.search(r"head \S+ at (\S+)", job.log).group(1)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, address, NODE_RESOURCE],
+        env={**job.env, "RAY_AUTH_MODE": "token"},  # as the script's own poller
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resources = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(map(len, resources.values())) == [1, 1, 1], resources
+    return {node_id: names[0].removeprefix(NODE_RESOURCE) for node_id, names in resources.items()}
+
+
+def _check_placement(procs: dict, nodes: dict[str, str]) -> None:
+    """The actor's 2 workers and the 2 engines, each with one GPU of its own, on different nodes."""
+    placement = procs["placement"]
+    actor = sorted((p for p in placement if p["role"] == "actor"), key=lambda p: p["index"])
+    engines = sorted((p for p in placement if p["role"] == "rollout"), key=lambda p: p["index"])
+    assert [p["index"] for p in actor] == [0, 1] and [p["index"] for p in engines] == [0, 1], placement
+    assert {p["pid"] for p in actor} == set(procs["train_workers"]), placement
+    assert {p["pid"] for p in engines} == set(procs["engines"]), placement
+    assert {p["node_id"] for p in placement} <= set(nodes), (placement, nodes)
+    actor_nodes, engine_nodes = {p["node_id"] for p in actor}, {p["node_id"] for p in engines}
+    assert len(actor_nodes) == 1, f"--actor-num-nodes 1: the TP group on one node: {placement}"
+    assert actor_nodes.isdisjoint(engine_nodes), f"actor and engines share a node: {placement} ({nodes})"
+    # Every "node" has this machine's address, so a GPU is (Ray node id, GPU id on that node).
+    gpus = [(p["node_id"], g) for p in actor + engines for g in p["gpu_ids"]]
+    assert all(len(p["gpu_ids"]) == 1 for p in actor + engines), placement
+    assert len(set(gpus)) == len(gpus) == 4, f"a GPU given twice: {placement}"
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _check_trained(metrics: list[dict]) -> None:
+    """Each step trained the actor and pushed its weights to the engines (by the distributed route)."""
+    for m in metrics:
+        assert m["train/optimizer_steps"] == m["weights/version"] == m["step"] and m["weights/bytes"] > 0, m
+
+
+def _check_nothing_left(job: Job, procs: dict) -> None:
+    """Every process the run recorded and every process of the job (Ray on each node included) has ended."""
+    assert wait_marked_gone(job.marker, 60) == [], [cmdline(p) for p in marked_pids(job.marker)]
+    left = wait_all_dead([procs["driver"], *all_pids(procs)], timeout=5)
+    assert left == [], [cmdline(p) for p in left]
+
+
+def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_factory):
+    t0 = time.monotonic()
+    job = job_factory(
+        NODES,
+        MILES_ASYNC_SGLANG_PYTHON=_engine_python("sglang"),
+        STUB_SRUN_NODE_RESOURCE=NODE_RESOURCE,
+        RAY_ADDRESS="",
+        RAY_START_TIMEOUT="180",
+        RAY_raylet_start_wait_time_s="120",  # three nodes starting at once on 2 cores
+        RAY_STOP_GRACE="60",  # the run stops its engines (a few seconds each) before Ray goes
+        SAVE_TIMEOUT="300",
+        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-tiny.sh"),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    model, data = _model_and_data(job.tmp)
+    out = job.tmp / "out"
+    job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
+    command = [*LAUNCHER, *SIZES, *CPU]
+
+    # First run: the cluster comes up, the run trains.
+    job.start(*command)
+    job.wait_for("the first training step", lambda: len(_metrics(out)) >= 1, timeout=600)
+    # Slurm's warning before the time limit: the run saves after its current step, then the job asks to be
+    # requeued. (Sent at once: steps take seconds, and the run must still be training when Slurm stops it.)
+    os.kill(job.proc.pid, signal.SIGUSR1)
+
+    # Meanwhile, where the run placed its processes, on the live cluster.
+    nodes = _ray_nodes(job)
+    assert sorted(nodes.values()) == NODES, nodes
+    procs = json.loads((out / "processes.json").read_text())
+    _check_placement(procs, nodes)
+
+    pointer = job.save_dir / "latest_checkpointed_iteration.txt"
+    scontrol_log = job.tmp / "scontrol.log"
+    job.wait_for("scontrol requeue after the save", scontrol_log.exists, timeout=300)
+    assert scontrol_log.read_text().split() == ["requeue", "4242"]
+    saved = int(pointer.read_text())
+    said = f"saved rollout {saved} on the sentinel {job.save_dir / 'SAVE_NOW'}"
+    job.wait_for("the run's word on the save", lambda: said in job.log, timeout=30)
+    assert (job.save_dir / f"iter_{saved:07d}" / "actor" / "megatron" / ".metadata").is_file()
+    assert not (job.save_dir / "SAVE_NOW").exists()
+    first = _metrics(out)
+    assert [m["step"] for m in first][: saved + 1] == list(range(1, saved + 2)), first
+    _check_trained(first)
+
+    # Slurm requeues: SIGTERM to the batch script, which stops the run and Ray on every node.
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait_exit(180) == 143, job.log[-5000:]
+    assert max(m["step"] for m in _metrics(out)) < NUM_ROLLOUT, "the first run ended before Slurm stopped it"
+    _check_nothing_left(job, procs)
+
+    # ... and starts it again: the same script and command, the same SAVE_DIR.
+    metrics_before = len(_metrics(out))
+    job.start(*command)
+    assert job.wait_exit(600) == 0, job.log[-5000:]
+    assert f"resuming from {job.save_dir} (iteration {saved})" in job.log
+    started = [line for line in job.log.splitlines() if "] starting: " in line]
+    assert len(started) == 2 and started[1].endswith(f" --load {job.save_dir}"), started
+    resumed = _metrics(out)[metrics_before:]
+    assert [m["step"] for m in resumed] == list(range(saved + 2, NUM_ROLLOUT + 1)), resumed
+    _check_trained(resumed)
+    assert "[miles-async] done." in job.log
+    assert int(pointer.read_text()) == NUM_ROLLOUT - 1  # the final save
+    _check_nothing_left(job, json.loads((out / "processes.json").read_text()))
+    print(f"rehearsal cluster: {time.monotonic() - t0:.0f} s (saved at rollout {saved})")
