@@ -28,8 +28,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from miles_async.rollout.batch import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +45,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _batch() -> dict:
+def _batch() -> RolloutBatch:
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 
