@@ -85,6 +85,8 @@ class Flag:
         value = getattr(ns, self.dest)
         if self.options.get("action") == "store_true":
             return self.name
+        if self.options.get("action") is argparse.BooleanOptionalAction:
+            return self.name if value else f"--no-{self.name[2:]}"
         if isinstance(value, (list, tuple)):
             return " ".join([self.name, *map(str, value)])
         return f"{self.name} {value}"

@@ -21,7 +21,8 @@ def _feature_args(row: Capability) -> list[str]:
     if row.feature.endswith("-*"):
         return [row.feature[:-1] + "mem-fraction-static", "0.7"]
     feature = FEATURES[row.feature]
-    return [row.feature] if feature.options.get("action") == "store_true" else [row.feature, str(feature.default + 1)]
+    switch = feature.options.get("action") in ("store_true", argparse.BooleanOptionalAction)
+    return [row.feature] if switch else [row.feature, str(feature.default + 1)]
 
 
 def _namespace(words: list[str]) -> argparse.Namespace:
