@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 class _Server:
-    """One engine's current server process, restarted in place; the part both kinds of engine share."""
+    """One engine's current server process, restarted in place; what both kinds of engine run."""
 
     def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, own_gpus: bool):
         self.cfg, self.index, self.log_dir, self.own_gpus = cfg, index, log_dir, own_gpus
         self.proc: EngineProcess | None = None
 
-    def start(self) -> dict:
+    async def start(self) -> dict:
         """A fresh server (new port); what the controller records about it."""
         self.proc = make_engine_process(self.cfg, self.index, self.log_dir)
         if self.own_gpus:
@@ -48,21 +48,22 @@ class _Server:
     async def wait_healthy(self, timeout: float) -> None:
         await asyncio.to_thread(self.proc.wait_healthy, timeout)
 
-    def state(self) -> tuple[bool, int | None]:
+    async def state(self) -> tuple[bool, int | None]:
         """(alive, exit code)."""
         if self.proc is None or self.proc.proc is None:
             return False, None
         return self.proc.alive(), self.proc.proc.returncode
 
-    def tail_log(self, n: int) -> str:
+    async def tail_log(self, n: int) -> str:
         return self.proc.tail_log(n) if self.proc is not None else ""
 
-    async def stop(self, grace: float | None) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """The server; a later ``start`` starts a new one."""
         if self.proc is not None:
             await asyncio.to_thread(self.proc.stop, *(() if grace is None else (grace,)))
 
 
-class EngineHost:
+class EngineHost(_Server):
     """The Ray actor on one rollout bundle. Async, so the server is started from the actor's one event-loop thread:
     the server dies with that thread's process (PR_SET_PDEATHSIG), and probes run while it starts."""
 
@@ -71,51 +72,25 @@ class EngineHost:
 
         # Reachable from the other nodes, and the engine's own build: GPU where this node has CUDA.
         cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address(), use_gpu=Machine.cuda_devices() > 0)
-        self.server = _Server(cfg, index, log_dir, own_gpus=True)
+        super().__init__(cfg, index, log_dir, own_gpus=True)
 
     async def start(self) -> dict:
-        await self.server.stop(1.0)
-        return self.server.start()
-
-    async def wait_healthy(self, timeout: float) -> None:
-        await self.server.wait_healthy(timeout)
-
-    async def state(self) -> tuple[bool, int | None]:
-        return self.server.state()
-
-    async def tail_log(self, n: int) -> str:
-        return self.server.tail_log(n)
-
-    async def stop(self, grace: float | None = None) -> None:
-        await self.server.stop(grace)
+        await self.stop(1.0)
+        return await super().start()
 
 
-class LocalEngine:
+class LocalEngine(_Server):
     """An engine server that is the controller's own child."""
 
     def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None):
-        self.index = index
-        self.server = _Server(cfg, index, log_dir, own_gpus=False)
+        super().__init__(cfg, index, log_dir, own_gpus=False)
         self.url, self.pid, self.log_path, self.where = "", None, None, {}
 
     def _started(self, info: dict) -> None:
         self.url, self.pid, self.log_path, self.where = info["url"], info["pid"], info["log_path"], info["where"]
 
     async def start(self) -> None:
-        self._started(self.server.start())
-
-    async def wait_healthy(self, timeout: float) -> None:
-        await self.server.wait_healthy(timeout)
-
-    async def state(self) -> tuple[bool, int | None]:
-        return self.server.state()
-
-    async def tail_log(self, n: int) -> str:
-        return self.server.tail_log(n)
-
-    async def stop(self, grace: float | None = None) -> None:
-        """The server; a later ``start`` starts a new one."""
-        await self.server.stop(grace)
+        self._started(await super().start())
 
     async def close(self) -> None:
         """The server, for good."""
