@@ -18,6 +18,7 @@ from miles_async.config.declare import (
     when_value,
 )
 from miles_async.config.machine import Machine
+from miles_async.inference.auth import ApiKey, api_key_from_env, new_api_key
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class EngineConfig:
     use_gpu: bool = False
     weight_update_dir: str | None = None
     weight_update_method: str = "tensor"  # "tensor", "disk" or "distributed" (--weight-update-method, resolved)
+    # The key an engine listening beyond loopback requires and every client sends (inference/auth.py): the
+    # run's own random one, or $MILES_ASYNC_ENGINE_API_KEY. Masked wherever the config is printed or dumped.
+    api_key: ApiKey | None = None
 
 
 PASSTHROUGH_ENGINES = ("sglang", "vllm")
@@ -258,4 +262,7 @@ def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConf
         use_gpu=use_gpu,
         weight_update_dir=ns.weight_update_dir,
         weight_update_method=resolve_weight_update_method(ns),
+        # Always one: whether an engine leaves loopback is only known once Ray places it (a cluster with GPUs
+        # puts each on its bundle's node, listening on that node's address).
+        api_key=api_key_from_env() or new_api_key(),
     )

@@ -8,7 +8,9 @@ names. ``miles_async.inference.engines`` maps ``--rollout-backend`` to the clien
 the weight routes of each engine.
 
 Every call has a timeout; failures raise ``EngineError`` naming the URL and endpoint, never a bare
-aiohttp exception. What an engine cannot do raises ``EngineError`` too (``_unavailable``).
+aiohttp exception. What an engine cannot do raises ``EngineError`` too (``_unavailable``). Every request
+carries the engines' API key when there is one (``inference/auth.py``); a 401 says whether the key was
+missing or refused.
 
 Where SGLang's answers differ from the embedded server's, this module maps them to one shape
 (``normalize_meta``, ``model_info``, ``load``), so nothing else needs to know which engine answered:
@@ -26,6 +28,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+from miles_async.inference.auth import API_KEY_ENV, ApiKey, auth_headers
 
 if TYPE_CHECKING:
     import torch
@@ -50,13 +54,17 @@ class EngineClient:
     ``timeout`` (seconds) bounds every call; ``generate`` also takes a
     per-call override because a long generation legitimately outlives a
     control call.  Create and use the client inside a running event loop;
-    ``close()`` (or ``async with``) releases the connection pool.
+    ``close()`` (or ``async with``) releases the connection pool. ``api_key``: the engine's key
+    (``EngineConfig.api_key``), sent as a bearer token with every request.
     """
 
-    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 0):
+    def __init__(
+        self, base_url: str, timeout: float = 600.0, max_connections: int = 0, api_key: ApiKey | str | None = None
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self._max_connections = max_connections
+        self._headers = auth_headers(api_key)
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -73,7 +81,9 @@ class EngineClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # limit=0: rollouts keep hundreds of generations in flight, and
             # aiohttp's default cap of 100 would serialise them client-side.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._max_connections))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections), headers=self._headers
+            )
             self._session_loop = loop
         return self._session
 
@@ -108,6 +118,8 @@ class EngineClient:
                 if raw and resp.status < 400:
                     return await resp.read()
                 text = await resp.text()
+                if resp.status == 401:
+                    raise EngineError(self.base_url, endpoint, self._refused(), status=401)
                 if resp.status >= 400:
                     raise EngineError(self.base_url, endpoint, _error_message(text), status=resp.status)
                 if not text:
@@ -222,6 +234,13 @@ class EngineClient:
         bucket only, so the version flips once every bucket has landed.
         """
         raise self._unavailable("/update_weights_from_tensor", "pushing tensors over HTTP (the tensor route)")
+
+    def _refused(self) -> str:
+        what = "the API key it was sent was refused" if self._headers else "no API key was sent"
+        return (
+            f"the engine requires an API key and {what} (engines listening beyond loopback need the run's key, "
+            f"EngineConfig.api_key; ${API_KEY_ENV} sets it)"
+        )
 
     def _unavailable(self, endpoint: str, what: str) -> EngineError:
         return EngineError(self.base_url, endpoint, f"{what} is not available from {type(self).__name__}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
@@ -60,9 +61,9 @@ def engine_spec(backend: str) -> EngineSpec:
     return ENGINES[backend]
 
 
-def make_client(backend: str, url: str, timeout: float) -> EngineClient:
-    """The client for one engine of ``--rollout-backend``."""
-    return engine_spec(backend).client(url, timeout=timeout)
+def make_client(backend: str, url: str, timeout: float, api_key: ApiKey | str | None = None) -> EngineClient:
+    """The client for one engine of ``--rollout-backend``, sending ``api_key`` (``EngineConfig.api_key``)."""
+    return engine_spec(backend).client(url, timeout=timeout, api_key=api_key)
 
 
 def make_engine_process(cfg: EngineConfig, index: int, log_dir: str | None) -> EngineProcess:

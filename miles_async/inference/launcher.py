@@ -3,7 +3,13 @@
 ``EngineProcess`` is the launcher half of the engine protocol: each engine's launcher
 (``<engine>/launcher.py``) says how to start its server (``command``, ``env``) and the base
 starts it in its own process group that dies with its parent, waits until ``/health`` answers
-(or the process exits, or the timeout passes) and stops it."""
+(or the process exits, or the timeout passes) and stops it.
+
+A server that listens beyond loopback requires the run's API key (``server_api_key``; ``inference/auth.py``):
+it gets it in its environment (``$MILES_ASYNC_ENGINE_API_KEY``, and whatever variable the engine reads itself),
+on its command line only where the engine reads it from nowhere else (SGLang); a server beyond loopback without
+a key is refused before it starts. Its log gets the key masked (SGLang prints every server argument at
+start-up, its key among them)."""
 
 from __future__ import annotations
 
@@ -14,11 +20,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import requests
+
+from miles_async.inference.auth import API_KEY_ENV, auth_headers, is_loopback, reveal
 
 if TYPE_CHECKING:
     from miles_async.config import EngineConfig  # an annotation only: config reads the engines' declarations
@@ -81,22 +90,53 @@ class EngineProcess:
         """The server's command line."""
         raise NotImplementedError
 
+    def server_api_key(self) -> str | None:
+        """The key this server requires: the run's, when it listens where other machines can reach it."""
+        if is_loopback(self.cfg.host):
+            return None
+        if self.cfg.api_key is None:
+            raise EngineStartError(
+                f"engine {self.index} would listen on {self.cfg.host}, reachable from other machines, without an "
+                f"API key (EngineConfig.api_key; ${API_KEY_ENV} sets one)"
+            )
+        return reveal(self.cfg.api_key)
+
     def env(self) -> dict:
-        """The server's environment: this one's, offline, with ``--rollout-num-threads`` CPU threads."""
-        return dict(
+        """The server's environment: this one's, offline, with ``--rollout-num-threads`` CPU threads, and the key
+        it requires in ``$MILES_ASYNC_ENGINE_API_KEY`` (unset when it requires none)."""
+        env = dict(
             os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
         )
+        env.pop(API_KEY_ENV, None)
+        key = self.server_api_key()
+        if key is not None:
+            env[API_KEY_ENV] = key
+        return env
+
+    def auth_headers(self) -> dict[str, str]:
+        """What a request to this server carries: the run's key (harmless to a server that requires none)."""
+        return auth_headers(self.cfg.api_key)
 
     def start(self) -> None:
         env = self.env()
-        if self.log_path:
+        secret = self.server_api_key()
+        if not self.log_path:
+            out = subprocess.DEVNULL
+        else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_path.open("ab")
-        else:
-            out = subprocess.DEVNULL
+        masked = secret is not None and out is not subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            self.command(), stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            self.command(),
+            stdout=subprocess.PIPE if masked else out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
         )
+        if masked:
+            threading.Thread(
+                target=_copy_masking, args=(self.proc.stdout, out, secret), name=f"engine-{self.index}-log", daemon=True
+            ).start()
 
     def __enter__(self) -> EngineProcess:
         """Start and wait until healthy (``cfg.startup_timeout``); stopped on leaving the block."""
@@ -122,7 +162,7 @@ class EngineProcess:
                     f"see {self.log_path}:\n{self.tail_log()}"
                 )
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if requests.get(self.url + "/health", headers=self.auth_headers(), timeout=2).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -153,6 +193,15 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+def _copy_masking(src, dst, secret: str) -> None:
+    """Copy the server's output to its log line by line, the key replaced by ``***``, until the server exits."""
+    needle = secret.encode()
+    with src, dst:
+        for line in iter(src.readline, b""):
+            dst.write(line.replace(needle, b"***"))
+            dst.flush()
 
 
 class ServerEngineProcess(EngineProcess):

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient, EngineError
 from miles_async.inference.engines import make_client
 from miles_async.inference.launcher import free_port
@@ -144,6 +145,8 @@ class Router:
                     raise
                 errors.append(f"{url}: taken out of rotation by the health check")
             except EngineError as e:
+                if e.status == 401:
+                    raise  # a missing or refused key: no engine will answer otherwise
                 if not self.retry:
                     raise EngineError(
                         e.url,
@@ -189,7 +192,14 @@ class SGLangRouter:
     Retries of failed requests are then the SGLang router's business, not ours.
     """
 
-    def __init__(self, urls: list[str], timeout: float, host: str = "127.0.0.1", policy: str = "cache_aware"):
+    def __init__(
+        self,
+        urls: list[str],
+        timeout: float,
+        host: str = "127.0.0.1",
+        policy: str = "cache_aware",
+        api_key: ApiKey | str | None = None,
+    ):
         port = free_port(host)
         self.url = f"http://{host}:{port}"
         self.timeout = timeout
@@ -209,7 +219,9 @@ class SGLangRouter:
                 *urls,
             ]
         )
-        self.client = EngineClient(self.url, timeout=timeout)
+        # The key reaches the router, not the engines behind it: engines that require one (placed on other
+        # nodes) need sglang_router's own worker key too (untested, see above).
+        self.client = EngineClient(self.url, timeout=timeout, api_key=api_key)
         self.fatal: str | None = None
         self.retries = 0
 
@@ -250,13 +262,19 @@ def make_router(
     retry: bool = False,
     cooldown: float = 5.0,
     backend: str = "embedded",
+    api_key: ApiKey | str | None = None,
 ) -> Router | SGLangRouter:
     """``kind``: "builtin" (this module's Router), "sglang" (SGLang's router; must be installed). ``backend``:
-    the engines' --rollout-backend, which picks the client the builtin router talks to them with."""
+    the engines' --rollout-backend, which picks the client the builtin router talks to them with; ``api_key``:
+    the engines' key (``EngineConfig.api_key``), sent with every request."""
     if kind == "sglang":
         if not sglang_router_available():
             raise RuntimeError("--rollout-router sglang needs the sglang_router package (pip install sglang-router)")
-        return SGLangRouter(urls, timeout)
+        return SGLangRouter(urls, timeout, api_key=api_key)
     return Router(
-        urls, timeout, retry=retry, cooldown=cooldown, client_factory=lambda url, t: make_client(backend, url, t)
+        urls,
+        timeout,
+        retry=retry,
+        cooldown=cooldown,
+        client_factory=lambda url, t: make_client(backend, url, t, api_key=api_key),
     )

@@ -3,8 +3,10 @@
 ``LocalEngine`` runs the server as the controller's own child (a laptop run: no GPUs in the Ray cluster).
 ``PlacedEngine`` runs it on the engine's placement-group bundle, wherever Ray put that bundle, through an
 ``EngineHost``: a small Ray actor that holds the bundle's GPUs and starts the server as its child, listening on
-its node's address with the bundle's ``CUDA_VISIBLE_DEVICES``. A restart starts a new server in the same host, so
-a restarted engine comes back on the same bundle (a new host on that bundle if the old one died with its node).
+its node's address with the bundle's ``CUDA_VISIBLE_DEVICES``; reachable from other nodes, the server requires the
+run's API key (``EngineConfig.api_key``, ``inference/auth.py``), which the controller's probes and clients send.
+A restart starts a new server in the same host, so a restarted engine comes back on the same bundle (a new host on
+that bundle if the old one died with its node).
 Both answer the same async methods, so the controller has one code path.
 """
 

@@ -65,7 +65,9 @@ class InferenceController:
         await asyncio.gather(*[e.start() for e in self.engines])
         self.started_pids.extend(e.pid for e in self.engines)
         await asyncio.gather(*[e.wait_healthy(self.cfg.startup_timeout) for e in self.engines])
-        self.clients = [make_client(self.cfg.backend, e.url, self.cfg.request_timeout) for e in self.engines]
+        self.clients = [
+            make_client(self.cfg.backend, e.url, self.cfg.request_timeout, self.cfg.api_key) for e in self.engines
+        ]
         ft = self.cfg.fault_tolerance
         if ft is not None:
             policy = FaultTolerancePolicy(
@@ -153,7 +155,7 @@ class InferenceController:
         await e.start()  # a new server (new port) on the same node and GPUs
         self.started_pids.append(e.pid)
         await e.wait_healthy(self.cfg.startup_timeout)
-        self.clients[i] = make_client(self.cfg.backend, e.url, self.cfg.request_timeout)
+        self.clients[i] = make_client(self.cfg.backend, e.url, self.cfg.request_timeout, self.cfg.api_key)
         await self._seed(i)
 
     async def _seed(self, i: int) -> None:
@@ -167,7 +169,9 @@ class InferenceController:
             peer = peers[0]
             tensors, version = await self.clients[peer].get_weights()
             buckets = iter_buckets(tensors.items(), next(iter(tensors.values())).dtype, SEED_BUCKET_BYTES)
-            await push_buckets(buckets, [self.engines[i].url], version, self.cfg.request_timeout)
+            await push_buckets(
+                buckets, [self.engines[i].url], version, self.cfg.request_timeout, api_key=self.cfg.api_key
+            )
             got = int((await self.clients[i].model_info())["weight_version"])
             if got != version:
                 raise RuntimeError(f"engine {i} reports weight version {got} after being given version {version}")

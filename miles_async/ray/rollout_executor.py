@@ -69,7 +69,12 @@ class RolloutExecutor:
         # Without fault tolerance the engine set is fixed and nothing is retried, so no cooldown applies.
         retry = {"retry": True, "cooldown": ft.health_check_interval} if ft is not None else {}
         self.router = make_router(
-            engine_urls, engine.request_timeout, kind=engine.router, backend=engine.backend, **retry
+            engine_urls,
+            engine.request_timeout,
+            kind=engine.router,
+            backend=engine.backend,
+            api_key=engine.api_key,
+            **retry,
         )
         if cfg.data_source_path:
             self.data_source = load_function(cfg.data_source_path, "--data-source-path")(

@@ -67,6 +67,7 @@ def weight_update(cfg: Config, weight_version: int) -> WeightUpdate:
         ranks_per_engine=cfg.engine.num_gpus_per_engine,
         folder=str(Path(weight_update_dir(cfg)) / f"v{weight_version}") if route == DISK else None,
         flush_cache=cfg.loop.pause_generation_mode != "in_place",
+        api_key=cfg.engine.api_key,
     )
 
 

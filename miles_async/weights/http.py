@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import torch
 
+from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
 from miles_async.inference.engines import make_client
 from miles_async.weights.source import bucket_bytes
@@ -26,10 +27,12 @@ async def stream_buckets(
     engine: str,
     send: SendBucket,
     flush: bool = True,
+    api_key: ApiKey | None = None,
 ) -> int:
     """Bracket the buckets with each engine's begin/end of an update; returns the bytes sent per engine.
-    ``flush``: the engines flush their prefix cache with the last bucket (``WeightUpdate.flush_cache``)."""
-    clients = [make_client(engine, u, timeout) for u in urls]
+    ``flush``: the engines flush their prefix cache with the last bucket (``WeightUpdate.flush_cache``);
+    ``api_key``: the engines' key (``WeightUpdate.api_key``)."""
+    clients = [make_client(engine, u, timeout, api_key) for u in urls]
     buckets = iter(buckets)
     sent = 0
     try:
@@ -59,6 +62,7 @@ async def push_buckets(
     timeout: float,
     engine: str = "embedded",
     flush: bool = True,
+    api_key: ApiKey | None = None,
 ) -> int:
     """Send each bucket to every engine over HTTP; returns the bytes sent per engine."""
-    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_tensors, flush)
+    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_tensors, flush, api_key)

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import requests
 import torch
 
+from miles_async.inference.auth import ApiKey, auth_headers
 from miles_async.inference.launcher import free_port
 from miles_async.weights.node import LOOPBACK, node_address
 from miles_async.weights.update import WeightUpdate
@@ -74,9 +75,16 @@ class EngineWeightGroup:
     """Trainer rank 0's end of the group; ``connect`` once, ``push`` every update, ``close`` at the end."""
 
     def __init__(
-        self, urls: list[str], ranks_per_engine: int, backend: str, master_address: str, timeout: float = 300.0
+        self,
+        urls: list[str],
+        ranks_per_engine: int,
+        backend: str,
+        master_address: str,
+        timeout: float = 300.0,
+        api_key: ApiKey | None = None,
     ):
         self.urls = list(urls)
+        self._headers = auth_headers(api_key)
         self.ranks_per_engine = ranks_per_engine
         self.backend = backend
         self.master_address = master_address
@@ -88,7 +96,9 @@ class EngineWeightGroup:
 
     def _post_all(self, endpoint: str, bodies: list[dict]) -> dict[str, concurrent.futures.Future]:
         return {
-            url: self._pool.submit(requests.post, url + endpoint, json=body, timeout=self.timeout)
+            url: self._pool.submit(
+                requests.post, url + endpoint, json=body, headers=self._headers, timeout=self.timeout
+            )
             for url, body in zip(self.urls, bodies)
         }
 
@@ -101,6 +111,9 @@ class EngineWeightGroup:
             body = r.json()
         except ValueError:
             body = {}
+        if r.status_code == 401:
+            what = "the API key it was sent was refused" if self._headers else "no API key was sent"
+            raise WeightGroupError(f"{url}{endpoint} answered 401: the engine requires an API key and {what}")
         if r.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
             raise WeightGroupError(f"{url}{endpoint} answered {r.status_code}: {r.text[:1000]}")
 
@@ -218,7 +231,7 @@ class ProcessGroupRoute:
         if self.group is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             self.group = EngineWeightGroup(
-                urls, update.ranks_per_engine, backend, trainer_address(urls), update.timeout
+                urls, update.ranks_per_engine, backend, trainer_address(urls), update.timeout, update.api_key
             )
         return self.group.push(buckets, update.version, update.flush_cache)
 

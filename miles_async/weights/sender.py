@@ -24,12 +24,14 @@ class WeightSender:
         targets = list(update.targets)
         if update.route == HTTP:
             nbytes = asyncio.run(
-                http.push_buckets(buckets, targets, update.version, update.timeout, update.engine, update.flush_cache)
+                http.push_buckets(
+                    buckets, targets, update.version, update.timeout, update.engine, update.flush_cache, update.api_key
+                )
             )
         elif update.route == SHARED_MEMORY:
             nbytes = asyncio.run(
                 shared_memory.push_buckets(
-                    buckets, targets, update.version, update.timeout, update.engine, update.flush_cache
+                    buckets, targets, update.version, update.timeout, update.engine, update.flush_cache, update.api_key
                 )
             )
         elif update.route == PROCESS_GROUP:

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 
+from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
 from miles_async.weights.http import Bucket, stream_buckets
 from miles_async.weights.node import node_address, on_this_node
@@ -103,7 +104,8 @@ async def push_buckets(
     timeout: float,
     engine: str = "sglang",
     flush: bool = True,
+    api_key: ApiKey | None = None,
 ) -> int:
     """Hand each bucket to every engine as handles to this node's memory; returns the bytes sent per engine."""
     refuse_other_nodes(urls)
-    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles, flush)
+    return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles, flush, api_key)

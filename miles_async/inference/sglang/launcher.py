@@ -12,6 +12,10 @@ visible to it: on a cluster, its placement bundle's. Without a GPU, SGLang's CPU
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
 ``cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
+A server listening beyond loopback gets ``--api-key`` (SGLang reads it from nowhere else; its log masks it, see
+``EngineProcess.start``): SGLang then answers 401 to every request without it but ``/health*``, ``/ready*`` and
+``/metrics*`` (``sglang.srt.utils.auth``; the weight endpoints are ADMIN_OPTIONAL, which take the key while no
+``--admin-api-key`` is set).
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class SGLangEngineProcess(ServerEngineProcess):
             "--weight-version",
             str(self.weight_version),
         ]
+        key = self.server_api_key()
+        if key is not None:
+            cmd += ["--api-key", key]
         given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:

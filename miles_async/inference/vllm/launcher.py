@@ -17,6 +17,10 @@ to the controller (``CUDA_VISIBLE_DEVICES``). On the CPU: ``--enforce-eager`` un
 and a KV cache of ``$VLLM_CPU_KVCACHE_SPACE`` GiB, 2 unless set: vLLM's CPU default takes most of the
 machine's memory.
 
+A server listening beyond loopback requires the run's key: ``VLLM_API_KEY`` in its environment (vLLM's
+``--api-key``, kept off the command line) guards vLLM's own API, and ``--middleware`` ``vllm/auth.py`` every other
+route (vLLM's guard leaves its dev-mode endpoints, pause, weights and abort among them, open).
+
 vLLM starts at weight version "default"; once healthy the launcher sets the version it was started
 at (0, or the version of the checkpoint it serves), so versions are integers from the first request.
 """
@@ -31,6 +35,7 @@ from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineP
 
 CPU_KVCACHE_GIB = "2"
 WORKER_EXTENSION = "miles_async.inference.vllm.worker.MilesWorkerExtension"
+REQUIRE_API_KEY = "miles_async.inference.vllm.auth.RequireApiKey"
 
 
 class VLLMEngineProcess(ServerEngineProcess):
@@ -60,6 +65,8 @@ class VLLMEngineProcess(ServerEngineProcess):
             "--worker-extension-cls",
             WORKER_EXTENSION,
         ]
+        if self.server_api_key() is not None:
+            cmd += ["--middleware", REQUIRE_API_KEY]
         given = self.given(cfg.vllm_args)
         if "--logprobs-mode" not in given:
             cmd += ["--logprobs-mode", "processed_logprobs"]
@@ -70,6 +77,10 @@ class VLLMEngineProcess(ServerEngineProcess):
     def env(self) -> dict:
         env = super().env()
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.pop("VLLM_API_KEY", None)
+        key = self.server_api_key()
+        if key is not None:
+            env["VLLM_API_KEY"] = key
         # The worker extension is imported by vLLM's workers from this checkout.
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in paths if p != str(ROOT)])
@@ -86,7 +97,10 @@ class VLLMEngineProcess(ServerEngineProcess):
         super().wait_healthy(timeout)
         try:
             r = requests.post(
-                self.url + "/update_weight_version", json={"new_version": str(self.weight_version)}, timeout=30
+                self.url + "/update_weight_version",
+                json={"new_version": str(self.weight_version)},
+                headers=self.auth_headers(),
+                timeout=30,
             )
             r.raise_for_status()
         except requests.RequestException as e:

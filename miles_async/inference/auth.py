@@ -1,0 +1,102 @@
+"""Engine API keys: an engine that listens where other nodes can reach it answers only callers that hold the run's key.
+
+A placed engine (``ray/engine_host.py``) listens on its node's address, where anyone on the network could push
+weights into it or abort its requests; so an engine bound to anything but loopback is started with a key and
+answers 401 to a request without ``Authorization: Bearer <key>``. The key is the run's own, random
+(``new_api_key``), unless the user gives one in ``$MILES_ASYNC_ENGINE_API_KEY`` (to call the engines
+themselves). It travels in ``EngineConfig.api_key`` to the launchers and to every client, as an ``ApiKey``, which
+shows a mask wherever it is printed or dumped: the configuration is printed by --check-config and sent whole to
+wandb.
+Servers get it in their environment, never on the command line (``ps`` shows that to every user of the node).
+
+What the servers leave open, mirrored from SGLang's own middleware (``sglang.srt.utils.auth``): ``OPTIONS`` and
+the probes, ``/health*`` (so ``/health_generate`` too), ``/ready*`` and ``/metrics*``. The embedded server checks
+``is_exempt``; vLLM's ``--api-key`` guards only its own routes (not the dev-mode ones we use, depending on the
+version), so ``vllm/auth.py`` guards everything but its probes in front of it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+API_KEY_ENV = "MILES_ASYNC_ENGINE_API_KEY"
+LOOPBACK_NAMES = frozenset({"localhost"})
+# Paths a caller without the key may reach (prefix match, as SGLang's decide_request_auth).
+EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+@dataclass(frozen=True, init=False, repr=False, eq=False)
+class ApiKey:
+    """A key that never shows itself: ``repr`` and ``str`` are a mask and, a dataclass without fields, it is ``{}``
+    in ``dataclasses.asdict`` (the config dumps: --check-config, wandb); ``reveal()`` is the key. Pickles whole
+    (Ray carries it to the actors that start or call the engines)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str):
+        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+            raise ValueError(f"${API_KEY_ENV}: an engine API key is a non-empty string without whitespace")
+        object.__setattr__(self, "_value", value)
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "ApiKey(***)"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ApiKey) and secrets.compare_digest(self._value, other._value)
+
+    def __hash__(self) -> int:
+        return hash((ApiKey, self._value))
+
+    def __reduce__(self):
+        return ApiKey, (self._value,)
+
+
+def new_api_key() -> ApiKey:
+    """A fresh random key for one run."""
+    return ApiKey(secrets.token_urlsafe(32))
+
+
+def api_key_from_env(environ: Mapping[str, str] = os.environ) -> ApiKey | None:
+    """The key the user gave in ``$MILES_ASYNC_ENGINE_API_KEY``, or None."""
+    value = environ.get(API_KEY_ENV)
+    return ApiKey(value) if value else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an engine listening on ``host`` is reachable from this machine only."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def reveal(key: ApiKey | str | None) -> str | None:
+    return key.reveal() if isinstance(key, ApiKey) else key
+
+
+def auth_headers(key: ApiKey | str | None) -> dict[str, str]:
+    """The request headers that carry ``key`` (none without one)."""
+    value = reveal(key)
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
+def is_exempt(method: str, path: str) -> bool:
+    """Requests an engine answers without the key: CORS preflights and its health/readiness/metrics probes."""
+    return method == "OPTIONS" or path.startswith(EXEMPT_PREFIXES)
+
+
+def authorized(authorization: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``key`` as a bearer token (compared in constant time)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
