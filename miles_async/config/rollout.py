@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from miles_async.config.declare import (
+    Check,
     When,
     at_least,
     flag,
@@ -18,7 +20,32 @@ from miles_async.config.declare import (
 )
 from miles_async.config.loop import FullyAsyncConfig
 
-RM_TYPES = ("math", "integer", "exact", "first_integer")
+
+def http_url() -> Check:
+    """An http(s) URL with a host (a reward server's address)."""
+
+    def check(name: str, v: str | None) -> str | None:
+        if v is None:
+            return None
+        parts = urlsplit(v)
+        if parts.scheme in ("http", "https") and parts.hostname:
+            try:
+                parts.port  # noqa: B018 - raises on a port that is not a number
+                return None
+            except ValueError:
+                pass
+        return f"{name}: {v!r} is not an http(s) URL with a host (e.g. http://localhost:8000/reward)"
+
+    return check
+
+
+def when_given(name: str) -> When:
+    dest = name.lstrip("-").replace("-", "_")
+    return When(name, lambda ns: getattr(ns, dest) is not None)
+
+
+REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
+RM_TYPES = ("math", "integer", "exact", "first_integer", REMOTE_RM_TYPE)
 PLUGIN_FLAGS = ("custom_generate_function_path", "rollout_function_path", "data_source_path")
 
 
@@ -51,10 +78,23 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class RemoteRewardConfig:
+    url: str  # --rm-url
+    batch_size: int = 1  # samples per request; 1 posts Miles' single-object shape
+    max_concurrent_requests: int = 16
+    timeout: float = 60.0  # seconds one request may take
+    max_retries: int = 3
+    retry_backoff: float = 1.0  # seconds before the first retry, doubling after
+
+
+@dataclass(frozen=True)
 class RewardConfig:
-    rm_type: str | None
+    rm_type: str | None  # a built-in reward; None with --custom-rm-path or --rm-url
     custom_rm_path: str | None
     on_error: str  # "raise" or "zero"
+    remote: RemoteRewardConfig | None = None  # --rm-url
+    group_rm: bool = False  # score a prompt's whole group at once (--group-rm)
+    reward_key: str | None = None  # a reward returned as an object holds it under this key
 
 
 @dataclass(frozen=True)
@@ -133,8 +173,86 @@ GROUPS = (
     ),
     group(
         "rewards and plugins",
-        flag("--rm-type", default=None, choices=RM_TYPES),
-        flag("--custom-rm-path", default=None, help="module:function (or module.function) computing a reward"),
+        flag(
+            "--rm-type",
+            default=None,
+            choices=RM_TYPES,
+            help=f"a built-in reward; {REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
+        ),
+        flag(
+            "--custom-rm-path",
+            default=None,
+            help="module:function (or module.function) computing a reward: fn(sample) -> float, or with "
+            "--group-rm fn(samples of one prompt) -> list of floats; sync or async",
+        ),
+        flag(
+            "--rm-url",
+            default=None,
+            check=http_url(),
+            help="a reward server (Miles' remote_rm request shape): POSTs {prompt, response, label, metadata} "
+            "per sample and reads back the reward (a number, or an object with --reward-key); with "
+            "--rm-batch-size > 1 or --group-rm the body is a list of those and the reply a list of rewards",
+        ),
+        flag(
+            "--rm-batch-size",
+            type=int,
+            default=1,
+            check=at_least(1),
+            effect_needs=When("--rm-url without --group-rm", lambda ns: ns.rm_url is not None and not ns.group_rm),
+            help="samples per request to --rm-url; a batch goes out once full or 50 ms after its first sample",
+        ),
+        flag(
+            "--rm-max-concurrent-requests",
+            type=int,
+            default=16,
+            check=at_least(1),
+            effect_needs=when_given("--rm-url"),
+            help="requests to --rm-url in flight at once",
+        ),
+        flag(
+            "--rm-timeout",
+            type=float,
+            default=60.0,
+            check=positive(),
+            effect_needs=when_given("--rm-url"),
+            help="seconds one request to --rm-url may take before it counts as failed (and is retried)",
+        ),
+        flag(
+            "--rm-max-retries",
+            type=int,
+            default=3,
+            check=at_least(0),
+            effect_needs=when_given("--rm-url"),
+            help="retries of a request to --rm-url that timed out, lost its connection or got a 5xx/408/429, "
+            "before the rollout fails naming the URL",
+        ),
+        flag(
+            "--rm-retry-backoff",
+            type=float,
+            default=1.0,
+            check=at_least(0),
+            effect_needs=when_given("--rm-url"),
+            help="seconds before the first retry to --rm-url; doubles with each further one (at most 30 s)",
+        ),
+        flag(
+            "--group-rm",
+            action="store_true",
+            needs=When(
+                "--custom-rm-path or --rm-url (the built-in rewards score one sample at a time)",
+                lambda ns: ns.custom_rm_path is not None or ns.rm_url is not None,
+            ),
+            help="score each prompt's n samples together (pairwise / ranking reward models): --custom-rm-path "
+            "gets the group's list of samples and returns one reward per sample; --rm-url gets one request per group",
+        ),
+        flag(
+            "--reward-key",
+            default=None,
+            effect_needs=When(
+                "--rm-url or --custom-rm-path",
+                lambda ns: ns.rm_url is not None or ns.custom_rm_path is not None,
+            ),
+            help="a reward returned as an object (by --rm-url or --custom-rm-path) is read from this key",
+        ),
         flag(
             "--reward-on-error",
             default="raise",
@@ -154,8 +272,22 @@ def validate(ns: argparse.Namespace) -> None:
     from miles_async.utils.plugins import load_function
 
     require(
-        (ns.rm_type is None) != (ns.custom_rm_path is None) or ns.rollout_function_path is not None,
-        "give exactly one of --rm-type and --custom-rm-path",
+        ns.rm_type != REMOTE_RM_TYPE or ns.rm_url is not None,
+        f"--rm-type {REMOTE_RM_TYPE} needs --rm-url (the reward server's address)",
+    )
+    given_rewards = [
+        name
+        for name, value in (
+            ("--rm-type", None if ns.rm_type == REMOTE_RM_TYPE else ns.rm_type),
+            ("--custom-rm-path", ns.custom_rm_path),
+            ("--rm-url", ns.rm_url),
+        )
+        if value is not None
+    ]
+    require(
+        len(given_rewards) == 1 or ns.rollout_function_path is not None,
+        "give exactly one of --rm-type, --custom-rm-path and --rm-url"
+        + (f" (given: {', '.join(given_rewards)})" if given_rewards else ""),
     )
     for dest in PLUGIN_FLAGS:
         value = getattr(ns, dest)
@@ -175,7 +307,23 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             ns.rollout_shuffle,
             ns.rollout_seed,
         ),
-        reward=RewardConfig(ns.rm_type, ns.custom_rm_path, ns.reward_on_error),
+        reward=RewardConfig(
+            None if ns.rm_type == REMOTE_RM_TYPE else ns.rm_type,
+            ns.custom_rm_path,
+            ns.reward_on_error,
+            remote=RemoteRewardConfig(
+                ns.rm_url,
+                ns.rm_batch_size,
+                ns.rm_max_concurrent_requests,
+                ns.rm_timeout,
+                ns.rm_max_retries,
+                ns.rm_retry_backoff,
+            )
+            if ns.rm_url is not None
+            else None,
+            group_rm=ns.group_rm,
+            reward_key=ns.reward_key,
+        ),
         sampling=SamplingConfig(
             ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, ns.rollout_max_response_len
         ),

@@ -217,6 +217,7 @@ class RolloutExecutor:
         if self.producer is not None:
             await self.producer.stop()
         await self.router.close()
+        await self.reward.close()
 
     def pid(self) -> int:
         return os.getpid()

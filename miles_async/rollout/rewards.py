@@ -1,6 +1,11 @@
-"""Rewards hub: built-in verifiers by ``--rm-type`` and user functions by ``--custom-rm-path``.
+"""Rewards hub: built-in verifiers by ``--rm-type``, user functions by ``--custom-rm-path`` and a
+reward server by ``--rm-url`` (``remote_reward``).
 
-A custom reward is ``fn(sample: Sample) -> float`` or an ``async def`` of the same shape.
+A custom reward is ``fn(sample: Sample) -> float`` or an ``async def`` of the same shape; under
+``--group-rm`` (Miles/slime's flag) it is ``fn(samples: list[Sample]) -> list[float]``, given the
+n samples of one prompt at once (pairwise / ranking reward models), and the rollout scores each
+group once all its samples are generated (``score_group``). A reward returned as an object is
+read from its ``--reward-key``.
 
 Error policy (``--reward-on-error``): with ``raise`` (the default) a reward function that
 raises fails the rollout with ``RewardError`` naming the sample's uid and the original
@@ -11,6 +16,9 @@ metrics (``rollout/reward_errors``) and logged once per rollout.
 ``--rm-type math`` runs math-verify in worker processes (``verifier_pool``): an answer whose check
 takes longer than ``MATH_VERIFY_DEADLINE_S`` scores 0, is logged, and is counted in
 ``rollout/reward_timeouts`` whatever the error policy, and its worker is replaced.
+
+A reward server that still fails after its retries fails the rollout whatever the error policy
+(``RemoteRewardError`` names the URL): zeros for a server that is down would train on nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from miles_async.config import RewardConfig
+from miles_async.config.rollout import REMOTE_RM_TYPE
+from miles_async.rollout.remote_reward import RemoteRewardClient, extract_reward
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.verifier_pool import VerifierPool, VerifierTimeout
 from miles_async.utils.plugins import PluginError, load_function
@@ -30,6 +40,7 @@ from miles_async.utils.plugins import PluginError, load_function
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[Sample], "float | Awaitable[float]"]
+GroupRewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
 
 _INT_RE = re.compile(r"-?\d+")
 
@@ -90,7 +101,7 @@ BUILTIN: dict[str, Callable[[Sample], float]] = {
 
 
 def validate_reward_flags(rm_type: str | None, custom_rm_path: str | None) -> None:
-    if rm_type is not None and rm_type not in BUILTIN:
+    if rm_type is not None and rm_type not in BUILTIN and rm_type != REMOTE_RM_TYPE:
         raise ValueError(f"--rm-type: unknown reward type '{rm_type}'; choose from {sorted(BUILTIN)}")
     if custom_rm_path is not None:
         load_function(custom_rm_path, flag="--custom-rm-path")
@@ -100,7 +111,7 @@ def resolve_reward_fn(cfg: RewardConfig) -> RewardFn:
     if cfg.custom_rm_path is not None:
         return load_function(cfg.custom_rm_path, flag="--custom-rm-path")
     if cfg.rm_type is None:
-        raise PluginError("no reward: give --rm-type or --custom-rm-path")
+        raise PluginError("no reward: give --rm-type, --custom-rm-path or --rm-url")
     return BUILTIN[cfg.rm_type]
 
 
@@ -109,7 +120,9 @@ class RewardModel:
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
-        self.fn = resolve_reward_fn(cfg)
+        self.group_rm = cfg.group_rm
+        self.remote = RemoteRewardClient(cfg.remote, cfg.reward_key) if cfg.remote is not None else None
+        self.fn = resolve_reward_fn(cfg) if self.remote is None else None
         self.errors = 0
         self.timeouts = 0
         self._pool = (
@@ -119,13 +132,15 @@ class RewardModel:
         )
 
     async def score(self, sample: Sample) -> float:
+        if self.remote is not None:
+            return await self.remote.score(sample)
         try:
             if self._pool is not None:
                 return float(await self._pool.run(self.fn, sample))
             value = self.fn(sample)
             if inspect.isawaitable(value):
                 value = await value
-            return float(value)
+            return extract_reward(value, self.cfg.reward_key)
         except VerifierTimeout as e:
             self.timeouts += 1
             logger.warning(
@@ -141,3 +156,31 @@ class RewardModel:
             self.errors += 1
             logger.warning("reward failed on sample uid=%s (scored 0): %r", sample.uid, e)
             return 0.0
+
+    async def score_group(self, group: list[Sample]) -> list[float]:
+        """--group-rm: one reward per sample of ``group`` (one prompt's samples), from one call."""
+        if self.remote is not None:
+            return await self.remote.score_group(group)
+        try:
+            values = self.fn(group)
+            if inspect.isawaitable(values):
+                values = await values
+            if not isinstance(values, (list, tuple)) or len(values) != len(group):
+                raise ValueError(
+                    f"a --group-rm reward must return one reward per sample ({len(group)}), got {values!r:.200}"
+                )
+            return [extract_reward(v, self.cfg.reward_key) for v in values]
+        except Exception as e:
+            uid = group[0].uid if group else None
+            if self.cfg.on_error == "raise":
+                raise RewardError(
+                    f"group reward function failed on the group of uid={uid} ({len(group)} samples): "
+                    f"{e!r} (use --reward-on-error zero to score such groups 0)"
+                ) from e
+            self.errors += len(group)
+            logger.warning("group reward failed on uid=%s (its %d samples scored 0): %r", uid, len(group), e)
+            return [0.0] * len(group)
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()

@@ -79,8 +79,14 @@ async def generate_one(ctx: RolloutContext, sample: Sample, sampling_params: dic
         sample = await _generate_until_done(ctx, sample, sampling_params)
     if ctx.mask_offpolicy_in_partial_rollout:
         sample.offpolicy_masked_tokens = sample.mask_offpolicy_tokens()
-    sample.reward = await ctx.reward.score(sample)
+    if not _scores_groups(ctx):
+        sample.reward = await ctx.reward.score(sample)
     return sample
+
+
+def _scores_groups(ctx: RolloutContext) -> bool:
+    # A reward object without the attribute (a test's, a custom rollout's) scores sample by sample.
+    return getattr(ctx.reward, "group_rm", False)
 
 
 async def generate_group(
@@ -99,7 +105,11 @@ async def generate_group(
         )
         for i in range(n)
     ]
-    return await gather_fail_fast(generate_one(ctx, s, sampling_params) for s in samples)
+    samples = await gather_fail_fast(generate_one(ctx, s, sampling_params) for s in samples)
+    if _scores_groups(ctx):  # --group-rm: the reward sees the whole group once it is generated
+        for sample, reward in zip(samples, await ctx.reward.score_group(samples), strict=True):
+            sample.reward = reward
+    return samples
 
 
 async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> list[list[Sample]]:
