@@ -2,8 +2,9 @@
 
 One Ray actor per worker: threads, device and seeding, its place among the data-parallel
 replicas, the LR schedule's shape, the split of this worker's samples into token-budgeted
-micro-batches and the loss share of each, and the RNG states a checkpoint keeps. A backend's
-worker builds on ``BaseWorker`` with its own model, optimizer, step and checkpoint format.
+micro-batches and the loss share of each, the RNG states a checkpoint keeps, and the write of a
+checkpoint copied at a step boundary. A backend's worker builds on ``BaseWorker`` with its own
+model, optimizer, step and checkpoint format.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ import torch
 from miles_async.backends.data_parallel import DataParallel, all_reduce_sum
 from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
 from miles_async.config import OptimizerConfig, TrainConfig
+from miles_async.utils.checkpoint import CheckpointError, load_tensors
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
@@ -49,19 +52,55 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def save_rng_state(folder: Path, rank: int) -> None:
-    """Python, numpy and torch RNG states of one worker, so a resumed run samples as the original."""
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save(rng, folder / f"rng_rank{rank}.pt")
+def rng_state() -> dict[str, torch.Tensor | int | float]:
+    """Python, numpy and torch RNG states of this process, as tensors and numbers only (``torch.load`` with
+    ``weights_only=True`` reads them back), so a resumed run samples as the original."""
+    version, words, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    assert version == 3 and kind == "MT19937", (version, kind)  # the only generators either has shipped
+    return {
+        "python": torch.tensor(words, dtype=torch.int64),
+        "python_gauss": float("nan") if gauss is None else gauss,
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": int(pos),
+        "numpy_has_gauss": int(has_gauss),
+        "numpy_gauss": float(cached),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(rng: dict) -> None:
+    gauss = rng["python_gauss"]
+    random.setstate((3, tuple(rng["python"].tolist()), None if math.isnan(gauss) else gauss))
+    keys = rng["numpy"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, rng["numpy_pos"], rng["numpy_has_gauss"], rng["numpy_gauss"]))
+    torch.set_rng_state(rng["torch"])
+
+
+def save_tensors(obj: object, path: Path) -> None:
+    """``torch.save`` through a Python file: its blocking I/O lets go of the GIL, so a slow disk stalls a background
+    checkpoint's thread and not the training beside it (``torch.save`` to a path holds the GIL in its writer).
+    Synced to disk before it returns, as every part of a checkpoint is before the pointer names it."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        if stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # a pipe or device has nothing to sync (EINVAL)
+            os.fsync(fh.fileno())
+
+
+def save_rng_state(folder: Path, rank: int, rng: dict | None = None) -> None:
+    """``rng`` (this process's RNG now when None) as ``rng_rank<rank>.pt``."""
+    save_tensors(rng_state() if rng is None else rng, folder / f"rng_rank{rank}.pt")
 
 
 def load_rng_state(folder: Path, rank: int) -> None:
     path = folder / f"rng_rank{rank}.pt"
     if path.exists():
-        rng = torch.load(path, weights_only=False)
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
+        rng = load_tensors(path)
+        try:
+            set_rng_state(rng)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"--load: {path} is not an RNG state of this miles-async: {e!r}") from e
 
 
 class BaseWorker:
@@ -83,6 +122,8 @@ class BaseWorker:
         )
         seed_everything(cfg.seed + rank)
         self.optimizer_steps = 0
+        # A checkpoint copied at a step boundary by save(..., background=True), not yet written.
+        self._unwritten: Callable[[], None] | None = None
 
     # -- Ray-facing ------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -98,6 +139,13 @@ class BaseWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def write_checkpoint(self) -> None:
+        """Writes the checkpoint the last ``save(..., background=True)`` copied. The train group calls it in
+        the workers' checkpoint concurrency group: in a thread of its own while the next step trains."""
+        write, self._unwritten = self._unwritten, None
+        if write is not None:
+            write()
 
     def state_checksum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.module.parameters()))

@@ -2,20 +2,24 @@
 
 A row says which values of a backend flag (``--rollout-backend``, ``--train-backend``, ``--rollout-router``)
 support a feature: a flag being given at all, or one value of a choice flag. A run that asks for a feature
-its backend lacks is refused with one message naming the feature's flag and the backend, and what would work.
+its backend lacks is refused with one message naming the feature's flag and the backend, and what would work;
+a row with a ``fallback`` instead lets the run go on without the feature, with a warning naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from miles_async.config.declare import ConfigError
+from miles_async.config.declare import ConfigError, When, when_flag
 from miles_async.inference.engines import ENGINES
 
 # Which weight route (--weight-update-method) each engine takes, as each engine declares it; "auto" picks the first.
+logger = logging.getLogger(__name__)
+
 WEIGHT_UPDATE_METHODS = {name: spec.weight_routes for name, spec in ENGINES.items()}
 
 
@@ -39,8 +43,10 @@ class Capability:
     feature: str  # the flag asking for the feature
     axis: Axis
     supported_by: tuple[str, ...]  # the values of axis.flag that have it
-    value: str | None = None  # a choice of the feature's flag; None: the flag given at all
+    value: str | bool | None = None  # a choice of the feature's flag; None: the flag given at all
     why: str = ""
+    fallback: str = ""  # a FALLBACKS row: what the run does instead
+    only_with: When | None = None  # the row applies only when this holds (the feature has an effect)
 
 
 class Feature(Protocol):
@@ -115,6 +121,20 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
 )
 
+# Features a backend lacks that the run can go on without: a warning names the flag and what the run does instead.
+FALLBACKS: tuple[Capability, ...] = (
+    Capability(
+        "--async-save",
+        TRAIN_BACKEND,
+        ("fsdp",),
+        value=True,
+        why="its dist_checkpointing save is not run in the background here (megatron-core's async save is not "
+        "wired up nor checked over gloo on the CPU)",
+        fallback="its --save-interval saves stay synchronous (--no-async-save says so and silences this)",
+        only_with=when_flag("--save-interval"),
+    ),
+)
+
 
 def resolve_weight_update_method(ns: argparse.Namespace) -> str:
     """--weight-update-method for --rollout-backend (auto: the first the engine supports); an unsupported
@@ -125,15 +145,42 @@ def resolve_weight_update_method(ns: argparse.Namespace) -> str:
 
 
 def check_capabilities(
-    ns: argparse.Namespace, features: Mapping[str, Feature], table: tuple[Capability, ...] = CAPABILITIES
+    ns: argparse.Namespace,
+    features: Mapping[str, Feature],
+    table: tuple[Capability, ...] = CAPABILITIES,
+    fallbacks: tuple[Capability, ...] = FALLBACKS,
 ) -> None:
-    """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name)."""
-    for row in table:
+    """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name); warn
+    for each feature of ``fallbacks`` the run goes on without."""
+    refused = next(_lacking(ns, features, table), None)
+    if refused is not None:
+        raise ConfigError(_refusal(refused, getattr(ns, refused.axis.dest), features[refused.feature], ns, table))
+    for row in _lacking(ns, features, fallbacks):
         current = getattr(ns, row.axis.dest)
+        shown = features[row.feature].shown(ns)
+        logger.warning(
+            "%s is not supported by the %s %s (%s): %s", shown, current, row.axis.noun, row.why, row.fallback
+        )
+
+
+def supported(
+    ns: argparse.Namespace, name: str, feature: Feature, fallbacks: tuple[Capability, ...] = FALLBACKS
+) -> bool:
+    """Whether the run has the feature of flag ``name`` (a ``fallbacks`` row's): False where it goes on without."""
+    return next(_lacking(ns, {name: feature}, tuple(r for r in fallbacks if r.feature == name)), None) is None
+
+
+def _lacking(
+    ns: argparse.Namespace, features: Mapping[str, Feature], table: tuple[Capability, ...]
+) -> Iterator[Capability]:
+    """The rows of the features this run asks for whose backend lacks them."""
+    for row in table:
+        if row.only_with is not None and not row.only_with.holds(ns):
+            continue
         feature = features[row.feature]
         asked = getattr(ns, feature.dest) == row.value if row.value is not None else feature.is_set(ns)
-        if asked and current not in row.supported_by:
-            raise ConfigError(_refusal(row, current, feature, ns, table))
+        if asked and getattr(ns, row.axis.dest) not in row.supported_by:
+            yield row
 
 
 def _refusal(

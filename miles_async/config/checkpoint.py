@@ -17,9 +17,21 @@ class CheckpointConfig:
     save_hf: str | None
     save_trigger_sentinel: str | None
     no_save_optim: bool
+    # Interval saves written in the background (sentinel, control-API and final saves always block).
+    async_save: bool = True
 
 
 SAVE = when_flag("--save")
+ASYNC_SAVE = flag(
+    "--async-save",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="write --save-interval checkpoints in the background: the state is copied at the step boundary "
+    "and the next step trains while it is written, so a save costs the copy, not the write (the pointer "
+    "moves only once every part is on disk; at most one save in flight). On by default because an "
+    "interval save otherwise stalls training for the whole write. --no-async-save: every save blocks. "
+    "Sentinel and final saves always block",
+)
 
 GROUPS = (
     group(
@@ -35,6 +47,7 @@ GROUPS = (
             help="when this file exists after a step, save then delete it (preemption)",
         ),
         flag("--no-save-optim", action="store_true", effect_needs=SAVE),
+        ASYNC_SAVE,
     ),
 )
 
@@ -55,4 +68,14 @@ def start_rollout_id(ns: argparse.Namespace, num_rollout: int) -> int:
 
 
 def build(ns: argparse.Namespace) -> CheckpointConfig:
-    return CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.save_hf, ns.save_trigger_sentinel, ns.no_save_optim)
+    from miles_async.config.capabilities import supported
+
+    return CheckpointConfig(
+        ns.save,
+        ns.load,
+        ns.save_interval,
+        ns.save_hf,
+        ns.save_trigger_sentinel,
+        ns.no_save_optim,
+        async_save=ns.async_save and supported(ns, ASYNC_SAVE.name, ASYNC_SAVE),
+    )

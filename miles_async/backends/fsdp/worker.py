@@ -3,21 +3,30 @@
 On top of ``BaseWorker``: the HF module, the optimizer (AdamW or SGD) under a torch LR
 scheduler, data parallelism by DDP over torch.distributed's world group (gloo on the CPU,
 NCCL on GPUs), the optimizer step itself, and checkpoints (weights, optimizer, RNG) in a
-sub-folder named after the worker's role.
+sub-folder named after the worker's role, written at once or copied to the CPU at the step
+boundary and written in the background (--async-save).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from miles_async.backends.packing import MicroBatch
-from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state
+from miles_async.backends.worker import (
+    BaseWorker,
+    load_rng_state,
+    lr_lambda,
+    rng_state,
+    save_rng_state,
+    save_tensors,
+)
 from miles_async.config import OptimizerConfig, TrainConfig
-from miles_async.utils.checkpoint import iteration_dir
+from miles_async.utils.checkpoint import fsync_path, iteration_dir, load_tensors
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
@@ -34,6 +43,18 @@ def make_optimizer(params, opt: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, weight_decay=opt.weight_decay
     )
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the CPU: the optimizer's state dict holds the live tensors that the
+    next step updates in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
 
 
 class TrainWorker(BaseWorker):
@@ -94,28 +115,47 @@ class TrainWorker(BaseWorker):
         self.optimizer_steps += 1
 
     # -- checkpoints -------------------------------------------------------------------
-    def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True) -> None:
-        from safetensors.torch import save_file
-
+    def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True, background: bool = False) -> None:
+        """This worker's part of checkpoint ``rollout_id``: written now, or with ``background`` copied to the CPU
+        now (the step boundary) and written by ``write_checkpoint`` while training goes on."""
         out = iteration_dir(save_dir, rollout_id) / self.cfg.role
-        out.mkdir(parents=True, exist_ok=True)
-        save_rng_state(out, self.rank)
+        rng = rng_state()
         if self.rank != 0:
-            return
+            model = optimizer = None
+        elif background:
+            model = {k: v.detach().to("cpu", copy=True) for k, v in self._model_state().items()}
+            optimizer = _cpu_copy(self._optimizer_state()) if save_optimizer else None
+        else:
+            model, optimizer = self._model_state(), self._optimizer_state() if save_optimizer else None
+        self._unwritten = lambda: self._write(out, rng, model, optimizer)
+        if not background:
+            self.write_checkpoint()
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
         state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
         # Tied weights share storage; safetensors refuses aliases, so keep one name.
         if getattr(self.module.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        save_file(state, str(out / "model.safetensors"))
-        if save_optimizer:
-            torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "optimizer_steps": self.optimizer_steps,
-                },
-                out / "optimizer.pt",
-            )
+        return state
+
+    def _optimizer_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    def _write(self, out: Path, rng: dict, model: dict | None, optimizer: dict | None) -> None:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_rng_state(out, self.rank, rng)
+        if model is not None:
+            save_file(model, str(out / "model.safetensors"))
+            fsync_path(out / "model.safetensors")
+        if optimizer is not None:
+            save_tensors(optimizer, out / "optimizer.pt")
+        fsync_path(out)
 
     def _load(self, load_dir: str, rollout_id: int) -> None:
         from safetensors.torch import load_file
@@ -137,7 +177,7 @@ class TrainWorker(BaseWorker):
         if getattr(self.module.config, "tie_word_embeddings", False):
             self.module.tie_weights()
         if (src / "optimizer.pt").exists():
-            opt = torch.load(src / "optimizer.pt", weights_only=False)
+            opt = load_tensors(src / "optimizer.pt")
             self.optimizer.load_state_dict(opt["optimizer"])
             self.scheduler.load_state_dict(opt["scheduler"])
             self.optimizer_steps = opt["optimizer_steps"]

@@ -293,7 +293,9 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                     if "step" in state and "step" in group:
                         state["step"] = torch.full_like(state["step"], group["step"])
 
-    def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True) -> None:
+    def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True, background: bool = False) -> None:
+        """Always written at once: --async-save falls back to synchronous saves on this backend (the FALLBACKS
+        row in config/capabilities.py), so the run never asks for ``background``."""
         from megatron.core import dist_checkpointing
 
         out = iteration_dir(save_dir, rollout_id) / self.cfg.role
