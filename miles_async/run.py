@@ -15,12 +15,22 @@ from miles_async.ray.cluster import actor_options, init_ray
 from miles_async.ray.inference_controller import InferenceController
 from miles_async.ray.placement import GroupPlacement, release, reserve
 from miles_async.ray.rollout_executor import RolloutExecutor
-from miles_async.ray.train_group import TrainGroup
+from miles_async.ray.train_group import TrainGroup, kill_and_wait, race_deaths
+from miles_async.ray.trainer_recovery import RestorePoint, TrainerDied, TrainerRecovery
 from miles_async.utils.async_utils import wait_for
-from miles_async.utils.checkpoint import atomic_write_json, mark_complete
+from miles_async.utils.checkpoint import (
+    BackgroundSave,
+    atomic_write_json,
+    iteration_dir,
+    latest_checkpointed_iteration,
+    mark_complete,
+)
 from miles_async.weights import driver as weights
 
 logger = logging.getLogger(__name__)
+
+# How long leaving the run waits for a checkpoint still being written in the background.
+BACKGROUND_SAVE_DRAIN_SECONDS = 600.0
 
 
 class Run:
@@ -41,6 +51,14 @@ class Run:
         self._engine_pids: list[int] = []
         self._engine_busy = 0.0
         self.placement: dict[str, GroupPlacement] = {}
+        # What the trainers and the data source start from: the run's --load, or after a trainer restart
+        # (--use-fault-tolerance) the checkpoint it restored.
+        self.restore = (
+            RestorePoint(cfg.checkpoint.load, cfg.loop.start_rollout_id - 1) if cfg.checkpoint.load else RestorePoint()
+        )
+        self.recovery = TrainerRecovery(cfg.cluster.max_trainer_restarts, cfg.checkpoint.save, self.restore)
+        self._started: dict[str, list[int]] = {"train_workers": [], "executor": []}
+        self._background_save = BackgroundSave()  # --async-save: the checkpoint being written while training goes on
         init_ray(cfg.cluster)
 
     async def __aenter__(self) -> Run:
@@ -64,7 +82,7 @@ class Run:
 
     @property
     def _load_rollout_id(self) -> int | None:
-        return self.cfg.loop.start_rollout_id - 1 if self.cfg.checkpoint.load else None
+        return self.restore.rollout_id
 
     async def _start_rollout(self) -> None:
         cfg = self.cfg
@@ -74,7 +92,11 @@ class Run:
             .options(**opts)
             .remote(cfg.engine, cfg.tracking.output_dir, self.placement.get("rollout"))
         )
-        engine_urls = await self.controller.start.remote()
+        await self._start_executor(await self.controller.start.remote())
+
+    async def _start_executor(self, engine_urls: list[str]) -> None:
+        cfg = self.cfg
+        opts = actor_options(num_threads=1)
         self.executor = (
             ray.remote(RolloutExecutor)
             .options(**opts, max_concurrency=1000)
@@ -83,7 +105,7 @@ class Run:
                 cfg.eval,
                 cfg.engine,
                 engine_urls,
-                cfg.checkpoint.load,
+                self.restore.load_dir,
                 self._load_rollout_id,
                 cfg.tracking.output_dir,
             )
@@ -100,7 +122,7 @@ class Run:
             cfg.cluster,
             cfg.cluster.num_train_workers,
             total_steps,
-            cfg.checkpoint.load,
+            self.restore.load_dir,
             self._load_rollout_id,
             self.placement.get("actor"),
         )
@@ -110,7 +132,7 @@ class Run:
                 cfg.cluster,
                 cfg.cluster.num_critic_workers,
                 total_steps,
-                cfg.checkpoint.load,
+                self.restore.load_dir,
                 self._load_rollout_id,
                 self.placement.get("critic"),
             )
@@ -118,6 +140,43 @@ class Run:
 
     def _models(self) -> list[TrainGroup]:
         return [g for g in (self.actor, self.critic) if g is not None]
+
+    async def watch_trainers(self, aw):
+        """``aw`` (the loop), raced against the death of any training worker: ``TrainerDied`` names it, whatever
+        the loop awaited then (a train step, a weight push, a save, a rollout)."""
+        return await race_deaths(aw, self._models())
+
+    async def recover_trainers(self, death: TrainerDied) -> int:
+        """A training worker died. Without --use-fault-tolerance, or past --max-trainer-restarts, raises
+        ``TrainerFailed`` naming it. Else rebuilds every training group from the last complete checkpoint (or
+        where the run started) and the rollout executor from the same checkpoint's data position, attached to the
+        engines that stay up; returns the rollout to go on from (the loop then pushes the restored weights)."""
+        save = self.cfg.checkpoint.save
+        self.restore = self.recovery.on_death(death, latest_checkpointed_iteration(save) if save else None)
+        logger.warning(
+            "%s; trainer restart %d of --max-trainer-restarts %d: rebuilding the training workers and the rollout "
+            "executor from %s, then going on from rollout %d",
+            death,
+            self.recovery.restarts,
+            self.recovery.max_restarts,
+            self.restore.describe(),
+            self.restore.start,
+        )
+        old = [a for g in self._models() for a in g.actors]
+        self._background_save.abandon()  # its writers are the workers about to be replaced
+        for g in self._models():
+            g.dispose()
+        try:
+            await asyncio.wait_for(self.executor.dispose.remote(), 30)
+        except Exception as e:
+            logger.warning("disposing of the rollout executor failed: %r", e)
+        # The old executor must not append to rollouts.jsonl, nor the old workers write to a checkpoint
+        # folder, once their replacements run.
+        await kill_and_wait([*old, self.executor], 60)
+        self.actor = self.critic = self.executor = None
+        await asyncio.gather(self._start_executor(await self.controller.serving_urls.remote()), self._start_trainers())
+        await self._record_processes()
+        return self.restore.start
 
     async def _record_processes(self) -> dict:
         """Write every process the run started, so tests and operators can check none outlives it."""
@@ -128,6 +187,9 @@ class Run:
             "engines_started": await self.controller.all_engine_pids.remote(),
             "executor": await self.executor.pid.remote(),
             "train_workers": [pid for g in self._models() for pid in await g.pids()],
+            # Every training worker and executor the run started (restarted ones too: --use-fault-tolerance).
+            "train_workers_started": self._started["train_workers"],
+            "executors_started": self._started["executor"],
             # Where each training rank and engine server ran, and the GPUs Ray gave it.
             "placement": [
                 *[
@@ -140,6 +202,8 @@ class Run:
             ],
             "ray_session_dir": ray._private.worker.global_worker.node.get_session_dir_path(),
         }
+        for key, started in (("train_workers", procs["train_workers"]), ("executor", [procs["executor"]])):
+            self._started[key].extend(p for p in started if p not in self._started[key])
         atomic_write_json(self.processes_path, procs)
         return procs
 
@@ -185,13 +249,36 @@ class Run:
             self.cfg, self.controller, self.actor, lambda version: self.executor.on_step.remote(version), weight_version
         )
 
-    async def save(self, rollout_id: int) -> None:
-        save_dir = self.cfg.checkpoint.save
+    async def save(self, rollout_id: int, force_sync: bool = False) -> None:
+        """Checkpoint ``rollout_id``, every part taken now (the step boundary). With --async-save, unless
+        ``force_sync`` (sentinel, control-API and final saves), the trainers' parts are copied and written while
+        the loop goes on; else written before this returns. A save still in flight is waited for first: at most
+        one is."""
+        await self.wait_save()
+        ckpt = self.cfg.checkpoint
+        background = ckpt.async_save and not force_sync
         await asyncio.gather(
-            *[g.save(save_dir, rollout_id, not self.cfg.checkpoint.no_save_optim) for g in self._models()]
+            *[g.save(ckpt.save, rollout_id, not ckpt.no_save_optim, background) for g in self._models()]
         )
-        await self.executor.save.remote(rollout_id, save_dir)
+        await self.executor.save.remote(rollout_id, ckpt.save)
+        write = self._write_and_mark(ckpt.save, rollout_id)
+        if background:
+            self._background_save.start(write, iteration_dir(ckpt.save, rollout_id))
+        else:
+            await write
+
+    async def _write_and_mark(self, save_dir: str, rollout_id: int) -> None:
+        await asyncio.gather(*[g.write_checkpoint() for g in self._models()])
         mark_complete(save_dir, rollout_id)  # last, and atomic: only now is this iteration "latest"
+
+    def check_save(self) -> None:
+        """At a step boundary: raises if the checkpoint written in the background failed, naming its folder."""
+        self._background_save.check()
+
+    async def wait_save(self) -> None:
+        """Until the checkpoint written in the background, if any, is complete; raises naming its folder if it
+        failed (the write is a call to the trainers, which fails if one of them dies)."""
+        await self._background_save.wait()
 
     async def save_hf(self, path: str) -> None:
         await self.actor.save_hf(path)
@@ -208,6 +295,8 @@ class Run:
         if self.cfg.engine.fault_tolerance is None:
             return metrics
         metrics.update(await self.controller.health_metrics.remote())
+        # Rows of steps done again after a trainer restart repeat their step; this tells them apart.
+        metrics["trainer/restarts"] = float(self.recovery.restarts)
         metrics["engine/request_retries"] = float(await self.executor.router_retries.remote())
         pids = await self.controller.all_engine_pids.remote()
         if pids != self._engine_pids:
@@ -217,6 +306,11 @@ class Run:
 
     async def dispose(self) -> None:
         """Best effort, each step independent: a failure in one must not leave the others running."""
+        if self._background_save.in_flight is not None:
+            try:  # the trainers hold the checkpoint being written: finish it before they are stopped
+                await asyncio.wait_for(self.wait_save(), BACKGROUND_SAVE_DRAIN_SECONDS)
+            except Exception as e:
+                logger.warning("the checkpoint written in the background did not complete: %r", e)
         for name, handle in (("executor", self.executor), ("controller", self.controller)):
             if handle is None:
                 continue

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from miles_async.config.algorithm import CRITIC
 from miles_async.config.declare import at_least, flag, group, positive
+from miles_async.config.engine import FAULT_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class ClusterConfig:
     use_gpu: bool
     num_critic_workers: int = 0
     placement_timeout: float = 300.0
+    # --use-fault-tolerance: restarts of the training workers over the run (from the last checkpoint, with the
+    # rollout side rewound to it); None: a dead training worker ends the run.
+    max_trainer_restarts: int | None = None
 
 
 GROUPS = (
@@ -37,6 +41,17 @@ GROUPS = (
             default=1,
             check=at_least(1),
             help="training workers per node (CPU processes when no GPU is present)",
+        ),
+        flag(
+            "--max-trainer-restarts",
+            type=int,
+            default=3,
+            check=at_least(0),
+            effect_needs=FAULT_TOLERANCE,
+            help="restarts of the training workers over the run: when one dies, the actor (and critic) groups "
+            "are rebuilt from the last complete checkpoint (else the initial model), the rollout side rewinds to "
+            "that checkpoint's data position and the run goes on from there; one more death fails the run. "
+            "Without --use-fault-tolerance a dead training worker ends the run",
         ),
     ),
     group(
@@ -78,4 +93,5 @@ def build(ns: argparse.Namespace, use_gpu: bool) -> ClusterConfig:
         use_gpu=use_gpu,
         num_critic_workers=num_critic_workers(ns),
         placement_timeout=ns.placement_timeout,
+        max_trainer_restarts=ns.max_trainer_restarts if ns.use_fault_tolerance else None,
     )
