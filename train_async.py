@@ -13,7 +13,9 @@ from tqdm import tqdm
 
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
+from miles_async.control import Control, control_api
 from miles_async.ray.eval_dispatcher import EvalDispatcher
+from miles_async.ray.trainer_recovery import TrainerDied, TrainerFailed
 from miles_async.run import Run
 from miles_async.utils.misc import should_run_periodic_action
 from miles_async.utils.tracking import Tracker
@@ -21,10 +23,12 @@ from miles_async.utils.tracking import Tracker
 logger = logging.getLogger("train_async")
 
 
-async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
+async def train(cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, control: Control) -> None:
+    """Rollouts ``start_rollout_id`` (--load's next, or after a trainer restart the restored checkpoint's next)
+    to --num-rollout."""
     loop, ckpt = cfg.loop, cfg.checkpoint
     # Always push weights first, so the engines serve exactly what the trainer holds.
-    await run.update_weights(weight_version=loop.start_rollout_id)
+    await run.update_weights(weight_version=start_rollout_id)
 
     evals = EvalDispatcher(
         run.evaluate,
@@ -32,23 +36,24 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
         cfg.eval.max_in_flight,
         timeout=cfg.rollout.timeout,
     )
-    if loop.eval_interval is not None and loop.start_rollout_id == 0 and not cfg.eval.skip_before_train:
+    if loop.eval_interval is not None and start_rollout_id == 0 and not cfg.eval.skip_before_train:
         await evals.dispatch(0)
 
     # One-step-off and --synchronous generate each rollout when asked; the fully-async
     # producer generates all along, and each ask drains its next batch.
     generate = run.drain if loop.fully_async else run.generate
-    next_rollout = asyncio.ensure_future(generate(loop.start_rollout_id))
+    next_rollout = asyncio.ensure_future(generate(start_rollout_id))
     current = None
     try:
         for rollout_id in tqdm(
-            range(loop.start_rollout_id, loop.num_rollout),
+            range(start_rollout_id, loop.num_rollout),
             desc="train",
             unit="step",
-            initial=loop.start_rollout_id,
+            initial=start_rollout_id,
             total=loop.num_rollout,
         ):
             t_wait = time.time()
+            control.phase("generating")
             if next_rollout is not None:
                 current = await next_rollout
             metrics = {**current["metrics"], "time/wait_rollout_seconds": time.time() - t_wait}
@@ -62,37 +67,58 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
                 asyncio.ensure_future(generate(rollout_id + 1)) if has_next and not defer_next_drain else None
             )
 
+            control.phase("training")
             metrics.update(await run.train_step(rollout_id, current["data"][0]))
+            run.check_save()  # a checkpoint written in the background that failed stops the run here
 
+            commands = control.take_commands()  # POST /save and /stop (control API): honoured here, as the sentinel
             external_save = ckpt.save_trigger_sentinel is not None and os.path.exists(ckpt.save_trigger_sentinel)
-            if external_save or should_run_periodic_action(
-                rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch, loop.num_rollout
+            if (
+                external_save
+                or commands.save
+                or should_run_periodic_action(
+                    rollout_id, ckpt.save_interval, loop.num_rollout_per_epoch, loop.num_rollout
+                )
             ):
                 t_save = time.time()
-                await run.save(rollout_id)
+                control.phase("saving")
+                # Interval saves are written in the background (--async-save); sentinel, control-API and final
+                # ones block.
+                await run.save(
+                    rollout_id, force_sync=external_save or commands.save or rollout_id + 1 == loop.num_rollout
+                )
                 metrics["time/save_seconds"] = time.time() - t_save
                 if external_save:
                     os.remove(ckpt.save_trigger_sentinel)
                     logger.info("saved rollout %d on the sentinel %s", rollout_id, ckpt.save_trigger_sentinel)
 
+            await control.hold_while_paused()  # POST /pause holds the run here, before the weights change
             if weight_update_due:
                 # One-step-off: let the in-flight rollout finish on the old weights before they change.
                 if next_rollout is not None and not loop.fully_async:
+                    control.phase("generating")
                     t_drain = time.time()
                     current, next_rollout = await next_rollout, None
                     metrics["time/wait_rollout_seconds"] += time.time() - t_drain
+                control.phase("updating_weights")
                 metrics.update(await run.update_weights(weight_version=rollout_id + 1))
+                await control.reassert_pause()
             if defer_next_drain:
                 next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
 
             if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
+                control.phase("evaluating")
                 await evals.dispatch(rollout_id + 1)
             metrics["time/step_seconds"] = time.time() - t_wait
             metrics.update(await run.health(metrics["time/step_seconds"]))
             tracker.log(rollout_id + 1, metrics)
+            control.step_done(rollout_id + 1, metrics)
+            if commands.stop:
+                logger.info("stopped by POST /stop after rollout %d", rollout_id)
+                break
             if (
                 loop.debug_exit_after_rollout is not None
-                and rollout_id - loop.start_rollout_id + 1 >= loop.debug_exit_after_rollout
+                and rollout_id - start_rollout_id + 1 >= loop.debug_exit_after_rollout
             ):
                 logger.info(
                     "--debug-exit-after-rollout %d reached at rollout %d", loop.debug_exit_after_rollout, rollout_id
@@ -104,8 +130,11 @@ async def train(cfg: Config, run: Run, tracker: Tracker) -> None:
             # A rollout that already failed is reported by the exception in flight, not as
             # "exception never retrieved" noise.
             next_rollout.add_done_callback(lambda f: f.cancelled() or f.exception())
+    await run.wait_save()  # the last interval save, if still being written, is complete (or its failure raised)
+    control.phase("evaluating")
     await evals.drain()
     if ckpt.save_hf:
+        control.phase("saving")
         await run.save_hf(ckpt.save_hf)
 
 
@@ -117,8 +146,19 @@ async def main(cfg: Config) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     tracker = Tracker(cfg)
     try:
-        async with run:
-            await train(cfg, run, tracker)
+        async with run, control_api(cfg, run) as control:
+            start, death = cfg.loop.start_rollout_id, None
+            while True:
+                try:
+                    if death is not None:
+                        # TrainerFailed without --use-fault-tolerance or past --max-trainer-restarts; else the
+                        # trainers and the rollout side are back at the last checkpoint (a worker that dies
+                        # while they are rebuilt is one more death).
+                        start, death = await run.recover_trainers(death), None
+                    await run.watch_trainers(train(cfg, run, tracker, start, control))
+                    break
+                except TrainerDied as e:
+                    death = e
     finally:
         tracker.close()
     plot = None
@@ -156,6 +196,9 @@ def cli(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted; all workers and engines were stopped", file=sys.stderr)
         return 130
+    except TrainerFailed as e:  # the worker is named; a traceback of the driver would only hide it
+        print(f"error: {e}; all workers and engines were stopped", file=sys.stderr)
+        return 1
     finally:
         if ray.is_initialized():
             ray.shutdown()

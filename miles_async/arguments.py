@@ -24,6 +24,7 @@ from miles_async.config import (
     checkpoint,
     cluster,
     compat,
+    control,
     engine,
     evaluation,
     loop,
@@ -58,6 +59,7 @@ SECTIONS = (
     "optimizer",
     "algorithm",
     "logging and debugging",
+    control.TITLE,
     compat.GROUPS[-1].title,
 )
 COMPONENTS = (
@@ -74,6 +76,7 @@ COMPONENTS = (
     algorithm,
     compat,
     report,
+    control,
 )
 GROUPS = tuple(g for component in COMPONENTS for g in component.GROUPS)
 FLAGS: tuple[Flag, ...] = tuple(f for title in SECTIONS for g in GROUPS if g.title == title for f in g.flags)
@@ -220,6 +223,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         eval=evaluation.build(ns, eval_datasets),
         train=actor,
         checkpoint=checkpoint.build(ns),
+        control=control.build(ns),
         tracking=tracking.build(ns),
         loop=loop.build(ns, num_rollout, per_epoch, start_rollout_id),
         critic=train.build_critic(ns, actor),

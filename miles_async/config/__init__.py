@@ -3,9 +3,9 @@
 One module per component declares its flags (names, type, default, help, checks) next to the typed config
 they fill: ``cluster``, ``train`` (with the model), ``checkpoint``, ``rollout`` (data, sampling, rewards),
 ``loop`` (the loop and its asynchrony), ``engine``, ``evaluation``, ``megatron``, ``algorithm``, ``tracking``,
-``model`` (Megatron-LM's architecture flags against config.json), ``compat`` (launcher flags accepted without
-effect), ``report`` (--check-config). ``capabilities`` is the backend x feature table; ``declare`` the way a flag
-is declared; ``machine`` every check of the local machine.
+``model`` (Megatron-LM's architecture flags against config.json), ``control`` (the control API and /metrics),
+``compat`` (launcher flags accepted without effect), ``report`` (--check-config). ``capabilities`` is the
+backend x feature table; ``declare`` the way a flag is declared; ``machine`` every check of the local machine.
 ``miles_async.arguments.parse_args`` builds these once from the command line; components receive only the
 piece they need, never the argparse namespace.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from miles_async.config.algorithm import ESTIMATORS, AlgorithmConfig
 from miles_async.config.checkpoint import CheckpointConfig
 from miles_async.config.cluster import ClusterConfig
+from miles_async.config.control import ControlConfig
 from miles_async.config.engine import EngineConfig, FaultToleranceConfig
 from miles_async.config.evaluation import EvalConfig
 from miles_async.config.loop import FullyAsyncConfig, LoopConfig
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "Config",
+    "ControlConfig",
     "DataConfig",
     "EngineConfig",
     "EvalConfig",
@@ -58,5 +60,6 @@ class Config:
     tracking: TrackingConfig
     loop: LoopConfig
     critic: TrainConfig | None = None
+    control: ControlConfig | None = None  # --api-server-*: the control API and /metrics (None: not served)
     check_config: bool = False  # --check-config: print the configuration and the worker plan instead of running
     warnings: tuple[str, ...] = ()  # flags given without effect; what this machine lacks under --check-config

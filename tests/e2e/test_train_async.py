@@ -156,21 +156,25 @@ def test_no_process_left_after_the_run(main_run):
 
 
 def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny_model, tiny_task, tmp_path):
+    """Every step saved in the background (--async-save, the default): the run's end waits for the last one, and
+    the run resumed from it goes on at the next rollout with the same prompts."""
     ckpt = tmp_path / "ckpt"
     base = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *LEARN))
     first = run_train(
-        base + ["--save", str(ckpt), "--save-interval", "2", "--debug-exit-after-rollout", "5"], tmp_path / "a"
+        base + ["--save", str(ckpt), "--save-interval", "1", "--async-save", "--debug-exit-after-rollout", "5"],
+        tmp_path / "a",
     )
     assert first.returncode == 0, first.output[-3000:]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert all((ckpt / f"iter_{i:07d}" / "COMPLETE").is_file() for i in range(5))
     resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "12", *LEARN))
     second = run_train(resumed_args + ["--load", str(ckpt), "--save", str(ckpt)], tmp_path / "b")
     assert second.returncode == 0, second.output[-3000:]
-    assert [m["step"] for m in second.metrics] == list(range(5, 13))
+    assert [m["step"] for m in second.metrics] == list(range(6, 13))
     # The resumed run draws exactly the prompts an uninterrupted run drew for the same rollouts.
     uninterrupted = {r["rollout_id"]: r["uids"] for r in main_run.rollouts}
     resumed = {r["rollout_id"]: r["uids"] for r in second.rollouts}
-    assert sorted(resumed) == list(range(4, 12))
+    assert sorted(resumed) == list(range(5, 12))
     assert all(resumed[i] == uninterrupted[i] for i in resumed)
     # and its weights continue from the checkpoint rather than from the initial model
     assert second.metrics[0]["rollout/reward_mean"] > main_run.metrics[0]["rollout/reward_mean"]

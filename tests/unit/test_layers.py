@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout", "backends"),  # the rollout side and the training side
     ("ray",),  # the actors that hold them
     ("weights.driver",),  # one weight update end to end, over the train group and the inference controller
-    ("run", "arguments"),  # the Run object; the command line
+    ("run", "arguments", "control"),  # the Run object; the command line; the control API on a running loop
 )
 
 # Imports that the layers would allow but that skip the layer meant to stand between: (importer, imported)
