@@ -1,0 +1,48 @@
+"""The fault-injection soak's fast variant (benchmarks/soak.py): four runs of train_async.py on a tiny random model,
+seed 0, one per target (driver, training worker, engine, rollout executor), two of them killed mid-save; each run
+resumes from its checkpoint until it finishes. Real Ray, real engine, real SIGKILLs; the only double is the training
+worker's pause after writing its checkpoint part (benchmarks/soak_doubles.py), which holds each save open long
+enough for a kill to land inside it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.soak import Settings, soak
+from benchmarks.soak_checks import TARGETS, plan_runs
+
+pytestmark = pytest.mark.timeout(1500)  # two or more attempts of a ~35 s run; far longer on a loaded machine
+
+SEED = 0
+SETTINGS = Settings(attempt_timeout=420)
+
+
+def test_the_fast_plan_kills_every_target_once_and_saves_midway():
+    plans = plan_runs(SEED, len(TARGETS), SETTINGS.num_rollout)
+    assert sorted(p.target for p in plans) == sorted(TARGETS)
+    assert sum(p.moment == "mid-save" for p in plans) == 2
+    assert {p.mode for p in plans} == {"one-step-off", "fully-async"}
+
+
+@pytest.mark.parametrize("run", range(len(TARGETS)))
+def test_a_killed_run_resumes_and_trains_every_prompt_once(run, tmp_path):
+    (r,) = soak(len(TARGETS), SEED, tmp_path, SETTINGS, only=[run])
+    failures = [
+        *(["the kill never fired"] if r["kill"] is None else []),
+        *(
+            ["the mid-save kill found no save in progress"]
+            if r["plan"]["moment"] == "mid-save" and r["kill"] and not r["kill"]["in_save"]
+            else []
+        ),
+        *(["an attempt hung"] if r["hang"] else []),
+        *(["no resume followed the kill"] if len(r["attempts"]) < 2 else []),
+        *r["exact_problems"],  # every rollout and every prompt of each epoch trained exactly once
+        *r["pointer_problems"],  # the pointer only ever named complete checkpoints
+        *([] if r["finished"] else ["metrics.jsonl never reached --num-rollout"]),
+        *[f"left running: {p}" for p in r["left_running"]],  # no process of any attempt outlived it
+        *r["crashed"],  # no attempt failed but by the kill
+    ]
+    assert failures == [], "\n".join(failures) + "\n" + json.dumps(r["attempts"], indent=1)
+    assert r["ok"]
