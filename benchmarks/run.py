@@ -32,6 +32,7 @@ REGISTRY: dict[str, str] = {
     "pipeline_overlap": "benchmarks.pipeline_overlap",
     "orchestration": "benchmarks.orchestration",
     "time_to_accuracy": "benchmarks.time_to_accuracy",
+    "save_latency": "benchmarks.save_latency",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

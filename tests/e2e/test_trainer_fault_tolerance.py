@@ -90,7 +90,9 @@ def _rank1_stalled_in(method: str, marks: Path) -> Callable[[], int | None]:
     return victim
 
 
-@pytest.mark.parametrize("during", ["rollout", "train", "push_weights", "save"])
+# The watch is one race for whatever the loop awaits: a rollout (the driver waits on the executor) and a train step
+# (the other rank blocked in a gloo collective) are its two distinct cases; push_weights and save ran the same way.
+@pytest.mark.parametrize("during", ["rollout", "train"])
 def test_without_fault_tolerance_a_dead_training_worker_ends_the_run_naming_it(during, tiny_model, tiny_task, tmp_path):
     out = tmp_path / "out"
     extra = [*TWO_WORKERS, "--num-rollout", "4", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
