@@ -161,11 +161,11 @@ def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> 
 def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str]:
     """Every check, cheapest first; the warnings for flags given without effect."""
     check_values(ns, FLAGS, machine)
-    check_capabilities(ns, FEATURES)
+    fallbacks = check_capabilities(ns, FEATURES)
     check_needs(ns, FLAGS)
     for component in (engine, rollout, loop, algorithm, megatron, model):
         component.validate(ns)
-    return without_effect(ns, FLAGS)
+    return [*fallbacks, *without_effect(ns, FLAGS)]
 
 
 def _count_prompts(ns: argparse.Namespace) -> int:

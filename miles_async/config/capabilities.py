@@ -9,7 +9,6 @@ a row with a ``fallback`` instead lets the run go on without the feature, with a
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,8 +17,6 @@ from miles_async.config.declare import ConfigError, When, when_flag
 from miles_async.inference.engines import ENGINES
 
 # Which weight route (--weight-update-method) each engine takes, as each engine declares it; "auto" picks the first.
-logger = logging.getLogger(__name__)
-
 WEIGHT_UPDATE_METHODS = {name: spec.weight_routes for name, spec in ENGINES.items()}
 
 
@@ -149,18 +146,18 @@ def check_capabilities(
     features: Mapping[str, Feature],
     table: tuple[Capability, ...] = CAPABILITIES,
     fallbacks: tuple[Capability, ...] = FALLBACKS,
-) -> None:
-    """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name); warn
-    for each feature of ``fallbacks`` the run goes on without."""
+) -> list[str]:
+    """Refuse the first feature asked for whose backend lacks it (``features``: each row's flag by name); return
+    a warning for each feature of ``fallbacks`` the run goes on without (the run's warnings: logged, and counted
+    by --check-config)."""
     refused = next(_lacking(ns, features, table), None)
     if refused is not None:
         raise ConfigError(_refusal(refused, getattr(ns, refused.axis.dest), features[refused.feature], ns, table))
-    for row in _lacking(ns, features, fallbacks):
-        current = getattr(ns, row.axis.dest)
-        shown = features[row.feature].shown(ns)
-        logger.warning(
-            "%s is not supported by the %s %s (%s): %s", shown, current, row.axis.noun, row.why, row.fallback
-        )
+    return [
+        f"{features[row.feature].shown(ns)} is not supported by the {getattr(ns, row.axis.dest)} {row.axis.noun} "
+        f"({row.why}): {row.fallback}"
+        for row in _lacking(ns, features, fallbacks)
+    ]
 
 
 def supported(
