@@ -86,8 +86,9 @@ class InferenceController:
         return self.urls()
 
     def attach(self, listener) -> None:
-        """A Ray actor with ``set_engines(urls, fatal)`` (the rollout executor) to tell about engine changes."""
-        self._listeners.append(listener)
+        """A Ray actor with ``set_engines(urls, fatal)`` (the rollout executor) to tell about engine changes. The
+        run has one executor at a time: one rebuilt after a trainer restart replaces the old, which is gone."""
+        self._listeners = [listener]
 
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
