@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
 from miles_async.control.state import PHASES
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The text format every Prometheus server reads (2.x included); generate_latest writes it for these plain names.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 PREFIX = "miles_async_"
 
 # name (without PREFIX) -> help; the order /metrics lists them in. The README names every one.
