@@ -119,8 +119,10 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     single, pair = single["state"], pair["state"]
     initial = FSDPTrainActor(one.train, 0, 1, 10).module.state_dict()
     assert any(not torch.equal(initial[k], single[k]) for k in single)  # the step did change the weights
+    # atol is 1% of one Adam step (lr 1e-2): where a gradient is near Adam's eps, g / (|g| + eps) amplifies the
+    # all-reduce's summation-order noise (2.5e-5 seen on an AMD EPYC); a wrong shard or reduction moves weights by ~lr.
     for k in single:
-        torch.testing.assert_close(pair[k], single[k], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(pair[k], single[k], rtol=1e-3, atol=1e-4)
 
 
 def test_kl_loss_to_the_reference_model(tiny_model, tiny_task, tmp_path):
