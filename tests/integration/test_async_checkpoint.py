@@ -229,7 +229,9 @@ def test_an_rng_file_of_the_old_format_is_refused_naming_it(tiny_model, tiny_tas
     FSDPTrainActor(cfg.train, 0, 1, 10).save(str(tmp_path / "ckpt"), 0)
     path = iteration_dir(tmp_path / "ckpt", 0) / "actor" / "rng_rank0.pt"
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
-    with pytest.raises(CheckpointError, match=f"--load: {path} is refused.*older miles-async"):
+    # torch may read the old pickle under weights_only (numpy arrays are allowlisted in some versions); either way the
+    # file is refused by name, before any state is set.
+    with pytest.raises(CheckpointError, match=f"--load: {path} is (refused.*older miles-async|not an RNG state)"):
         FSDPTrainActor(cfg.train, 0, 1, 10, str(tmp_path / "ckpt"), 0)
 
 

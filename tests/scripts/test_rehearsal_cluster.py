@@ -175,7 +175,8 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
     assert (job.save_dir / f"iter_{saved:07d}" / "actor" / "megatron" / ".metadata").is_file()
     assert not (job.save_dir / "SAVE_NOW").exists()
     first = _metrics(out)
-    assert [m["step"] for m in first][: saved + 1] == list(range(1, saved + 2)), first
+    # The sentinel save of rollout `saved` precedes that step's metrics row; SIGTERM may land between them.
+    assert [m["step"] for m in first][:saved] == list(range(1, saved + 1)), first
     _check_trained(first)
 
     # Slurm requeues: SIGTERM to the batch script, which stops the run and Ray on every node.
