@@ -30,6 +30,7 @@ from miles_async.config import (
     loop,
     megatron,
     model,
+    precision,
     report,
     rollout,
     tracking,
@@ -77,6 +78,7 @@ COMPONENTS = (
     compat,
     report,
     control,
+    precision,
 )
 GROUPS = tuple(g for component in COMPONENTS for g in component.GROUPS)
 FLAGS: tuple[Flag, ...] = tuple(f for title in SECTIONS for g in GROUPS if g.title == title for f in g.flags)
@@ -211,10 +213,11 @@ def build_config(ns: argparse.Namespace) -> Config:
     train.check_data_parallel(
         global_batch, num_workers // megatron_cfg.model_parallel_size, cluster.num_critic_workers(ns)
     )
-    warnings += machine.warnings
+    use_gpu, threads = machine.cuda_devices() > 0, max(1, (os.cpu_count() or 2) // 2)
+    ns, slow_bf16 = precision.fall_back(ns, use_gpu, precision.cpu_has_bf16())
+    warnings += machine.warnings + slow_bf16
     for message in warnings:
         logger.warning(message)
-    use_gpu, threads = machine.cuda_devices() > 0, max(1, (os.cpu_count() or 2) // 2)
     actor = train.build(ns, algorithm.build(ns), megatron_cfg, global_batch, num_steps, threads)
     return Config(
         cluster=cluster.build(ns, use_gpu),

@@ -58,7 +58,6 @@ OPTIMIZER_ARGS=(
 ENGINE_ARGS=(
   --rollout-backend embedded
   --rollout-num-gpus 1
-  --rollout-dtype bfloat16
 )
 MISC_ARGS=(
   --update-weights-interval 1

@@ -151,7 +151,13 @@ GROUPS = (
         ),
         flag("--rollout-num-gpus", type=int, default=1, check=at_least(1), help="engine slots in all"),
         flag("--rollout-num-gpus-per-engine", type=int, default=1, check=at_least(1)),
-        flag("--rollout-dtype", default="bfloat16", choices=("bfloat16", "float32")),
+        flag(
+            "--rollout-dtype",
+            default=None,
+            choices=("bfloat16", "float32"),
+            help="the engines' dtype. Default: bfloat16, except the embedded engine on a CPU without bf16 "
+            "arithmetic (no AVX512-BF16 or AMX), which serves float32",
+        ),
         flag(
             "--sglang-server-concurrency",
             type=int,
