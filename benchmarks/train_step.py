@@ -1,4 +1,5 @@
-"""Seconds per training step of the two training backends on the same SmolLM2-135M batch.
+"""Seconds per training step of the training backends on the same SmolLM2-135M batch: the torch backend with its
+shared-prefix layout (the default), the torch backend with one row per sample (--no-shared-prefix), and Megatron.
 
 One GRPO rollout of 64 samples shaped like a real one (8 prompts x 8 samples, prompts of
 ~40 tokens, responses of 8) is trained as one optimizer step (global batch 64, fp32 weights
@@ -28,7 +29,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
-BACKENDS = ("fsdp", "megatron")
+# variant -> its flags
+VARIANTS = {
+    "fsdp": ("--train-backend", "fsdp"),
+    "fsdp --no-shared-prefix": ("--train-backend", "fsdp", "--no-shared-prefix"),
+    "megatron": ("--train-backend", "megatron"),
+}
 THREADS = 2
 N_PROMPTS, N_SAMPLES, PROMPT_LEN, RESPONSE_LEN = 8, 8, 40, 8
 
@@ -60,8 +66,8 @@ def _batch(vocab: int, seed: int = 0) -> RolloutBatch:
     return to_train_batch(groups)
 
 
-def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
-    """Build one backend's actor, then train one step per request from the parent."""
+def _worker(variant: str, model: str, data: str, steps: int, conn) -> None:
+    """Build one variant's actor, then train one step per request from the parent."""
     import torch
 
     from miles_async.arguments import parse_args
@@ -87,12 +93,11 @@ def _worker(backend: str, model: str, data: str, steps: int, conn) -> None:
             str(THREADS),
             "--output-dir",
             tempfile.mkdtemp(),
-            "--train-backend",
-            backend,
+            *VARIANTS[variant],
         ]
     ).train
     t0 = time.time()
-    if backend == "megatron":
+    if cfg.backend == "megatron":
         from miles_async.backends.megatron.actor import MegatronTrainActor
 
         actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=steps)
@@ -131,7 +136,9 @@ def _available_gib() -> float:
     return kb / 2**20
 
 
-def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> dict:
+def measure(
+    model: Path, reps: int, work: Path, variants: tuple[str, ...] = tuple(VARIANTS), min_free_gib: float = 18.0
+) -> dict:
     """One warm-up step each, then ``reps`` timed steps each.
 
     With enough free memory both workers stay alive and their steps alternate (order flipped
@@ -144,7 +151,7 @@ def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> d
     train, _ = make_tiny_task_dataset(work / "task", n_train=64, n_eval=4)
     ctx = mp.get_context("spawn")
     interleaved = _available_gib() >= min_free_gib
-    results: dict[str, dict] = {b: {"seconds": [], "losses": []} for b in BACKENDS}
+    results: dict[str, dict] = {b: {"seconds": [], "losses": []} for b in variants}
     workers: dict[str, tuple] = {}
 
     def start(backend: str) -> None:
@@ -169,17 +176,17 @@ def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> d
         proc.join(120)
 
     if interleaved:
-        for b in BACKENDS:
+        for b in variants:
             start(b)
-        for b in BACKENDS:
+        for b in variants:
             step(b, 0, timed=False)
         for rep in range(reps):
-            for b in BACKENDS if rep % 2 == 0 else BACKENDS[::-1]:
+            for b in variants if rep % 2 == 0 else variants[::-1]:
                 step(b, rep + 1, timed=True)
-        for b in BACKENDS:
+        for b in variants:
             stop(b)
     else:
-        for b in BACKENDS:
+        for b in variants:
             start(b)
             for rep in range(reps + 1):
                 step(b, rep, timed=rep > 0)
@@ -187,12 +194,12 @@ def measure(model: Path, reps: int, work: Path, min_free_gib: float = 18.0) -> d
     return {"mode": "interleaved" if interleaved else "sequential", "backends": results}
 
 
-def run(quick: bool, out_dir: Path) -> dict:
+def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
     from benchmarks.common import fmt, median, smollm2_path, table
 
     reps = 3 if quick else 6
     with tempfile.TemporaryDirectory() as tmp:
-        measured = measure(smollm2_path(), reps, Path(tmp))
+        measured = measure(smollm2_path(), reps, Path(tmp), variants)
     res = measured["backends"]
     rows = [
         [
@@ -206,12 +213,30 @@ def run(quick: bool, out_dir: Path) -> dict:
         ]
         for b, r in res.items()
     ]
-    ratio = median(res["megatron"]["seconds"]) / median(res["fsdp"]["seconds"])
+
+    def ratio(a: str, b: str) -> float | None:
+        return median(res[a]["seconds"]) / median(res[b]["seconds"]) if a in res and b in res else None
+
+    megatron, unshared = ratio("megatron", "fsdp"), ratio("fsdp --no-shared-prefix", "fsdp")
     tokens = res["fsdp"]["tokens"]
+    notes = []
+    if unshared is not None:
+        notes.append(
+            f"one row per sample / shared prefix = {unshared:.2f}x per step: the shared layout computes each "
+            f"group's ~{PROMPT_LEN}-token prompt once instead of {N_SAMPLES} times."
+        )
+    if megatron is not None:
+        notes.append(
+            f"megatron / fsdp = {megatron:.2f}x per step on the same batch. On the CPU the Megatron path runs "
+            "through cpu_compat (a TorchFunctionMode on every torch call), computes logits for every "
+            "position, where the torch backend keeps only the response's (logits_to_keep), and lays out one "
+            "row per sample."
+        )
     return {
         "results": res,
         "mode": measured["mode"],
-        "ratio_megatron_over_fsdp": ratio,
+        "ratio_megatron_over_fsdp": megatron,
+        "ratio_unshared_over_shared": unshared,
         "tables": [
             table(
                 f"Seconds per training step, SmolLM2-135M, {N_PROMPTS * N_SAMPLES} samples "
@@ -221,11 +246,7 @@ def run(quick: bool, out_dir: Path) -> dict:
                 note=f"steps {measured['mode']}",
             )
         ],
-        "notes": [
-            f"megatron / fsdp = {ratio:.2f}x per step on the same batch. On the CPU the Megatron path runs "
-            "through cpu_compat (a TorchFunctionMode on every torch call) and computes logits for every "
-            "position, where the torch backend keeps only the response's (logits_to_keep)."
-        ],
+        "notes": notes,
     }
 
 
@@ -233,16 +254,29 @@ def headline(entry: dict) -> list[tuple[str, str]]:
     res = entry["results"]
     from benchmarks.common import median
 
-    f, m = median(res["fsdp"]["seconds"]), median(res["megatron"]["seconds"])
-    return [("train step, SmolLM2-135M, 64 samples: fsdp vs megatron backend", f"{f:.2f} s vs {m:.2f} s")]
+    f = median(res["fsdp"]["seconds"])
+    rows = []
+    if "fsdp --no-shared-prefix" in res:
+        u = median(res["fsdp --no-shared-prefix"]["seconds"])
+        rows.append(
+            (
+                "train step, SmolLM2-135M, 8 prompts x 8 samples: shared prefix vs one row per sample",
+                f"{f:.2f} s vs {u:.2f} s",
+            )
+        )
+    if "megatron" in res:
+        m = median(res["megatron"]["seconds"])
+        rows.append(("train step, SmolLM2-135M, 64 samples: fsdp vs megatron backend", f"{f:.2f} s vs {m:.2f} s"))
+    return rows
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=tuple(VARIANTS))
     a = p.parse_args()
-    result = run(a.quick, Path(tempfile.mkdtemp()))
+    result = run(a.quick, Path(tempfile.mkdtemp()), tuple(a.variants))
     for t in result["tables"]:
         from benchmarks.common import render_table
 

@@ -220,7 +220,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         logger.warning(message)
     actor = train.build(ns, algorithm.build(ns), megatron_cfg, global_batch, num_steps, threads)
     return Config(
-        cluster=cluster.build(ns, use_gpu),
+        cluster=cluster.build(ns),
         engine=engine.build(ns, threads, use_gpu),
         rollout=rollout.build(ns, loop.fully_async_config(ns)),
         eval=evaluation.build(ns, eval_datasets),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_async.backends.shared_prefix import SharedPrefixLayout, shared_layout
+
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Split sample indices (in order) into micro-batches whose padded size fits ``max_tokens``.
@@ -40,10 +42,15 @@ class MicroBatch:
     response_ids: torch.Tensor  # [B, R]
     response_mask: torch.Tensor  # [B, R] float: 1 where the token is trained
     max_response_len: int
+    shared: SharedPrefixLayout | None = None  # the same rows with one copy of each prompt (shared_prefix.py)
 
 
 def collate(
-    prompts: list[list[int]], responses: list[list[int]], loss_masks: list[list[int]], pad_id: int = 0
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    loss_masks: list[list[int]],
+    pad_id: int = 0,
+    share_prefix: bool = False,
 ) -> MicroBatch:
     b = len(prompts)
     p = max(len(x) for x in prompts)
@@ -62,7 +69,8 @@ def collate(
             mask[i, : len(rs)] = torch.tensor(lm, dtype=torch.float32)
     # Positions count real tokens only, so left padding does not shift RoPE.
     pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    return MicroBatch(ids, attn, pos, resp, mask, r)
+    shared = shared_layout(prompts, responses, pad_id) if share_prefix else None
+    return MicroBatch(ids, attn, pos, resp, mask, r, shared)
 
 
 def pad_rows(rows: list[list[float]], width: int, value: float = 0.0) -> torch.Tensor:

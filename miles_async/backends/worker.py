@@ -22,6 +22,7 @@ import torch
 
 from miles_async.backends.data_parallel import DataParallel, all_reduce_sum
 from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
+from miles_async.backends.shared_prefix import pack_shared
 from miles_async.config import OptimizerConfig, TrainConfig
 from miles_async.utils.checkpoint import CheckpointError, load_tensors
 
@@ -154,11 +155,20 @@ class BaseWorker:
     def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
         responses = [batch.tokens[i][batch.prompt_lengths[i] :] for i in idx]
-        return collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id)
+        return collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id, self._shares_prefix)
 
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
-        lengths = [len(batch.tokens[i]) for i in idx]
-        return [[idx[j] for j in mb] for mb in pack_micro_batches(lengths, self.cfg.max_tokens_per_gpu)]
+        if self._shares_prefix:
+            prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
+            packed = pack_shared(prompts, [batch.response_lengths[i] for i in idx], self.cfg.max_tokens_per_gpu)
+        else:
+            packed = pack_micro_batches([len(batch.tokens[i]) for i in idx], self.cfg.max_tokens_per_gpu)
+        return [[idx[j] for j in mb] for mb in packed]
+
+    @property
+    def _shares_prefix(self) -> bool:
+        """Whether this worker's forward passes take the shared-prefix layout (a backend that can says so)."""
+        return False
 
     @torch.no_grad()
     def _per_sample(

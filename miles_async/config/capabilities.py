@@ -130,6 +130,15 @@ FALLBACKS: tuple[Capability, ...] = (
         fallback="its --save-interval saves stay synchronous (--no-async-save says so and silences this)",
         only_with=when_flag("--save-interval"),
     ),
+    Capability(
+        "--shared-prefix",
+        TRAIN_BACKEND,
+        ("fsdp",),
+        value=True,
+        why="its packed sequences take no block mask here",
+        fallback="each sample's prompt is computed on its own row (--no-shared-prefix says so and silences this)",
+        only_with=When("--n-samples-per-prompt", lambda ns: ns.n_samples_per_prompt > 1),
+    ),
 )
 
 

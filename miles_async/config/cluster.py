@@ -14,7 +14,6 @@ from miles_async.config.engine import FAULT_TOLERANCE
 class ClusterConfig:
     ray_address: str | None
     num_train_workers: int
-    use_gpu: bool
     num_critic_workers: int = 0
     placement_timeout: float = 300.0
     # --use-fault-tolerance: restarts of the training workers over the run (from the last checkpoint, with the
@@ -86,11 +85,10 @@ def num_critic_workers(ns: argparse.Namespace) -> int:
     return (ns.critic_num_nodes or ns.actor_num_nodes) * (ns.critic_num_gpus_per_node or ns.actor_num_gpus_per_node)
 
 
-def build(ns: argparse.Namespace, use_gpu: bool) -> ClusterConfig:
+def build(ns: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(
         ray_address=ns.ray_address,
         num_train_workers=num_train_workers(ns),
-        use_gpu=use_gpu,
         num_critic_workers=num_critic_workers(ns),
         placement_timeout=ns.placement_timeout,
         max_trainer_restarts=ns.max_trainer_restarts if ns.use_fault_tolerance else None,

@@ -60,8 +60,19 @@ class TrainConfig:
     megatron: MegatronConfig = MegatronConfig()
     attention_dropout: float = 0.0  # dropout in training passes only; log-probs are computed without it
     hidden_dropout: float = 0.0  # megatron only: the HF models of the torch backend have no hidden dropout
+    shared_prefix: bool = False  # the policy's passes compute each group's prompt once (backends/shared_prefix.py)
 
 
+SHARED_PREFIX = flag(
+    "--shared-prefix",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="the policy's training, old and reference log-prob passes compute a group's prompt once: its samples "
+    "become one sequence, prompt then every response, each response attending to the prompt and to itself "
+    "only; --max-tokens-per-gpu counts the prompt once. Same log-probs and gradients as one row per sample up "
+    "to float rounding. torch backend with sdpa or eager attention; the critic keeps one row per sample. "
+    "--no-shared-prefix: one row per sample",
+)
 ADAM = when_value("--optimizer", "adam")
 SGD = when_value("--optimizer", "sgd")
 
@@ -127,6 +138,7 @@ GROUPS = (
             help="always on: micro-batches are packed to --max-tokens-per-gpu (Miles' dynamic batch size), "
             "counting padded tokens",
         ),
+        SHARED_PREFIX,
         flag(
             "--gradient-checkpointing",
             action="store_true",
@@ -285,6 +297,7 @@ def build(
         megatron=megatron,
         attention_dropout=ns.attention_dropout,
         hidden_dropout=ns.hidden_dropout,
+        shared_prefix=ns.shared_prefix and ns.train_backend == "fsdp",
     )
 
 

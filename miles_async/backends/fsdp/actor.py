@@ -20,11 +20,43 @@ from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_log
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
+from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
+
+
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+
+
+def response_logits(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, attn_implementation: str = "sdpa"
+) -> torch.Tensor:
+    """``[B, R, V]`` float logits predicting each response token of ``mb``, from its shared-prefix layout when it
+    has one, else from one padded row per sample. ``model`` may be wrapped (DDP): the caller names its attention."""
+    layout = mb.shared
+    if layout is None:
+        out = model(
+            input_ids=mb.input_ids.to(device),
+            attention_mask=mb.attention_mask.to(device),
+            position_ids=mb.position_ids.to(device),
+            logits_to_keep=mb.max_response_len + 1,
+            use_cache=False,
+        )
+        return out.logits[:, :-1, :].float()  # position t predicts response token t
+    mask = layout.attention_mask.to(device)
+    if attn_implementation == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    out = model(
+        input_ids=layout.input_ids.to(device),
+        attention_mask=mask,
+        position_ids=layout.position_ids.to(device),
+        logits_to_keep=layout.logits_to_keep,
+        use_cache=False,
+    )
+    return row_logits(out.logits, layout).float()
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
@@ -60,19 +92,17 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     # -- forward passes --------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
-            out = model(
-                input_ids=mb.input_ids.to(self.device),
-                attention_mask=mb.attention_mask.to(self.device),
-                position_ids=mb.position_ids.to(self.device),
-                logits_to_keep=mb.max_response_len + 1,
-                use_cache=False,
-            )
-        logits = out.logits[:, :-1, :].float()  # position t predicts response token t
+            logits = response_logits(model, mb, self.device, self.module.config._attn_implementation)
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = logprobs_from_logits(logits, mb.response_ids.to(self.device))
         entropy = entropy_from_logits(logits) if with_entropy else None
         return logprobs, entropy
+
+    @property
+    def _shares_prefix(self) -> bool:
+        # A 4D block mask is honoured by HF's sdpa and eager attention; flash-attention takes 2D masks only.
+        return self.cfg.shared_prefix and self.module.config._attn_implementation in SHARED_PREFIX_ATTENTION
 
     # -- backend hooks of PolicyMixin ---------------------------------------------------------
     def _train_step(

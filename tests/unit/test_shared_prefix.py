@@ -1,0 +1,64 @@
+"""The shared-prefix layout (backends/shared_prefix.py): who sees whom, where each response token's logits come
+from, and packing that counts a shared prompt once. The equality of log-probs and gradients on a real model is
+tests/integration/test_shared_prefix.py."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_async.backends.packing import pack_micro_batches
+from miles_async.backends.shared_prefix import pack_shared, shared_layout
+
+PROMPTS = [[5, 6, 7], [5, 6, 7], [8, 9], [5, 6, 7]]
+RESPONSES = [[10, 11], [12], [13, 14, 15], []]
+
+
+def test_rows_with_one_prompt_become_one_sequence():
+    layout = shared_layout(PROMPTS, RESPONSES, pad_id=0)
+    # Two prompts; the first has three slots; slots are 3 wide (the longest response).
+    assert layout.input_ids.tolist() == [
+        [5, 6, 7, 10, 11, 0, 12, 0, 0, 0, 0, 0],
+        [0, 8, 9, 13, 14, 15, 0, 0, 0, 0, 0, 0],
+    ]
+    assert layout.sequence.tolist() == [0, 0, 1, 0]
+    assert layout.logits_to_keep == 3 * 3 + 1
+    # Positions restart after the prompt in every slot: RoPE sees the unshared layout's positions.
+    assert layout.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5]
+    assert layout.position_ids[1, 1:6].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_response_sees_its_prompt_and_itself_only():
+    mask = shared_layout(PROMPTS, RESPONSES).attention_mask[0, 0]
+    assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # slot 0, second token
+    assert mask[6].nonzero().flatten().tolist() == [0, 1, 2, 6]  # slot 1 does not see slot 0
+    assert mask[1].nonzero().flatten().tolist() == [0, 1]  # the prompt is causal
+    assert mask[5].nonzero().flatten().tolist() == [5]  # padding sees itself
+    # Left padding of the shorter prompt is seen by nobody else.
+    assert not shared_layout(PROMPTS, RESPONSES).attention_mask[1, 0, 1:, 0].any()
+
+
+def test_each_response_token_is_predicted_from_the_column_before_it():
+    layout = shared_layout(PROMPTS, RESPONSES)
+    kept_start = layout.input_ids.shape[1] - layout.logits_to_keep  # the last prompt column
+    assert kept_start == 2
+    # Row 1 (slot 1 of the first prompt): token 0 from the last prompt column, token 1 from slot 1's column 0.
+    assert layout.column[1].tolist() == [0, 4, 5]
+    assert layout.column[2].tolist() == [0, 1, 2]
+    kept = torch.arange(2 * layout.logits_to_keep).reshape(2, -1, 1).float()
+    from miles_async.backends.shared_prefix import row_logits
+
+    assert row_logits(kept, layout)[2, :, 0].tolist() == [10.0, 11.0, 12.0]
+
+
+def test_packing_counts_a_shared_prompt_once():
+    prompts = [[1] * 30] * 8
+    lengths = [4] * 8
+    # One row per sample: 34 tokens each, three fit in 120.
+    assert [len(b) for b in pack_micro_batches([34] * 8, 120)] == [3, 3, 2]
+    # Shared: 30 + 4 * k fits k = 8 in 62.
+    assert pack_shared(prompts, lengths, 62) == [list(range(8))]
+    assert [len(b) for b in pack_shared(prompts, lengths, 61)] == [7, 1]
+    # Two prompts: two sequences, each padded to the longest layout.
+    assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4)) == [[0, 1, 2]]
+    assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4) - 1) == [[0, 1], [2]]
+    assert pack_shared([[1] * 100], [4], 50) == [[0]]  # too long for the budget: alone
