@@ -33,6 +33,7 @@ from miles_async.config import (
     precision,
     report,
     rollout,
+    tools,
     tracking,
     train,
 )
@@ -79,6 +80,7 @@ COMPONENTS = (
     report,
     control,
     precision,
+    tools,
 )
 GROUPS = tuple(g for component in COMPONENTS for g in component.GROUPS)
 FLAGS: tuple[Flag, ...] = tuple(f for title in SECTIONS for g in GROUPS if g.title == title for f in g.flags)
@@ -171,13 +173,20 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
 
 
 def _count_prompts(ns: argparse.Namespace) -> int:
-    """Reads --prompt-data (each line checked, naming file and line); at least one rollout's worth. The files
-    and the reward plugins are read here, at the top, because the rollout code that knows their format sits
-    above the typed configs."""
+    """Reads --prompt-data (each line checked, naming file and line); at least one rollout's worth. The files,
+    the reward plugins and the tool registry are read here, at the top, because the rollout code that knows their
+    format sits above the typed configs."""
     from miles_async.rollout.data_source import count_and_validate_prompts
     from miles_async.rollout.rewards import validate_reward_flags
 
     validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    if ns.tools_path is not None:
+        from miles_async.rollout.tools import load_tools
+
+        try:
+            load_tools(ns.tools_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
     require(
         num_prompts >= ns.rollout_batch_size,
@@ -227,6 +236,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         train=actor,
         checkpoint=checkpoint.build(ns),
         control=control.build(ns),
+        tools=tools.build(ns),
         tracking=tracking.build(ns),
         loop=loop.build(ns, num_rollout, per_epoch, start_rollout_id),
         critic=train.build_critic(ns, actor),

@@ -108,6 +108,7 @@ class Run:
                 self.restore.load_dir,
                 self._load_rollout_id,
                 cfg.tracking.output_dir,
+                tools=cfg.tools,
             )
         )
         await self.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout

@@ -22,7 +22,14 @@ from miles_async.config.engine import EngineConfig, FaultToleranceConfig
 from miles_async.config.evaluation import EvalConfig
 from miles_async.config.loop import FullyAsyncConfig, LoopConfig
 from miles_async.config.megatron import MegatronConfig
-from miles_async.config.rollout import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
+from miles_async.config.rollout import (
+    DataConfig,
+    DynamicSamplingConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
+from miles_async.config.tools import ToolsConfig
 from miles_async.config.tracking import TrackingConfig
 from miles_async.config.train import OptimizerConfig, TrainConfig
 
@@ -34,6 +41,7 @@ __all__ = [
     "Config",
     "ControlConfig",
     "DataConfig",
+    "DynamicSamplingConfig",
     "EngineConfig",
     "EvalConfig",
     "FaultToleranceConfig",
@@ -44,6 +52,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "ToolsConfig",
     "TrackingConfig",
     "TrainConfig",
 ]
@@ -61,5 +70,6 @@ class Config:
     loop: LoopConfig
     critic: TrainConfig | None = None
     control: ControlConfig | None = None  # --api-server-*: the control API and /metrics (None: not served)
+    tools: ToolsConfig | None = None  # --tools-path: multi-turn generation with tools (None: single turn)
     check_config: bool = False  # --check-config: print the configuration and the worker plan instead of running
     warnings: tuple[str, ...] = ()  # flags given without effect; what this machine lacks under --check-config

@@ -14,8 +14,6 @@ from miles_async.config.declare import ConfigError, at_least, flag, group, posit
 class FullyAsyncConfig:
     max_staleness_steps: int
     max_concurrent_groups: int
-    zero_variance_filter: bool
-    zero_variance_tol: float
     watchdog_seconds: float
 
 
@@ -70,19 +68,6 @@ GROUPS = (
             default=None,
             effect_needs=FULLY_ASYNC,
             help="groups generating at once (default: rollout-batch-size * (max-staleness-steps + 1))",
-        ),
-        flag(
-            "--zero-variance-filter",
-            action="store_true",
-            needs=when_flag("--fully-async", why="for now"),
-            help="drop groups whose rewards are all equal and keep pulling until a full batch",
-        ),
-        flag(
-            "--zero-variance-tol",
-            type=float,
-            default=1e-6,
-            check=at_least(0),
-            effect_needs=when_flag("--zero-variance-filter"),
         ),
         flag(
             "--rollout-watchdog-seconds",
@@ -203,8 +188,6 @@ def fully_async_config(ns: argparse.Namespace) -> FullyAsyncConfig | None:
     return FullyAsyncConfig(
         ns.max_staleness_steps,
         ns.async_max_concurrent_groups or _most_concurrent_groups(ns),
-        ns.zero_variance_filter,
-        ns.zero_variance_tol,
         ns.rollout_watchdog_seconds,
     )
 

@@ -46,7 +46,13 @@ def when_given(name: str) -> When:
 
 REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
 RM_TYPES = ("math", "integer", "exact", "first_integer", REMOTE_RM_TYPE)
-PLUGIN_FLAGS = ("custom_generate_function_path", "rollout_function_path", "data_source_path")
+PLUGIN_FLAGS = (
+    "custom_generate_function_path",
+    "rollout_function_path",
+    "data_source_path",
+    "dynamic_sampling_filter_path",
+)
+ZERO_VARIANCE_FILTER = "miles_async.rollout.filters.zero_variance"  # what --zero-variance-filter stands for
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,16 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: which filter judges each group, and how many prompts a draw takes."""
+
+    filter_path: str | None  # None: every group kept (over-sampling alone)
+    filter_name: str  # the filter as messages name it: --zero-variance-filter or --dynamic-sampling-filter-path X
+    over_sampling_batch_size: int  # prompts per draw in the one-step-off loop
+    zero_variance_tol: float  # the built-in filter's tolerance (args.zero_variance_tol for any filter)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     data: DataConfig
     reward: RewardConfig
@@ -113,6 +129,7 @@ class RolloutConfig:
     timeout: float = 1800.0  # --rollout-timeout: seconds one rollout (and one eval) may take
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
+    dynamic_sampling: DynamicSamplingConfig | None = None  # None: every rollout draws --rollout-batch-size prompts
 
 
 GROUPS = (
@@ -142,6 +159,20 @@ GROUPS = (
             ),
         ),
         flag("--rollout-batch-size", type=int, default=None, check=(given(), positive()), help="prompts per rollout"),
+        flag(
+            "--over-sampling-batch-size",
+            type=int,
+            default=None,
+            check=at_least(1),
+            effect_needs=When(
+                "the one-step-off or --synchronous loop (the --fully-async producer draws one prompt at a time as "
+                "capacity frees up)",
+                lambda ns: not ns.fully_async,
+            ),
+            help="prompts per draw of dynamic sampling (default: --rollout-batch-size): a rollout draws this many "
+            "whenever the groups kept and still generating cannot fill --rollout-batch-size, and stops once that "
+            "many are kept; the groups still generating then are cancelled and their prompts drawn again next",
+        ),
         flag("--n-samples-per-prompt", type=int, default=1, check=at_least(1)),
         flag("--rollout-max-response-len", type=int, default=128, check=at_least(1)),
         flag("--rollout-temperature", type=float, default=1.0, check=at_least(0)),
@@ -260,6 +291,30 @@ GROUPS = (
             help="raise: a reward function that raises fails the run, naming the sample; "
             "zero: the sample gets reward 0 and is counted in rollout/reward_errors",
         ),
+        flag(
+            "--dynamic-sampling-filter-path",
+            default=None,
+            help="DAPO dynamic sampling: module:function (or module.function) judging each prompt's rewarded group, "
+            "Miles/slime's signature fn(args, samples) -> bool or an object with .keep (DynamicFilterOutput); "
+            f"dropped groups are replaced by new draws. Built in: {ZERO_VARIANCE_FILTER} (= --zero-variance-filter)",
+        ),
+        flag(
+            "--zero-variance-filter",
+            action="store_true",
+            help=f"drop groups whose rewards are all equal and keep drawing until a full batch (shorthand for "
+            f"--dynamic-sampling-filter-path {ZERO_VARIANCE_FILTER})",
+        ),
+        flag(
+            "--zero-variance-tol",
+            type=float,
+            default=1e-6,
+            check=at_least(0),
+            effect_needs=When(
+                "--zero-variance-filter or --dynamic-sampling-filter-path",
+                lambda ns: ns.zero_variance_filter or ns.dynamic_sampling_filter_path is not None,
+            ),
+            help="rewards within this of each other count as equal (the filter reads it as args.zero_variance_tol)",
+        ),
         flag("--custom-generate-function-path", default=None),
         flag("--rollout-function-path", default=None),
         flag("--data-source-path", default=None),
@@ -289,10 +344,36 @@ def validate(ns: argparse.Namespace) -> None:
         "give exactly one of --rm-type, --custom-rm-path and --rm-url"
         + (f" (given: {', '.join(given_rewards)})" if given_rewards else ""),
     )
+    require(
+        not (ns.zero_variance_filter and ns.dynamic_sampling_filter_path not in (None, ZERO_VARIANCE_FILTER)),
+        f"--zero-variance-filter is --dynamic-sampling-filter-path {ZERO_VARIANCE_FILTER}: give one filter, not "
+        f"also --dynamic-sampling-filter-path {ns.dynamic_sampling_filter_path}",
+    )
+    require(
+        ns.data_source_path is None or dynamic_sampling_config(ns) is None or ns.fully_async,
+        "--dynamic-sampling-filter-path, --zero-variance-filter and --over-sampling-batch-size need the built-in "
+        "data source in the one-step-off loop (it takes back the prompts a rollout drew but did not use); "
+        f"--data-source-path {ns.data_source_path} is a plugin",
+    )
     for dest in PLUGIN_FLAGS:
         value = getattr(ns, dest)
         if value is not None:
             load_function(value, flag="--" + dest.replace("_", "-"))
+
+
+def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | None:
+    """None when no flag of dynamic sampling is given: each rollout then draws exactly --rollout-batch-size."""
+    path = ZERO_VARIANCE_FILTER if ns.zero_variance_filter else ns.dynamic_sampling_filter_path
+    if path is None and ns.over_sampling_batch_size is None:
+        return None
+    name = (
+        "--zero-variance-filter"
+        if ns.zero_variance_filter
+        else f"--dynamic-sampling-filter-path {path}"
+        if path is not None
+        else "--over-sampling-batch-size"
+    )
+    return DynamicSamplingConfig(path, name, ns.over_sampling_batch_size or ns.rollout_batch_size, ns.zero_variance_tol)
 
 
 def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> RolloutConfig:
@@ -338,4 +419,5 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
         timeout=ns.rollout_timeout,
         partial_rollout=ns.partial_rollout,
         mask_offpolicy_in_partial_rollout=ns.mask_offpolicy_in_partial_rollout,
+        dynamic_sampling=dynamic_sampling_config(ns),
     )

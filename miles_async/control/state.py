@@ -42,7 +42,8 @@ def step_gauges(metrics: Mapping[str, float]) -> dict[str, float]:
     ):
         if key in metrics:
             out[gauge] = float(metrics[key])
-    kept, dropped = metrics.get("async/groups_kept"), metrics.get("async/groups_dropped")
+    # Over the run so far, in both loops (the dynamic-sampling filter's totals).
+    kept, dropped = metrics.get("rollout/groups_kept_total"), metrics.get("rollout/groups_dropped_total")
     if kept is not None and dropped is not None and kept + dropped > 0:
         out["keep_rate"] = float(kept) / (kept + dropped)
     return out

@@ -13,14 +13,16 @@ from pathlib import Path
 
 import ray
 
-from miles_async.config import EngineConfig, EvalConfig, RolloutConfig
+from miles_async.config import EngineConfig, EvalConfig, RolloutConfig, ToolsConfig
 from miles_async.inference.router import make_router
 from miles_async.rollout.batch import rollout_metrics, to_train_batch
 from miles_async.rollout.data_source import DataSource, PromptItem, load_prompts
+from miles_async.rollout.dynamic_sampling import DynamicSampler
 from miles_async.rollout.eval import evaluate
-from miles_async.rollout.filters import BatchAssembler
+from miles_async.rollout.filters import BatchAssembler, filter_args, load_group_filter
 from miles_async.rollout.fully_async import FullyAsyncProducer
 from miles_async.rollout.generate import GenerateContext, encode_prompt, generate_sample
+from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_rollout
 from miles_async.rollout.staleness import StalenessManager
@@ -57,6 +59,7 @@ class RolloutExecutor:
         load_dir: str | None = None,
         load_rollout_id: int | None = None,
         output_dir: str | None = None,
+        tools: ToolsConfig | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -92,6 +95,8 @@ class RolloutExecutor:
         gen_fn = (
             load_function(cfg.custom_generate_function_path, "--custom-generate-function-path")
             if cfg.custom_generate_function_path
+            else generate_multi_turn
+            if tools is not None
             else generate_sample
         )
         self.rollout_fn = (
@@ -100,7 +105,7 @@ class RolloutExecutor:
             else generate_rollout
         )
         self.reward = RewardModel(cfg.reward)
-        gctx = GenerateContext(self.router, self.tokenizer)
+        gctx = GenerateContext(self.router, self.tokenizer, Toolbox(tools) if tools is not None else None)
         self.ctx = RolloutContext(
             self.data_source,
             gctx,
@@ -119,6 +124,26 @@ class RolloutExecutor:
         # Data-source state just before each rollout drew its prompts: a checkpoint of rollout N
         # is taken while N+1 may already be generating, and must resume by regenerating N+1.
         self._state_before: dict[int, dict] = {}
+        # Groups the dynamic-sampling filter kept / dropped over the run, and their values before each rollout.
+        self.groups_kept_total = self.groups_dropped_total = 0
+        if loaded is not None and "groups_filter_totals" in loaded:
+            self.groups_kept_total, self.groups_dropped_total = loaded["groups_filter_totals"]
+        self._totals_before: dict[int, list[int]] = {}
+        ds = cfg.dynamic_sampling
+        group_filter = (
+            load_group_filter(ds.filter_path, filter_args(cfg), ds.filter_name)
+            if ds is not None and ds.filter_path is not None
+            else None
+        )
+        if ds is not None and cfg.fully_async is None:
+            if not (hasattr(self.data_source, "draw") and hasattr(self.data_source, "give_back")):
+                raise ValueError(
+                    f"{ds.filter_name} needs a data source with draw() and "
+                    f"give_back() (the built-in one): --data-source-path {cfg.data_source_path} has none"
+                )
+            self.ctx.dynamic_sampling = DynamicSampler(
+                group_filter, cfg.rollout_batch_size, ds.over_sampling_batch_size
+            )
         self.producer = None
         if cfg.fully_async is not None:
             fa = cfg.fully_async
@@ -126,7 +151,7 @@ class RolloutExecutor:
                 self.ctx,
                 self.data_source,
                 StalenessManager(fa.max_concurrent_groups, cfg.rollout_batch_size, fa.max_staleness_steps),
-                BatchAssembler(cfg.rollout_batch_size, fa.zero_variance_tol if fa.zero_variance_filter else None),
+                BatchAssembler(cfg.rollout_batch_size, None, group_filter),
                 fa.watchdog_seconds,
                 cfg.timeout,
             )
@@ -145,9 +170,16 @@ class RolloutExecutor:
         if self.producer is not None:
             raise RuntimeError("--fully-async: the producer generates all along; take its batches with drain()")
 
-        async def produce() -> tuple[list, list, dict]:
+        async def produce() -> tuple[list, list, dict, tuple]:
             groups = await self.rollout_fn(self.ctx, rollout_id)
-            return groups, [None] * len(groups), {}
+            sampler = self.ctx.dynamic_sampling
+            if sampler is None:
+                return groups, [None] * len(groups), {}, ()
+            report = sampler.take_report()
+            # A --rollout-function-path may reshape what generate_rollout returned: epochs then are unknown.
+            epochs = report.epochs if len(report.epochs) == len(groups) else [None] * len(groups)
+            metrics = {"rollout/groups_given_back": report.given_back, "rollout/sampling_rounds": report.rounds}
+            return groups, epochs, metrics, tuple(report.dropped)
 
         return await self._rollout(rollout_id, produce)
 
@@ -155,21 +187,35 @@ class RolloutExecutor:
         """--fully-async: the next batch the producer, generating all along, has assembled; as ``generate``."""
         if self.producer is None:
             raise RuntimeError("drain() needs --fully-async (no producer runs); generate() makes each rollout")
-        return await self._rollout(rollout_id, self.producer.get_batch)
 
-    async def _rollout(self, rollout_id: int, produce: Callable[[], Awaitable[tuple[list, list, dict]]]) -> dict:
-        """Runs ``produce`` (-> groups, each group's epoch, its own metrics) between the bookkeeping both modes
-        share: the data position before the draw (for checkpoints), reward counters, the audit log."""
+        async def produce() -> tuple[list, list, dict, tuple]:
+            groups, epochs, metrics = await self.producer.get_batch()
+            return groups, epochs, metrics, tuple(self.producer.take_dropped())
+
+        return await self._rollout(rollout_id, produce)
+
+    async def _rollout(self, rollout_id: int, produce: Callable[[], Awaitable[tuple[list, list, dict, tuple]]]) -> dict:
+        """Runs ``produce`` (-> groups, each group's epoch, its own metrics, the groups the filter dropped) between
+        the bookkeeping both modes share: the data position before the draw (for checkpoints), reward and filter
+        counters, the audit log."""
         t0 = time.time()
         errors_before, timeouts_before = self.reward.errors, self.reward.timeouts
         self._state_before[rollout_id] = self.data_source.state_dict()
+        self._totals_before[rollout_id] = [self.groups_kept_total, self.groups_dropped_total]
         for old in [k for k in self._state_before if k < rollout_id - 2]:
             del self._state_before[old]
-        groups, epochs, async_metrics = await produce()
+            self._totals_before.pop(old, None)
+        groups, epochs, async_metrics, dropped = await produce()
+        self.groups_kept_total += len(groups)
+        self.groups_dropped_total += len(dropped)
         metrics = {**rollout_metrics(groups), **async_metrics}
         metrics["rollout/reward_errors"] = self.reward.errors - errors_before
         metrics["rollout/reward_timeouts"] = self.reward.timeouts - timeouts_before
         metrics["rollout/generate_seconds"] = time.time() - t0
+        metrics["rollout/groups_kept"] = len(groups)
+        metrics["rollout/groups_dropped"] = len(dropped)
+        metrics["rollout/groups_kept_total"] = self.groups_kept_total
+        metrics["rollout/groups_dropped_total"] = self.groups_dropped_total
         if self.rollout_log is not None:
             with self.rollout_log.open("a") as fh:
                 fh.write(
@@ -179,6 +225,11 @@ class RolloutExecutor:
                             "uids": [g[0].uid for g in groups],
                             "epochs": epochs,
                             "rewards": [[s.reward for s in g] for g in groups],
+                            # Consumed for their epoch without being trained: the dynamic-sampling filter dropped them.
+                            "dropped_uids": [d.uid for d in dropped],
+                            "dropped_epochs": [d.epoch for d in dropped],
+                            "dropped_rewards": [d.rewards for d in dropped],
+                            "dropped_reasons": [d.reason for d in dropped],
                         }
                     )
                     + "\n"
@@ -196,6 +247,9 @@ class RolloutExecutor:
         state = {
             "rollout_id": rollout_id,
             "data_source": self._state_before.get(rollout_id + 1, self.data_source.state_dict()),
+            "groups_filter_totals": self._totals_before.get(
+                rollout_id + 1, [self.groups_kept_total, self.groups_dropped_total]
+            ),
         }
         if self.producer is not None:
             state["fully_async"] = self.producer.state_dict(trained_steps=rollout_id + 1)

@@ -59,6 +59,14 @@ def to_train_batch(groups: list[list[Sample]]) -> RolloutBatch:
     )
 
 
+def tool_call_frac(samples: list[Sample]) -> float | None:
+    """The fraction of samples whose model wrote a turn after a tool's response (``turns > 1``: it called a tool
+    and went on), or None when no sample came from multi-turn generation (``turns`` is 0 for single-turn)."""
+    if not samples or not any(s.turns for s in samples):
+        return None
+    return sum(s.turns > 1 for s in samples) / len(samples)
+
+
 def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict[str, float]:
     samples = [s for g in groups for s in g]
     if not samples:
@@ -79,6 +87,9 @@ def rollout_metrics(groups: list[list[Sample]], prefix: str = "rollout") -> dict
         f"{prefix}/partial_resumed_samples": sum(s.partial_resumes > 0 for s in samples),
         f"{prefix}/offpolicy_masked_tokens": sum(s.offpolicy_masked_tokens for s in samples),
     }
+    tool_frac = tool_call_frac(samples)
+    if tool_frac is not None:
+        out[f"{prefix}/tool_call_frac"] = tool_frac
     if versions:
         out[f"{prefix}/weight_version_min"] = min(versions)
         out[f"{prefix}/weight_version_max"] = max(versions)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ class DataSource:
     """Hands out ``batch_size`` prompts per rollout, epoch by epoch, in a reproducible order.
 
     The state is (epoch, offset): enough to resume with exactly the same order, since the
-    permutation of each epoch is a pure function of (seed, epoch).
+    permutation of each epoch is a pure function of (seed, epoch); plus the prompts given back
+    (``give_back``): drawn by a rollout that had kept enough groups before they finished, they
+    are handed out again, first and in their own epoch, so no prompt of an epoch is lost.
     """
 
     def __init__(self, cfg: DataConfig, batch_size: int, items: list[PromptItem] | None = None):
@@ -103,6 +106,8 @@ class DataSource:
         self.epoch = 0
         self.offset = 0
         self._order = self._epoch_order(0)
+        self._index = {item.uid: i for i, item in enumerate(self.items)}
+        self._given_back: deque[tuple[int, int]] = deque()  # (epoch, item index), handed out first
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.items)))
@@ -113,13 +118,15 @@ class DataSource:
     def next_batch(self) -> list[PromptItem]:
         # The tail of an epoch shorter than a batch is skipped (drop_last), so every
         # rollout is a full batch and every epoch has the same number of rollouts.
-        if self.offset + self.batch_size > len(self.items):
+        back = [self.items[self._given_back.popleft()[1]] for _ in range(min(self.batch_size, len(self._given_back)))]
+        need = self.batch_size - len(back)
+        if self.offset + need > len(self.items):
             self.epoch += 1
             self.offset = 0
             self._order = self._epoch_order(self.epoch)
-        idx = self._order[self.offset : self.offset + self.batch_size]
-        self.offset += self.batch_size
-        return [self.items[i] for i in idx]
+        idx = self._order[self.offset : self.offset + need]
+        self.offset += need
+        return back + [self.items[i] for i in idx]
 
     def next_item(self) -> PromptItem:
         """One prompt at a time, epoch after epoch (the fully-async producer's access)."""
@@ -131,8 +138,29 @@ class DataSource:
         self.offset += 1
         return item
 
+    def draw(self) -> tuple[int, PromptItem]:
+        """One prompt and the epoch it counts in (dynamic sampling's access): a given-back prompt first, else
+        the next one in order, epoch after epoch with no tail skipped."""
+        if self._given_back:
+            epoch, i = self._given_back.popleft()
+            return epoch, self.items[i]
+        item = self.next_item()
+        return self.epoch, item
+
+    def give_back(self, drawn: Iterable[tuple[int, PromptItem]]) -> None:
+        """Prompts drawn (``draw``) but neither trained nor filtered: the next draws hand them out again, in
+        the epoch they were drawn in."""
+        for epoch, item in drawn:
+            self._given_back.append((epoch, self._index[item.uid]))
+
+    def num_given_back(self) -> int:
+        return len(self._given_back)
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "num_items": len(self.items)}
+        state = {"epoch": self.epoch, "offset": self.offset, "num_items": len(self.items)}
+        if self._given_back:
+            state["given_back"] = [[e, self.items[i].uid] for e, i in self._given_back]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_items") != len(self.items):
@@ -140,6 +168,12 @@ class DataSource:
                 f"--load: the checkpoint's data source had {state.get('num_items')} prompts, "
                 f"--prompt-data now has {len(self.items)}"
             )
+        given_back = deque()
+        for epoch, uid in state.get("given_back", []):
+            if uid not in self._index:
+                raise DataError(f"--load: the checkpoint gives back prompt uid {uid!r}, which --prompt-data lacks")
+            given_back.append((int(epoch), self._index[uid]))
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
         self._order = self._epoch_order(self.epoch)
+        self._given_back = given_back

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 from miles_async.config import EvalConfig
+from miles_async.rollout.batch import tool_call_frac
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.utils.async_utils import gather_fail_fast
@@ -22,6 +23,9 @@ async def evaluate(ctx: RolloutContext, cfg: EvalConfig, datasets: dict[str, lis
         metrics[f"eval/{name}/accuracy"] = statistics.fmean(float(s.reward) for s in samples)
         metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(s.response_length for s in samples)
         metrics[f"eval/{name}/num_samples"] = len(samples)
+        tool_frac = tool_call_frac(samples)
+        if tool_frac is not None:
+            metrics[f"eval/{name}/tool_call_frac"] = tool_frac
         if versions:
             metrics[f"eval/{name}/weight_version_min"] = min(versions)
             metrics[f"eval/{name}/weight_version_max"] = max(versions)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from miles_async.rollout.data_source import PromptItem
-from miles_async.rollout.filters import BatchAssembler, starved_by_filter
+from miles_async.rollout.dynamic_sampling import DroppedGroup
+from miles_async.rollout.filters import BatchAssembler, starvation_message, starved_by_filter
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.staleness import StalenessManager, staleness_of
@@ -85,6 +86,7 @@ class FullyAsyncProducer:
         self.consumed: dict[int, set[str]] = {}
         self.stale_regenerated = 0
         self.last_completion = clock()
+        self._dropped: list[DroppedGroup] = []  # filtered since the last batch, for the audit log
 
     def _notify(self) -> None:
         self._producer_wake.set()
@@ -112,6 +114,8 @@ class FullyAsyncProducer:
         else:
             self.staleness.on_filtered()
             self._consume(ticket.epoch, ticket.item.uid)
+            rewards = [s.reward for s in group]
+            self._dropped.append(DroppedGroup(ticket.epoch, ticket.item.uid, rewards, self.assembler.last_reason))
             self._check_filter_not_starving(group)
         self._notify()
 
@@ -125,10 +129,7 @@ class FullyAsyncProducer:
         in_a_row, prompts = self.assembler.dropped_in_a_row, len(self.data_source.items)
         if starved_by_filter(in_a_row, prompts):
             raise ProducerError(
-                f"--zero-variance-filter dropped {in_a_row} groups in a row, at least a full pass over the {prompts} "
-                f"prompts of the data: every sample of each group got the same reward (the last group: "
-                f"{[s.reward for s in group]}), so no batch can be trained. Check the reward (--rm-type, "
-                f"--custom-rm-path, --label-key) or run without --zero-variance-filter."
+                starvation_message(self.assembler.filter_name, in_a_row, prompts, [s.reward for s in group])
             )
 
     def _consume(self, epoch: int, uid: str) -> None:
@@ -216,6 +217,11 @@ class FullyAsyncProducer:
         self._notify()  # taking a batch may free capacity
         metrics = self._metrics(groups, tickets, buffered_at_start, self.clock() - t_start)
         return ProducedBatch(groups, [t.epoch for t in tickets], metrics)
+
+    def take_dropped(self) -> list[DroppedGroup]:
+        """The groups the filter dropped since the last call (their prompts are consumed), for the audit log."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _metrics(
         self, groups: list[list[Sample]], tickets: list[_Ticket], buffered: int, waited: float

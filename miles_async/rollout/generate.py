@@ -27,6 +27,7 @@ _FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "ab
 class GenerateContext:
     router: Router
     tokenizer: Any
+    tools: Any = None  # a rollout.multi_turn.Toolbox under --tools-path; None: no tools
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:

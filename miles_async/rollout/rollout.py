@@ -2,6 +2,8 @@
 
 A custom rollout function (``--rollout-function-path``) has the signature of
 ``generate_rollout``: ``async fn(ctx: RolloutContext, rollout_id: int) -> list[list[Sample]]``.
+With ``--dynamic-sampling-filter-path`` / ``--zero-variance-filter`` / ``--over-sampling-batch-size``
+the draw goes through ``ctx.dynamic_sampling`` (``rollout/dynamic_sampling.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_async.rollout.data_source import PromptItem
+from miles_async.rollout.dynamic_sampling import DynamicSampler
 from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_prompt
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.sample import Sample, SampleStatus
@@ -38,6 +41,7 @@ class RolloutContext:
     prompt_token_cache: dict[str, list[int]] = field(default_factory=dict)
     partial_rollout: bool = False  # resume ABORTED samples from their tokens instead of regenerating
     mask_offpolicy_in_partial_rollout: bool = False  # train only tokens of a sample's newest weights
+    dynamic_sampling: DynamicSampler | None = None  # over-sampling rounds and the group filter
 
     def prompt_tokens(self, item: PromptItem) -> list[int]:
         tokens = self.prompt_token_cache.get(item.uid)
@@ -113,6 +117,11 @@ async def generate_group(
 
 
 async def generate_rollout(ctx: RolloutContext, rollout_id: int) -> list[list[Sample]]:
+    if ctx.dynamic_sampling is not None:
+        return await ctx.dynamic_sampling.sample(
+            ctx.data_source,
+            lambda item, gi: generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params),
+        )
     items = ctx.data_source.next_batch()
     return await gather_fail_fast(
         generate_group(ctx, item, gi, ctx.n_samples_per_prompt, ctx.sampling_params) for gi, item in enumerate(items)

@@ -46,6 +46,9 @@ class Sample:
     # Set by the rollout driver, read by the rollout metrics.
     partial_resumes: int = 0  # times an aborted generation was continued from its tokens
     offpolicy_masked_tokens: int = 0  # tokens --mask-offpolicy-in-partial-rollout took out of the loss
+    # Set by a multi-turn generate function (rollout/multi_turn.py): assistant turns generated so far. With the
+    # response tokens and loss mask it is the whole conversation state a resumed partial rollout needs.
+    turns: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -54,6 +57,11 @@ class Sample:
     @property
     def response_length(self) -> int:
         return len(self.response_tokens)
+
+    def get_reward_value(self, args: Any = None) -> float:
+        """The reward as a number (Miles/slime's accessor, which their dynamic-sampling filters call); the reward
+        model already read any --reward-key, so ``args`` is not needed."""
+        return float(self.reward)
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * self.response_length

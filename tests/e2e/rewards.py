@@ -60,3 +60,22 @@ def _append_line(path: Path, line: str) -> None:
 def always_zero(sample) -> float:
     """A verifier that never accepts anything: every group has zero reward variance."""
     return 0.0
+
+
+def flat_on_odd_label(sample) -> float:
+    """Every sample of a prompt with an odd label gets 1 (a zero-variance group, for dynamic sampling to drop);
+    the groups of the other prompts get 1 for their first sample and 0 for the rest."""
+    if int(sample.label) % 2:
+        return 1.0
+    return float(sample.index == 0)
+
+
+def nonzero_std(args, samples, **kwargs):
+    """A dynamic-sampling filter written as for Miles/slime: rewards through ``get_reward_value``, a tensor verdict."""
+    import torch
+
+    from miles_async.rollout.filters import DynamicFilterOutput
+
+    rewards = [s.get_reward_value(args) for s in samples]
+    keep = torch.tensor(rewards, dtype=torch.float).std() > 0.0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")

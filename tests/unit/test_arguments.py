@@ -158,9 +158,11 @@ def test_fully_async_contradictions(tmp_path, data, extra, fragment):
         parse_args(base(tmp_path, data, "--fully-async", "--use-tis", *extra))
 
 
-def test_zero_variance_filter_needs_fully_async(tmp_path, data):
-    with pytest.raises(ConfigError, match="--zero-variance-filter needs --fully-async"):
-        parse_args(base(tmp_path, data, "--zero-variance-filter"))
+def test_zero_variance_filter_is_dynamic_sampling_in_either_loop(tmp_path, data):
+    for loop in ([], ["--fully-async"]):
+        ds = parse_args(base(tmp_path, data, "--zero-variance-filter", *loop)).rollout.dynamic_sampling
+        assert ds.filter_path == "miles_async.rollout.filters.zero_variance"
+        assert ds.filter_name == "--zero-variance-filter"
 
 
 @pytest.mark.parametrize(

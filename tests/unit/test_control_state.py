@@ -29,8 +29,8 @@ ASYNC_STEP = {
     "async/buffer_at_wait_start": 3,
     "async/staleness_mean": 0.5,
     "async/staleness_max": 1,
-    "async/groups_kept": 6,
-    "async/groups_dropped": 2,
+    "rollout/groups_kept_total": 6,
+    "rollout/groups_dropped_total": 2,
 }
 
 
