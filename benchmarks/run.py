@@ -33,6 +33,7 @@ REGISTRY: dict[str, str] = {
     "orchestration": "benchmarks.orchestration",
     "time_to_accuracy": "benchmarks.time_to_accuracy",
     "save_latency": "benchmarks.save_latency",
+    "train_step": "benchmarks.train_step",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -14,7 +14,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def shell_scripts() -> list[str]:
-    files = {*ROOT.glob("scripts/**/*.sh"), *ROOT.glob("scripts/**/*.sbatch"), *STUBS.iterdir()}
+    files = {
+        *ROOT.glob("scripts/**/*.sh"),
+        *ROOT.glob("scripts/**/*.sbatch"),
+        *ROOT.glob("examples/**/*.sh"),
+        *STUBS.iterdir(),
+    }
     return sorted(str(f.relative_to(ROOT)) for f in files if f.is_file())
 
 
@@ -34,6 +39,7 @@ def test_the_lint_inputs_are_the_ones_we_ship():
         "scripts/quickstart.sh",
         "scripts/run-smollm2-cpu-async.sh",
         "scripts/run-qwen3-4B-async.sh",
+        "examples/tool_calculator/run.sh",
         "scripts/lib/launch.sh",
         "scripts/models/qwen3-4B.sh",
         "scripts/models/qwen2.5-7B.sh",
