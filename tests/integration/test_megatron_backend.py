@@ -281,7 +281,9 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
     train, _ = tiny_task
     # KL loss to a reference model and an entropy bonus, so every term of the shared loss is compared.
     extra = ["--use-kl-loss", "--kl-loss-coef", "0.5", "--ref-load", str(tiny_model), "--entropy-coef", "0.01"]
-    fsdp_argv = _args(tiny_model, train, tmp_path)[:-2] + extra
+    # Megatron lays out one row per sample: so does the torch backend here, so that the per-micro-batch means
+    # (train/loss) are over the same micro-batches.
+    fsdp_argv = _args(tiny_model, train, tmp_path)[:-2] + extra + ["--no-shared-prefix"]
     _spawn(
         _backend_worker,
         1,
