@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import json
 import os
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles_async.utils.plugins import PluginError
+from miles_async.utils.plugins import PluginError, load_object
 
 FLAG = "--tools-path"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -107,16 +106,7 @@ def result_text(value: Any) -> str:
 # -- the registry -----------------------------------------------------------------------------------
 def load_tools(path: str, flag: str = FLAG) -> dict[str, Callable[..., Any]]:
     """The tools at ``module:attr`` or ``module.attr``: a dict name -> callable, or a list of callables."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise PluginError(f"{flag}: '{path}' is not of the form module:attribute or module.attribute")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # any import-time failure is the registry's, report it as such
-        raise PluginError(f"{flag}: cannot import module '{module_name}' from '{path}': {e!r}") from e
-    if not hasattr(module, attr):
-        raise PluginError(f"{flag}: module '{module_name}' has no attribute '{attr}'")
-    registry = getattr(module, attr)
+    registry = load_object(path, flag)
     if isinstance(registry, dict):
         tools = dict(registry)
     elif isinstance(registry, (list, tuple)):
