@@ -69,14 +69,14 @@ def plan_runs(seed: int, runs: int, num_rollout: int) -> list[KillPlan]:
 # -- checkpoints ---------------------------------------------------------------------------------------------------
 
 
-def expected_parts(num_train_workers: int, save_optimizer: bool = True, roles: tuple[str, ...] = ("actor",)) -> list:
+def expected_parts(num_train_workers: int, roles: tuple[str, ...] = ("actor",)) -> list:
     """The files a complete torch-backend iteration folder holds (``backends/fsdp/worker.py`` ``save``,
     ``ray/rollout_executor.py`` ``save``), relative to the folder."""
     parts = ["COMPLETE", STATE_FILE]
     for role in roles:
-        parts.append(f"{role}/model.safetensors")
-        if save_optimizer:
-            parts.append(f"{role}/optimizer.pt")
+        # backends/fsdp/checkpoint.py: DCP's metadata and one shard file per rank (optimizer state included).
+        parts += [f"{role}/dcp/.metadata", f"{role}/train_state.pt"]
+        parts += [f"{role}/dcp/__{r}_0.distcp" for r in range(num_train_workers)]
         parts += [f"{role}/rng_rank{r}.pt" for r in range(num_train_workers)]
     return parts
 

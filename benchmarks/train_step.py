@@ -66,8 +66,11 @@ def _batch(vocab: int, seed: int = 0) -> RolloutBatch:
     return to_train_batch(groups)
 
 
-def _worker(variant: str, model: str, data: str, steps: int, conn) -> None:
-    """Build one variant's actor, then train one step per request from the parent."""
+def _worker(variant: str, model: str, data: str, steps: int, conn, tree: str | None = None) -> None:
+    """Build one variant's actor, then train one step per request from the parent. ``tree``: a source tree of
+    another revision (``--baseline``) to import miles_async from."""
+    if tree is not None:
+        sys.path.insert(0, tree)
     import torch
 
     from miles_async.arguments import parse_args
@@ -93,7 +96,7 @@ def _worker(variant: str, model: str, data: str, steps: int, conn) -> None:
             str(THREADS),
             "--output-dir",
             tempfile.mkdtemp(),
-            *VARIANTS[variant],
+            *VARIANTS[variant.split(" @")[0]],
         ]
     ).train
     t0 = time.time()
@@ -137,7 +140,12 @@ def _available_gib() -> float:
 
 
 def measure(
-    model: Path, reps: int, work: Path, variants: tuple[str, ...] = tuple(VARIANTS), min_free_gib: float = 18.0
+    model: Path,
+    reps: int,
+    work: Path,
+    variants: tuple[str, ...] = tuple(VARIANTS),
+    min_free_gib: float = 18.0,
+    trees: dict[str, str] | None = None,
 ) -> dict:
     """One warm-up step each, then ``reps`` timed steps each.
 
@@ -156,7 +164,8 @@ def measure(
 
     def start(backend: str) -> None:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(backend, str(model), str(train), reps + 1, child))
+        tree = (trees or {}).get(backend)
+        proc = ctx.Process(target=_worker, args=(backend, str(model), str(train), reps + 1, child, tree))
         proc.start()
         workers[backend] = (proc, parent)
         results[backend].update(parent.recv())
@@ -194,12 +203,29 @@ def measure(
     return {"mode": "interleaved" if interleaved else "sequential", "backends": results}
 
 
-def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+def _export(rev: str, into: Path) -> str:
+    """The source tree of git revision ``rev`` of this repository, written under ``into`` (read-only use of git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    tree = into / f"tree-{rev}"
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return str(tree)
+
+
+def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS), baseline: str | None = None) -> dict:
+    """``baseline``: also the torch backend of that git revision ("fsdp @<rev>"), side by side."""
     from benchmarks.common import fmt, median, smollm2_path, table
 
     reps = 3 if quick else 6
     with tempfile.TemporaryDirectory() as tmp:
-        measured = measure(smollm2_path(), reps, Path(tmp), variants)
+        trees = {}
+        if baseline is not None:
+            trees[f"fsdp @{baseline}"] = _export(baseline, Path(tmp))
+            variants = (*variants, f"fsdp @{baseline}")
+        measured = measure(smollm2_path(), reps, Path(tmp), variants, trees=trees)
     res = measured["backends"]
     rows = [
         [
@@ -220,6 +246,10 @@ def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS))
     megatron, unshared = ratio("megatron", "fsdp"), ratio("fsdp --no-shared-prefix", "fsdp")
     tokens = res["fsdp"]["tokens"]
     notes = []
+    if baseline is not None:
+        notes.append(
+            f"this tree / {baseline} = {ratio('fsdp', f'fsdp @{baseline}'):.2f}x per step (torch backend, 1 worker)."
+        )
     if unshared is not None:
         notes.append(
             f"one row per sample / shared prefix = {unshared:.2f}x per step: the shared layout computes each "
@@ -275,8 +305,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=tuple(VARIANTS))
+    p.add_argument("--baseline", default=None, help="a git revision whose torch backend runs side by side")
     a = p.parse_args()
-    result = run(a.quick, Path(tempfile.mkdtemp()), tuple(a.variants))
+    result = run(a.quick, Path(tempfile.mkdtemp()), tuple(a.variants), a.baseline)
     for t in result["tables"]:
         from benchmarks.common import render_table
 

@@ -56,6 +56,7 @@ SECTIONS = (
     "inference engines",
     "eval",
     "training",
+    "LoRA (torch backend)",
     "megatron (--train-backend megatron)",
     "critic (--advantage-estimator ppo)",
     "optimizer",

@@ -46,6 +46,15 @@ def all_reduce_sum(value: float, dp: DataParallel, device: torch.device) -> floa
     return float(t.item())
 
 
+def all_reduce_max(value: int, dp: DataParallel, device: torch.device) -> int:
+    """The largest of every replica's ``value``."""
+    if dp.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp.group)
+    return int(t.item())
+
+
 def all_gather_dict(part: dict[int, V], dp: DataParallel) -> dict[int, V]:
     """Every replica's ``{sample index: value}`` merged, so each holds the whole batch's."""
     if dp.size == 1:
@@ -53,3 +62,12 @@ def all_gather_dict(part: dict[int, V], dp: DataParallel) -> dict[int, V]:
     parts: list[dict[int, V]] = [{} for _ in range(dp.size)]
     dist.all_gather_object(parts, part, group=dp.group)
     return {k: v for p in parts for k, v in p.items()}
+
+
+def all_gather_keys(part: dict[int, V], dp: DataParallel) -> list[int]:
+    """The union of every replica's keys of ``part``, sorted."""
+    if dp.size == 1:
+        return sorted(part)
+    parts: list[list[int]] = [[] for _ in range(dp.size)]
+    dist.all_gather_object(parts, sorted(part), group=dp.group)
+    return sorted({k for p in parts for k in p})

@@ -32,7 +32,7 @@ from miles_async.algorithms.losses import (
     masked_mean,
     policy_loss,
 )
-from miles_async.backends.data_parallel import DataParallel, all_gather_dict, shard
+from miles_async.backends.data_parallel import DataParallel, all_gather_dict, all_gather_keys, shard
 from miles_async.backends.packing import MicroBatch, pad_rows
 from miles_async.utils.weight_checksum import tensor_checksums
 from miles_async.weights.disk import write_engine_folder
@@ -190,10 +190,14 @@ class PolicyMixin:
                 )
             by_version.setdefault(newest, []).append(i)
         out: dict[int, list[float]] = {i: [] for i in by_version.pop(-1, [])}
+        # Every replica goes through every version any of them holds: a sharded model's passes are collectives.
+        for version in all_gather_keys(by_version, self.dp):
+            by_version.setdefault(version, [])
         for version, rows in sorted(by_version.items()):
             if version not in self._kept_weights:
+                sample = f" (sample {batch.uids[rows[0]]})" if rows else " (another replica's sample)"
                 raise RuntimeError(
-                    f"--keep-old-actor: weight version {version} (sample {batch.uids[rows[0]]}) is "
+                    f"--keep-old-actor: weight version {version}{sample} is "
                     f"no longer kept; kept versions: {sorted(self._kept_weights)}"
                 )
             out.update(

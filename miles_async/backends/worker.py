@@ -177,7 +177,7 @@ class BaseWorker:
         """``fn``'s ``[B, R]`` output for each sample, cut to its response length."""
         out: dict[int, list[float]] = {}
         for rows in self._micro_batches(batch, idx):
-            values = fn(self._collate(batch, rows))
+            values = fn(self._collate(batch, rows or [0]))  # no rows: a sharded worker's throw-away pass
             for r, i in enumerate(rows):
                 out[i] = values[r, : batch.response_lengths[i]].float().cpu().tolist()
         return out

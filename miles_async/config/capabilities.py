@@ -106,6 +106,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         why="it needs a critic, which the megatron backend does not have yet",
     ),
     Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",), why="use --use-tis or --use-rollout-logprobs instead"),
+    Capability("--lora-rank", TRAIN_BACKEND, ("fsdp",), why="the megatron backend trains no adapters yet"),
     *(
         Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
         for name in (

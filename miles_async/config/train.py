@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from miles_async.config.algorithm import CRITIC, AlgorithmConfig
 from miles_async.config.capabilities import resolve_weight_update_method
+from miles_async.config.cluster import num_train_workers
 from miles_async.config.declare import (
     When,
     at_least,
@@ -41,6 +42,21 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """--lora-*: adapters on the torch backend's policy (backends/fsdp/lora.py)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]  # module name suffixes, or ("all-linear",)
+    save_adapter: bool = False  # --save-hf also writes the adapter alone into <save-hf>/adapter
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     backend: str
     model_path: str  # HF folder the policy starts from
@@ -61,6 +77,8 @@ class TrainConfig:
     attention_dropout: float = 0.0  # dropout in training passes only; log-probs are computed without it
     hidden_dropout: float = 0.0  # megatron only: the HF models of the torch backend have no hidden dropout
     shared_prefix: bool = False  # the policy's passes compute each group's prompt once (backends/shared_prefix.py)
+    cpu_offload: bool = False  # sharded torch backend: shards, gradients and optimizer state in host memory
+    lora: LoraSettings | None = None  # the policy trains LoRA adapters only (torch backend)
 
 
 SHARED_PREFIX = flag(
@@ -73,6 +91,15 @@ SHARED_PREFIX = flag(
     "to float rounding. torch backend with sdpa or eager attention; the critic keeps one row per sample. "
     "--no-shared-prefix: one row per sample",
 )
+LORA = When("--lora-rank > 0", lambda ns: ns.lora_rank > 0)
+
+
+def _module_list(name: str, value: str) -> str | None:
+    if not [m for m in value.split(",") if m.strip()]:
+        return f"{name} names no module: give comma-separated module names (q_proj,v_proj) or all-linear"
+    return None
+
+
 ADAM = when_value("--optimizer", "adam")
 SGD = when_value("--optimizer", "sgd")
 
@@ -118,7 +145,8 @@ GROUPS = (
             default="fsdp",
             choices=("fsdp", "megatron"),
             check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
-            help="fsdp: HF transformers models under torch DDP; megatron: Megatron-core GPTModel "
+            help="fsdp: HF transformers models, sharded by FSDP2 over 2 or more workers (each transformer block and "
+            "the root; the reference model and the critic as well); megatron: Megatron-core GPTModel "
             "(pip install -r requirements-megatron.txt)",
         ),
         flag("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
@@ -139,6 +167,16 @@ GROUPS = (
             "counting padded tokens",
         ),
         SHARED_PREFIX,
+        flag(
+            "--fsdp-cpu-offload",
+            action="store_true",
+            effect_needs=When(
+                "--train-backend fsdp with 2 or more training workers (one worker is not sharded)",
+                lambda ns: ns.train_backend == "fsdp" and num_train_workers(ns) > 1,
+            ),
+            help="FSDP2's CPU offload: parameter shards, gradients and optimizer state live in host memory and "
+            "each block's weights move to the GPU for its compute (slower; fits a larger model)",
+        ),
         flag(
             "--gradient-checkpointing",
             action="store_true",
@@ -165,6 +203,43 @@ GROUPS = (
             help="as --attention-dropout, for Megatron's residual dropout",
         ),
         flag("--seed", type=int, default=1234),
+    ),
+    group(
+        "LoRA (torch backend)",
+        flag(
+            "--lora-rank",
+            type=int,
+            default=0,
+            check=at_least(0, " (0: no LoRA)"),
+            help="train LoRA adapters of this rank on the policy's linear layers instead of its weights (peft); "
+            "the optimizer and checkpoints hold only the adapters, the engines get merged weights",
+        ),
+        flag(
+            "--lora-alpha", type=float, default=16.0, check=positive(), effect_needs=LORA, help="LoRA scaling numerator"
+        ),
+        flag(
+            "--lora-dropout",
+            type=float,
+            default=0.0,
+            check=within(0, 1),
+            effect_needs=LORA,
+            help="dropout on the adapters' input in training passes (0 keeps the first step's importance ratio 1)",
+        ),
+        flag(
+            "--lora-target-modules",
+            default="all-linear",
+            check=_module_list,
+            effect_needs=LORA,
+            help="comma-separated module names to adapt (q_proj,k_proj,v_proj,o_proj), or all-linear: every linear "
+            "layer but the output head",
+        ),
+        flag(
+            "--save-lora-adapter",
+            action="store_true",
+            needs=LORA,
+            effect_needs=When("--save-hf", lambda ns: ns.save_hf is not None),
+            help="--save-hf also writes the adapter alone, as a PEFT folder, into <save-hf>/adapter",
+        ),
     ),
     group(
         "critic (--advantage-estimator ppo)",
@@ -298,6 +373,16 @@ def build(
         attention_dropout=ns.attention_dropout,
         hidden_dropout=ns.hidden_dropout,
         shared_prefix=ns.shared_prefix and ns.train_backend == "fsdp",
+        cpu_offload=ns.fsdp_cpu_offload,
+        lora=LoraSettings(
+            ns.lora_rank,
+            ns.lora_alpha,
+            ns.lora_dropout,
+            tuple(m.strip() for m in ns.lora_target_modules.split(",") if m.strip()),
+            ns.save_lora_adapter,
+        )
+        if ns.lora_rank > 0
+        else None,
     )
 
 
@@ -312,5 +397,6 @@ def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | No
         role="critic",
         model_path=ns.critic_load or ns.hf_checkpoint,
         ref_model_path=None,
+        lora=None,  # the value model trains whole
         optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup),
     )

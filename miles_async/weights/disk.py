@@ -6,6 +6,7 @@ engines' dtype, which the engines then load (SGLang's ``/update_weights_from_dis
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -70,6 +71,16 @@ def save_hf_folder(
         if side_files == "all" or f.name == "config.json":
             shutil.copy2(f, out / f.name)
     return total
+
+
+def write_hf_checkpoint(named: Iterable[tuple[str, torch.Tensor]], model_path: str, path: str | Path) -> None:
+    """--save-hf: an HF folder of ``named`` with ``model_path``'s config and tokenizer at ``path``, written
+    beside it first and renamed into place, so ``path`` is always a whole checkpoint."""
+    tmp = Path(str(path) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf_folder(named, model_path, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
 
 
 def write_engine_folder(named: Iterable[tuple[str, torch.Tensor]], model_path: str, update: WeightUpdate) -> int:

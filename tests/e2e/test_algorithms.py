@@ -61,8 +61,8 @@ def test_ppo_with_its_critic_raises_the_reward_and_resumes(tiny_model, tiny_task
     # reward spread and failed the single-step comparison in about 1 of 8 runs (0.078 -> 0.158 once).
     vf = [r["critic/vf_loss"] for r in m]
     assert sum(vf[-4:]) / 4 < sum(vf[:2]) / 2, vf
-    assert (ckpt / "iter_0000005" / "critic" / "model.safetensors").exists()
-    assert (ckpt / "iter_0000005" / "critic" / "optimizer.pt").exists()
+    assert (ckpt / "iter_0000005" / "critic" / "dcp" / ".metadata").exists()
+    assert (ckpt / "iter_0000005" / "critic" / "train_state.pt").exists()
     resumed = run_train(
         _args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "14", *ppo, "--load", str(ckpt)), tmp_path / "b"
     )

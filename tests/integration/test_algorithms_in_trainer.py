@@ -126,7 +126,7 @@ def test_critic_checkpoint_round_trips(tiny_model, tiny_task, tmp_path):
     values = critic.compute_values(0, batch)
     critic.train(0, batch, values, [[1.0] * len(v) for v in values])
     critic.save(str(tmp_path / "ckpt"), 0)
-    assert (tmp_path / "ckpt" / "iter_0000000" / "critic" / "model.safetensors").exists()
+    assert (tmp_path / "ckpt" / "iter_0000000" / "critic" / "dcp" / ".metadata").exists()
     restored = FSDPCritic(cfg.critic, 0, 1, 4, str(tmp_path / "ckpt"), 0)
     assert restored.state_checksum() == critic.state_checksum()
     assert restored.optimizer_steps == 1

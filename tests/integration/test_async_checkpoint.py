@@ -20,7 +20,10 @@ import ray
 import torch
 
 from miles_async.arguments import parse_args
+from miles_async.backends.fsdp import checkpoint
 from miles_async.backends.fsdp.actor import FSDPTrainActor
+from miles_async.backends.fsdp.checkpoint import DCP_DIR
+from miles_async.backends.fsdp.worker import TRAIN_STATE
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.ray.train_group import TrainGroup
 from miles_async.rollout.batch import RolloutBatch, to_train_batch
@@ -137,13 +140,19 @@ def test_a_background_save_returns_before_its_write_and_moves_the_pointer_only_a
     assert (save_dir_path / POINTER).read_text().strip() == "0"
     assert (iteration_dir(save_dir, 0) / "COMPLETE").is_file()
     assert set(rng) >= {"python", "numpy", "torch"}
-    from safetensors.torch import load_file
-
-    saved = load_file(iteration_dir(save_dir, 0) / "actor" / "model.safetensors")
+    saved = _saved_weights(cfg, iteration_dir(save_dir, 0) / "actor")
+    assert saved.keys() == boundary.keys()
     assert all(torch.equal(saved[k], boundary[k]) for k in saved)
     assert any(not torch.equal(saved[k], later[k]) for k in saved)  # step 1 moved the live weights, not the copy
-    opt = torch.load(iteration_dir(save_dir, 0) / "actor" / "optimizer.pt", weights_only=True)
-    assert opt["optimizer_steps"] == 1
+    train_state = torch.load(iteration_dir(save_dir, 0) / "actor" / TRAIN_STATE, weights_only=True)
+    assert train_state["optimizer_steps"] == 1
+
+
+def _saved_weights(cfg, folder) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint's role folder, read by the backend's own loader into a fresh worker."""
+    actor = FSDPTrainActor(cfg.train, 0, 1, 10)
+    checkpoint.load(actor.module, None, folder, None)
+    return actor.module.state_dict()
 
 
 def test_at_most_one_save_in_flight(local_ray, tiny_model, tiny_task, tmp_path):
@@ -177,11 +186,11 @@ def test_at_most_one_save_in_flight(local_ray, tiny_model, tiny_task, tmp_path):
 def test_a_failed_background_write_is_raised_at_the_next_save_naming_its_folder(
     local_ray, tiny_model, tiny_task, tmp_path
 ):
-    """The worker cannot write its weights (a folder stands where the file goes): the save itself returned, the next
-    save raises naming the iteration folder, and the pointer never moved to it."""
+    """The worker cannot write its weights (a folder stands where its shard file goes): the save itself returned,
+    the next save raises naming the iteration folder, and the pointer never moved to it."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--save-interval", "1")
     save_dir = cfg.checkpoint.save
-    (iteration_dir(save_dir, 0) / "actor" / "model.safetensors").mkdir(parents=True)
+    (iteration_dir(save_dir, 0) / "actor" / DCP_DIR / "__0_0.distcp").mkdir(parents=True)
 
     async def scenario():
         run = await _run(cfg)
@@ -196,7 +205,7 @@ def test_a_failed_background_write_is_raised_at_the_next_save_naming_its_folder(
             await run.dispose()
 
     error = asyncio.run(scenario())
-    assert "model.safetensors" in str(error.__cause__)
+    assert "__0_0.distcp" in str(error.__cause__)
     assert not (tmp_path / "ckpt" / POINTER).exists()
     assert not (iteration_dir(save_dir, 0) / "COMPLETE").exists()
 
@@ -211,7 +220,7 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("part", ["rng_rank0.pt", "optimizer.pt"])
+@pytest.mark.parametrize("part", ["rng_rank0.pt", TRAIN_STATE])
 def test_a_tampered_checkpoint_file_is_refused_and_its_payload_never_runs(tiny_model, tiny_task, tmp_path, part):
     cfg = _cfg(tiny_model, tiny_task, tmp_path)
     FSDPTrainActor(cfg.train, 0, 1, 10).save(str(tmp_path / "ckpt"), 0)

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from miles_async.arguments import parse_args
 from miles_async.backends.data_parallel import DataParallel, all_gather_dict, all_reduce_sum, shard
 from miles_async.backends.fsdp.actor import FSDPTrainActor
+from miles_async.backends.fsdp.sharding import full_parameters
 from miles_async.rollout.batch import RolloutBatch, to_train_batch
 from miles_async.rollout.sample import Sample
 from tests.flag_helpers import tiny_train_flags
@@ -48,8 +49,9 @@ def _train(cfg, rank: int, world: int, port: int, out) -> None:
     actor = FSDPTrainActor(cfg.train, rank, world, total_optimizer_steps=10)
     actor.init_process_group("127.0.0.1", port)
     metrics = actor.train(0, _batch())
+    state = {k: v.clone() for k, v in full_parameters(actor.module)}  # every rank takes part in the gathers
     if rank == 0:
-        torch.save({"state": actor.module.state_dict(), "grad_norm": metrics["train/grad_norm"]}, out)
+        torch.save({"state": state, "grad_norm": metrics["train/grad_norm"]}, out)
 
 
 def _worker(rank, cfg, world, port, out):
@@ -119,10 +121,11 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     single, pair = single["state"], pair["state"]
     initial = FSDPTrainActor(one.train, 0, 1, 10).module.state_dict()
     assert any(not torch.equal(initial[k], single[k]) for k in single)  # the step did change the weights
-    # atol is 1% of one Adam step (lr 1e-2): where a gradient is near Adam's eps, g / (|g| + eps) amplifies the
-    # all-reduce's summation-order noise (2.5e-5 seen on an AMD EPYC); a wrong shard or reduction moves weights by ~lr.
+    # atol is 2% of one Adam step (lr 1e-2): where a gradient is near Adam's eps, g / (|g| + eps) amplifies the
+    # reduce-scatter's summation-order noise (1.07e-4 seen on an AMD EPYC); a wrong shard or reduction moves
+    # weights by ~lr.
     for k in single:
-        torch.testing.assert_close(pair[k], single[k], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(pair[k], single[k], rtol=1e-3, atol=2e-4)
 
 
 def test_kl_loss_to_the_reference_model(tiny_model, tiny_task, tmp_path):

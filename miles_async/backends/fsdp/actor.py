@@ -8,20 +8,19 @@ entropy, and takes the optimizer step through ``TrainWorker``.
 
 from __future__ import annotations
 
-import copy
-import os
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
+from miles_async.backends.fsdp.lora import adapter_tensors, add_adapters, merged_parameters, write_adapter
+from miles_async.backends.fsdp.sharding import full_parameters, local_tensor, shard_model
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
+from miles_async.weights.disk import write_hf_checkpoint
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:
@@ -69,15 +68,19 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         load_dir: str | None = None,
         load_rollout_id: int | None = None,
     ):
-        super().__init__(cfg, rank, world_size, total_optimizer_steps)
+        # Built before the base class sets up: sharded with the policy when there are several workers.
         self.ref_model = None
         if cfg.algorithm.needs_ref_model and cfg.ref_model_path is not None:
-            self.ref_model = self._causal_lm(cfg.ref_model_path).to(self.device).eval().requires_grad_(False)
+            self.ref_model = self._causal_lm(cfg.ref_model_path).eval().requires_grad_(False)
+        super().__init__(cfg, rank, world_size, total_optimizer_steps, load_dir, load_rollout_id)
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
         self._init_policy_state()
         # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None
-        if load_dir is not None and load_rollout_id is not None:
-            self._load(load_dir, load_rollout_id)
+
+    def _modules_to_shard(self) -> list[torch.nn.Module]:
+        return [self.module] + ([self.ref_model] if self.ref_model is not None else [])
 
     @staticmethod
     def _causal_lm(path: str, **config: float) -> torch.nn.Module:
@@ -87,7 +90,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     def _build_module(self) -> torch.nn.Module:
         # --attention-dropout: HF attention applies it in training passes only (log-probs run in eval mode).
-        return self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
+        model = self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
+        return add_adapters(model, self.cfg.lora) if self.cfg.lora is not None else model
 
     # -- forward passes --------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
@@ -119,27 +123,35 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         return self.scheduler.get_last_lr()[0]
 
     def _snapshot_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        # This rank's shards: the scratch module is sharded the same way.
+        return {k: local_tensor(v.detach()).to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def _model_with_weights(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         if self._old_module is None:
-            self._old_module = copy.deepcopy(self.module).eval().requires_grad_(False)
-        self._old_module.load_state_dict(state, strict=False)
+            self._old_module = self._build_module().to(self.device).eval().requires_grad_(False)
+            self._old_module.config.use_cache = False
+            if self._sharded:
+                shard_model(self._old_module, self.world_size, self.device, self.cfg.dtype == "bfloat16", False)
+        with torch.no_grad():
+            for k, v in self._old_module.state_dict().items():
+                local_tensor(v).copy_(state[k])
         return self._old_module
 
     # -- weights -----------------------------------------------------------------------
     def _weight_source(self) -> WeightSource:
-        # DDP replicas agree: rank 0's copy goes out, alone.
-        return WeightSource(self.module.named_parameters, sends=self.rank == 0)
+        # Sharded: every rank takes part in each parameter's gather, rank 0 sends. One worker: its own tensors.
+        # With LoRA the engines get each adapted layer merged, under the model's HF names.
+        if self.cfg.lora is not None:
+            return WeightSource(lambda: merged_parameters(self.module), sends=self.rank == 0, gathers=self._sharded)
+        if not self._sharded:
+            return WeightSource(self.module.named_parameters, sends=True)
+        return WeightSource(lambda: full_parameters(self.module), sends=self.rank == 0, gathers=True)
 
     def save_hf(self, path: str) -> None:
-        if self.rank != 0:
-            return
-        from transformers import AutoTokenizer
-
-        tmp = Path(str(path) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.module.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.cfg.model_path).save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        """--save-hf: rank 0 writes the policy (merged with its adapters) from tensors gathered one at a time;
+        with --save-lora-adapter the adapter alone goes into ``path``/adapter as well."""
+        self._weight_source().read(lambda named: write_hf_checkpoint(named, self.cfg.model_path, path), None)
+        lora = self.cfg.lora
+        if lora is not None and lora.save_adapter:
+            adapters = WeightSource(lambda: adapter_tensors(self.module), sends=self.rank == 0, gathers=self._sharded)
+            adapters.read(lambda named: write_adapter(named, lora, self.cfg.model_path, f"{path}/adapter"), None)

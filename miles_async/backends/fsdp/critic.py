@@ -19,26 +19,12 @@ from miles_async.backends.data_parallel import all_gather_dict, shard
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch, pad_rows
 from miles_async.backends.policy import reduce_metrics
-from miles_async.config import TrainConfig
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
 
 class FSDPCritic(TrainWorker):
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        rank: int,
-        world_size: int,
-        total_optimizer_steps: int,
-        load_dir: str | None = None,
-        load_rollout_id: int | None = None,
-    ):
-        super().__init__(cfg, rank, world_size, total_optimizer_steps)
-        if load_dir is not None and load_rollout_id is not None:
-            self._load(load_dir, load_rollout_id)
-
     def _build_module(self) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForTokenClassification
 

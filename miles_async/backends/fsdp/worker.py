@@ -1,21 +1,24 @@
 """What the policy and the value model of the torch backend share.
 
-On top of ``BaseWorker``: the HF module, the optimizer (AdamW or SGD) under a torch LR
-scheduler, data parallelism by DDP over torch.distributed's world group (gloo on the CPU,
-NCCL on GPUs), the optimizer step itself, and checkpoints (weights, optimizer, RNG) in a
-sub-folder named after the worker's role, written at once or copied to the CPU at the step
-boundary and written in the background (--async-save).
+On top of ``BaseWorker``: the HF module, sharded by FSDP2 over the workers when there are two or more
+(``sharding.py``: gloo on the CPU, NCCL on GPUs), the optimizer (AdamW or SGD) on this rank's shards under a
+torch LR scheduler, the optimizer step itself, and sharded checkpoints (``checkpoint.py``) in a sub-folder
+named after the worker's role, written at once or copied at the step boundary and written in the background
+(--async-save).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from miles_async.backends.fsdp import checkpoint
+from miles_async.backends.fsdp.sharding import even_out, full_tensor, shard_model, total_norm
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.worker import (
     BaseWorker,
@@ -31,6 +34,8 @@ from miles_async.utils.checkpoint import fsync_path, iteration_dir, load_tensors
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
+TRAIN_STATE = "train_state.pt"
+
 # loss_fn(micro_batch, sample_indices) -> (loss of those samples under the step's aggregation, metrics)
 LossFn = Callable[[MicroBatch, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -45,140 +50,165 @@ def make_optimizer(params, opt: OptimizerConfig) -> torch.optim.Optimizer:
     )
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """``obj`` with every tensor copied to the CPU: the optimizer's state dict holds the live tensors that the
-    next step updates in place."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
-
-
 class TrainWorker(BaseWorker):
     """Base of the torch backend's policy and critic workers; subclasses build the module and the loss."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, total_optimizer_steps: int):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        total_optimizer_steps: int,
+        load_dir: str | None = None,
+        load_rollout_id: int | None = None,
+    ):
         super().__init__(cfg, rank, world_size)
-        # Parameters and optimizer state stay fp32; --bf16 runs the matmuls under autocast.
-        self.module = self._build_module().to(self.device)
+        # Master weights and optimizer state stay fp32; --bf16 computes in bf16 (autocast, and FSDP2's
+        # parameter cast when sharded).
+        with torch.random.fork_rng(devices=[]):
+            # Every rank builds the same module (a critic's head, LoRA's A matrices start random): FSDP2 keeps each
+            # rank's own shard of what it built, unlike DDP's broadcast from rank 0.
+            torch.manual_seed(cfg.seed)
+            self.module = self._build_module().to(self.device)
         if cfg.gradient_checkpointing:
             self.module.gradient_checkpointing_enable()
+            if not all(p.requires_grad for p in self.module.parameters()):
+                # Frozen embeddings (LoRA) would leave the checkpointed blocks' inputs without a gradient to carry.
+                self.module.enable_input_require_grads()
         self.module.config.use_cache = False
-        opt = cfg.optimizer
-        self.optimizer = make_optimizer(self.module.parameters(), opt)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt, total_optimizer_steps))
         self.pad_id = self.module.config.pad_token_id or 0
         self.model = self.module
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._total_optimizer_steps = total_optimizer_steps
+        self._load_from = (load_dir, load_rollout_id)
+        self._checkpoint_group: dist.ProcessGroup | None = None
+        self._pending_save: Future | None = None
+        if world_size == 1:  # nothing to shard: ready now, without a process group
+            self._setup()
 
     def _build_module(self) -> torch.nn.Module:
         raise NotImplementedError
 
+    def _modules_to_shard(self) -> list[torch.nn.Module]:
+        """Every model this worker runs as a collective once sharded (the policy adds its reference model)."""
+        return [self.module]
+
     def init_process_group(self, master_addr: str, master_port: int) -> None:
         if self.world_size == 1:
             return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
-        )
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        # CPU tensors (offloaded shards, checkpoint planning) need gloo beside NCCL on GPUs.
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():  # a process running two workers (a test) joins one group once
+            dist.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
+            )
+        self._checkpoint_group = dist.new_group(backend="gloo")
+        self._setup()
 
-        self.model = DDP(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+    def _setup(self) -> None:
+        """Shards the models over the workers (2 or more), then builds the optimizer on what this rank holds and
+        loads --load's checkpoint into it."""
+        if self.world_size > 1:
+            for module in self._modules_to_shard():
+                shard_model(module, self.world_size, self.device, self.cfg.dtype == "bfloat16", self.cfg.cpu_offload)
+        opt = self.cfg.optimizer
+        self.optimizer = make_optimizer([p for p in self.module.parameters() if p.requires_grad], opt)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt, self._total_optimizer_steps))
+        load_dir, load_rollout_id = self._load_from
+        if load_dir is not None and load_rollout_id is not None:
+            self._load(load_dir, load_rollout_id)
+
+    @property
+    def _trains_subset(self) -> bool:
+        """Whether some weights are frozen (LoRA): checkpoints then hold only the trained ones."""
+        return any(not p.requires_grad for p in self.module.parameters())
+
+    @property
+    def _sharded(self) -> bool:
+        return self.world_size > 1
+
+    def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
+        packed = super()._micro_batches(batch, idx)
+        return even_out(packed, self.dp, self.device) if self._sharded else packed
+
+    def _per_sample(self, fn, batch: RolloutBatch, idx: list[int]) -> dict[int, list[float]]:
+        out = super()._per_sample(fn, batch, idx)
+        if self._sharded:
+            # FSDP2 leaves the root's parameters (embeddings, head) gathered after a forward, expecting the
+            # backward; a pass without one would keep them whole until the next training step.
+            for module in self._modules_to_shard():
+                module.reshard()
+        return out
 
     # -- one rollout's optimisation --------------------------------------------------------
     def _optimizer_step(self, batch: RolloutBatch, idx: list[int], loss_fn: LossFn, metrics_acc: dict) -> None:
-        """One optimizer step over this worker's samples ``idx`` of the step."""
+        """One optimizer step over this worker's samples ``idx`` of the step. Sharded, every micro-batch's
+        backward reduce-scatters its gradients, so no rank ever holds a full gradient."""
         self.optimizer.zero_grad(set_to_none=True)
-        micro = self._micro_batches(batch, idx)
         step_size = self._step_size(batch, idx)
-        is_ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        for k, rows in enumerate(micro):
+        for rows in self._micro_batches(batch, idx):
+            if not rows:  # even_out's throw-away pass: keeps this rank in step with the others' collectives
+                loss, _ = loss_fn(self._collate(batch, [0]), [0])
+                (loss * 0.0).backward()
+                continue
             mb = self._collate(batch, rows)
-            sync = k == len(micro) - 1 or not is_ddp
-            with torch.enable_grad() if sync else self.model.no_sync():
-                loss, m = loss_fn(mb, rows)
-                (loss * self._share(mb, rows, step_size)).backward()
+            loss, m = loss_fn(mb, rows)
+            (loss * self._share(mb, rows, step_size)).backward()
             m["loss"] = loss.detach()
             for key, value in m.items():
                 metrics_acc.setdefault(key, []).append(float(value))
+        trained = [p for p in self.module.parameters() if p.requires_grad]
         if self.cfg.optimizer.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.optimizer.clip_grad)
+            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(trained, self.cfg.optimizer.clip_grad)))
         else:
-            grad_norm = torch.sqrt(
-                sum((p.grad.float() ** 2).sum() for p in self.module.parameters() if p.grad is not None)
-            )
-        metrics_acc.setdefault("grad_norm", []).append(float(grad_norm))
+            grad_norm = total_norm([p.grad for p in trained if p.grad is not None])
+        metrics_acc.setdefault("grad_norm", []).append(grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer_steps += 1
 
+    def state_checksum(self) -> float:
+        return float(sum(full_tensor(p.detach()).double().sum() for p in self.module.parameters()))
+
     # -- checkpoints -------------------------------------------------------------------
     def save(self, save_dir: str, rollout_id: int, save_optimizer: bool = True, background: bool = False) -> None:
-        """This worker's part of checkpoint ``rollout_id``: written now, or with ``background`` copied to the CPU
-        now (the step boundary) and written by ``write_checkpoint`` while training goes on."""
+        """This worker's shards of checkpoint ``rollout_id``: written now, or with ``background`` copied to host
+        memory now (the step boundary) and written while training goes on (``write_checkpoint`` waits for it)."""
         out = iteration_dir(save_dir, rollout_id) / self.cfg.role
+        out.mkdir(parents=True, exist_ok=True)
         rng = rng_state()
-        if self.rank != 0:
-            model = optimizer = None
-        elif background:
-            model = {k: v.detach().to("cpu", copy=True) for k, v in self._model_state().items()}
-            optimizer = _cpu_copy(self._optimizer_state()) if save_optimizer else None
-        else:
-            model, optimizer = self._model_state(), self._optimizer_state() if save_optimizer else None
-        self._unwritten = lambda: self._write(out, rng, model, optimizer)
+        train_state = {"scheduler": self.scheduler.state_dict(), "optimizer_steps": self.optimizer_steps}
+        state = checkpoint.state_of(self.module, self.optimizer if save_optimizer else None, self._trains_subset)
+        pending = checkpoint.save(state, out, self._checkpoint_group, background)
+        self._unwritten = lambda: self._write(out, rng, train_state, pending)
         if not background:
             self.write_checkpoint()
 
-    def _model_state(self) -> dict[str, torch.Tensor]:
-        state = {k: v.detach().contiguous() for k, v in self.module.state_dict().items()}
-        # Tied weights share storage; safetensors refuses aliases, so keep one name.
-        if getattr(self.module.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        return state
-
-    def _optimizer_state(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "optimizer_steps": self.optimizer_steps,
-        }
-
-    def _write(self, out: Path, rng: dict, model: dict | None, optimizer: dict | None) -> None:
-        from safetensors.torch import save_file
-
-        out.mkdir(parents=True, exist_ok=True)
+    def _write(self, out: Path, rng: dict, train_state: dict, pending: Future | None) -> None:
+        if pending is not None:
+            pending.result()
         save_rng_state(out, self.rank, rng)
-        if model is not None:
-            save_file(model, str(out / "model.safetensors"))
-            fsync_path(out / "model.safetensors")
-        if optimizer is not None:
-            save_tensors(optimizer, out / "optimizer.pt")
+        if self.rank == 0:
+            save_tensors(train_state, out / TRAIN_STATE)
         fsync_path(out)
 
     def _load(self, load_dir: str, rollout_id: int) -> None:
-        from safetensors.torch import load_file
-
         src = iteration_dir(load_dir, rollout_id) / self.cfg.role
-        if not (src / "model.safetensors").exists():
+        why = checkpoint.missing_weights(src, self.cfg.role)
+        if why is not None:
             hint = (
                 " (written by a run without a critic, i.e. not --advantage-estimator ppo)"
-                if self.cfg.role == "critic"
+                if self.cfg.role == "critic" and not src.exists()
                 else ""
             )
-            raise RuntimeError(f"--load: {src} holds no {self.cfg.role} weights{hint}")
-        missing, unexpected = self.module.load_state_dict(load_file(str(src / "model.safetensors")), strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]
-        if missing or unexpected:
-            raise RuntimeError(
-                f"--load: {src} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        if getattr(self.module.config, "tie_word_embeddings", False):
-            self.module.tie_weights()
-        if (src / "optimizer.pt").exists():
-            opt = load_tensors(src / "optimizer.pt")
-            self.optimizer.load_state_dict(opt["optimizer"])
-            self.scheduler.load_state_dict(opt["scheduler"])
-            self.optimizer_steps = opt["optimizer_steps"]
+            raise RuntimeError(f"--load: {why}{hint}")
+        with_optimizer = checkpoint.has_optimizer(src)
+        checkpoint.load(
+            self.module, self.optimizer if with_optimizer else None, src, self._checkpoint_group, self._trains_subset
+        )
+        if with_optimizer and (src / TRAIN_STATE).exists():
+            state = load_tensors(src / TRAIN_STATE)
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.optimizer_steps = state["optimizer_steps"]
         load_rng_state(src, self.rank)

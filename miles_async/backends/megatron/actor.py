@@ -15,9 +15,7 @@ process group first); ``TrainGroup.init`` always calls it, also with one worker.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +36,7 @@ from miles_async.backends.policy import LossOfOutputs, PolicyMixin
 from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
-from miles_async.weights.disk import save_hf_folder
+from miles_async.weights.disk import write_hf_checkpoint
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:
@@ -249,14 +247,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         return WeightSource(self._export, sends=self.rank == 0, gathers=self.dp.rank == 0)
 
     def save_hf(self, path: str) -> None:
-        def write(named) -> None:
-            tmp = Path(str(path) + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf_folder(named, self.cfg.model_path, tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
-
-        self._weight_source().read(write, None)
+        self._weight_source().read(lambda named: write_hf_checkpoint(named, self.cfg.model_path, path), None)
 
     # -- checkpoints: Megatron distributed checkpointing -----------------------------------------
     def _sharded_state(self, with_optimizer: bool, is_loading: bool = False) -> dict:
