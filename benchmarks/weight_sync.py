@@ -8,6 +8,13 @@ pays for a cast), against an engine server running in that dtype:
 - ``disk``: ``save_pretrained`` into a temporary folder, then ``update_weights_from_disk``
   (save and load are timed separately; the folder is still in the page cache when the engine
   reads it, as it would be on one machine);
+- ``shm@<size>``: the same route for an engine on the trainer's node (what ``--weight-update-method tensor``
+  now takes into the embedded engine there): ``shared_memory.push_staged``, each bucket written once into a
+  reused /dev/shm staging file, the engine maps it and copies it into its parameters;
+- ``pause:tensor``, ``pause:shm staged``: how long generation stops for one update (pause_generation to
+  continue_generation returning): the http push happens while paused; with shm the trainer writes and the
+  engine maps the update before the pause (``stage``, its seconds in the detail column), and the pause only
+  covers the commit, the copy into the parameters;
 - ``memcopy``: ``copy_`` of every parameter into preallocated tensors, the floor any route pays.
 
 Routes are interleaved within each repetition and every push bumps the weight version, which is
@@ -18,6 +25,7 @@ checked through ``/get_model_info`` afterwards. Parameters are the deduplicated
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -71,8 +79,11 @@ def _check_version(url: str, expected: int, route: str) -> None:
 def run(quick: bool, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from miles_async.inference.embedded.client import EmbeddedEngineClient
+    from miles_async.weights import shared_memory
     from miles_async.weights.http import push_buckets
     from miles_async.weights.source import iter_buckets
+    from miles_async.weights.staging import StagingBuffer
 
     reps = 2 if quick else 5
     dtypes = ["bfloat16", "float32"]
@@ -119,7 +130,66 @@ def run(quick: bool, out_dir: Path) -> dict:
                     raise RuntimeError(f"push_buckets sent {sent} bytes, expected {nbytes}")
                 return secs
 
-            cfg = engine_config(model_path, data, dtype, THREADS, out_dir=tmp)
+            # One staging buffer per bucket size, kept across updates as the trainer's sender keeps its own.
+            staging = {bb: StagingBuffer() for bb in BUCKETS}
+
+            def shm_push(bucket_bytes: int, version: int) -> float:
+                t0 = time.perf_counter()
+                sent = asyncio.run(
+                    shared_memory.push_staged(
+                        iter_buckets(model.named_parameters(), torch_dtype, bucket_bytes),
+                        [eng.url],
+                        version,
+                        TIMEOUT,
+                        "embedded",
+                        staging[bucket_bytes],
+                    )
+                )
+                secs = time.perf_counter() - t0
+                if sent != nbytes:
+                    raise RuntimeError(f"push_staged wrote {sent} bytes, expected {nbytes}")
+                return secs
+
+            def paused(during) -> float:
+                """Seconds from pause_generation to continue_generation returning, ``during`` run in between."""
+
+                async def go() -> float:
+                    async with EmbeddedEngineClient(eng.url, timeout=TIMEOUT) as c:
+                        t0 = time.perf_counter()
+                        await c.pause("in_place")
+                        try:
+                            await during()
+                        finally:
+                            await c.resume()
+                        return time.perf_counter() - t0
+
+                return asyncio.run(go())
+
+            def pause_http(version: int) -> float:
+                return paused(
+                    lambda: push_buckets(
+                        iter_buckets(model.named_parameters(), torch_dtype, BUCKETS[-1]), [eng.url], version, TIMEOUT
+                    )
+                )
+
+            def pause_shm_staged(version: int) -> tuple[float, float]:
+                t0 = time.perf_counter()
+                asyncio.run(
+                    shared_memory.stage(
+                        iter_buckets(model.named_parameters(), torch_dtype, BUCKETS[-1]),
+                        [eng.url],
+                        version,
+                        TIMEOUT,
+                        "embedded",
+                        staging[BUCKETS[-1]],
+                    )
+                )
+                staged = time.perf_counter() - t0
+                return staged, paused(lambda: shared_memory.commit([eng.url], version, TIMEOUT, "embedded", True))
+
+            # The engine holds the sent dtype even where bf16 decoding would be emulated (a CPU without bf16
+            # arithmetic makes the embedded engine serve float32): only weight transfer is timed here.
+            cfg = dataclasses.replace(engine_config(model_path, data, dtype, THREADS, out_dir=tmp), dtype=dtype)
             with running_engine(cfg, tmp / f"logs_{dtype}") as eng:
                 version = 0
                 # First touches fault in fresh pages on both ends; keep them out of the timings.
@@ -127,6 +197,10 @@ def run(quick: bool, out_dir: Path) -> dict:
                 version += 1
                 push(BUCKETS[-1], version)
                 _check_version(eng.url, version, "warm-up")
+                for bb in BUCKETS:
+                    version += 1
+                    shm_push(bb, version)
+                    _check_version(eng.url, version, "warm-up shm")
                 for rep in range(reps):
 
                     def record(route: str, secs: float, **extra) -> None:
@@ -139,6 +213,18 @@ def run(quick: bool, out_dir: Path) -> dict:
                         route = f"tensor@{bb // MIB}MiB"
                         record(route, push(bb, version), serialize_s=round(serialize_only(bb), 4))
                         _check_version(eng.url, version, route)
+                    for bb in BUCKETS:
+                        version += 1
+                        route = f"shm@{bb // MIB}MiB"
+                        record(route, shm_push(bb, version))
+                        _check_version(eng.url, version, route)
+                    version += 1
+                    record("pause:tensor", pause_http(version))
+                    _check_version(eng.url, version, "pause:tensor")
+                    version += 1
+                    staged, pause_s = pause_shm_staged(version)
+                    record("pause:shm staged", pause_s, stage_s=round(staged, 4))
+                    _check_version(eng.url, version, "pause:shm staged")
                     version += 1
                     folder = tmp / f"ckpt_{dtype}_{rep}"
                     t0 = time.perf_counter()
@@ -152,8 +238,15 @@ def run(quick: bool, out_dir: Path) -> dict:
                     _check_version(eng.url, version, "disk")
                     record("disk", saved + loaded, save_s=round(saved, 4), load_s=round(loaded, 4))
                     shutil.rmtree(folder)
+            for buf in staging.values():
+                buf.close()
 
-    routes = ["memcopy"] + [f"tensor@{bb // MIB}MiB" for bb in BUCKETS] + ["disk"]
+    routes = (
+        ["memcopy"]
+        + [f"tensor@{bb // MIB}MiB" for bb in BUCKETS]
+        + [f"shm@{bb // MIB}MiB" for bb in BUCKETS]
+        + ["disk", "pause:tensor", "pause:shm staged"]
+    )
     summary = []
     for dtype in dtypes:
         base = median([s["seconds"] for s in samples if s["dtype"] == dtype and s["route"] == "memcopy"])
@@ -170,6 +263,8 @@ def run(quick: bool, out_dir: Path) -> dict:
             }
             if route.startswith("tensor@"):
                 row["serialize_s"] = round(median([s["serialize_s"] for s in pick]), 4)
+            if route == "pause:shm staged":
+                row["stage_s"] = round(median([s["stage_s"] for s in pick]), 4)
             if route == "disk":
                 row["save_s"] = round(median([s["save_s"] for s in pick]), 4)
                 row["load_s"] = round(median([s["load_s"] for s in pick]), 4)
@@ -183,6 +278,12 @@ def run(quick: bool, out_dir: Path) -> dict:
             detail = f"save {s['save_s']:.2f} s + load {s['load_s']:.2f} s"
         elif s["route"].startswith("tensor@"):
             detail = f"of which safetensors encoding alone ~{s['serialize_s']:.2f} s"
+        elif s["route"].startswith("shm@"):
+            detail = "same node: one write into /dev/shm, the engine copies from its mapping"
+        elif s["route"] == "pause:tensor":
+            detail = "generation stopped for the whole http push (tensor@512MiB)"
+        elif s["route"] == "pause:shm staged":
+            detail = f"stopped for the commit only; staged before the pause in {s['stage_s']:.2f} s"
         rows.append(
             [s["dtype"], f"{s['bytes'] / MIB:.0f} MiB", s["route"], s["seconds"], s["x_memcopy"], s["gb_per_s"], detail]
         )
@@ -213,6 +314,9 @@ def run(quick: bool, out_dir: Path) -> dict:
             "master weights adds one cast per parameter to the tensor route when sending bf16.",
             "The disk route's checkpoint is read back from the page cache (same machine, just "
             "written); a cold read from a network file system would be slower.",
+            "shm needs the engine on the trainer's node; an embedded engine on another node gets the tensor "
+            "route over HTTP. The pause rows time pause_generation to continue_generation, the time "
+            "generation is stopped for one update.",
         ],
     }
 
@@ -231,7 +335,7 @@ def _plot(summary: list[dict], dtypes: list[str], routes: list[str], out_dir: Pa
         bars = ax.bar(xs, [rows[r]["seconds"] for r in routes], width, label=dtype)
         for bar, r in zip(bars, routes):
             ax.annotate(
-                f"{rows[r]['x_memcopy']:.0f}x" if r != "memcopy" else "1x",
+                f"{rows[r]['x_memcopy']:.1f}x" if r != "memcopy" else "1x",
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 textcoords="offset points",
                 xytext=(0, 3),
@@ -256,10 +360,11 @@ def headline(entry: dict) -> list[list[str]]:
     rows = []
     for s in entry["summary"]:
         if s["dtype"] == "bfloat16" and s["route"] != "memcopy":
-            rows.append(
-                [
-                    f"push SmolLM2 bf16 weights to an engine, {s['route']}",
-                    f"{s['seconds']:.2f} s = {s['x_memcopy']:.0f}x an in-memory copy of the same bytes",
-                ]
+            what = (
+                f"generation paused for one SmolLM2 bf16 update, {s['route'].removeprefix('pause:')}"
+                if s["route"].startswith("pause:")
+                else f"push SmolLM2 bf16 weights to an engine, {s['route']}"
             )
+            x = f"{s['x_memcopy']:.1f}" if s["x_memcopy"] < 10 else f"{s['x_memcopy']:.0f}"
+            rows.append([what, f"{s['seconds']:.2f} s = {x}x an in-memory copy of the same bytes"])
     return rows

@@ -35,14 +35,21 @@ class EngineSpec:
     weight_routes: tuple[str, ...]
     # The trainer-side module (miles_async.weights) of its "tensor" route: "http" (the bytes over HTTP) or
     # "shared_memory" (handles to the trainer's memory, for an engine on the trainer's node: CUDA IPC handles
-    # when the trainer's weights are on a GPU, shared-memory files when on the CPU).
+    # when the trainer's weights are on a GPU, shared-memory files when on the CPU; for the embedded engine, a
+    # /dev/shm staging buffer it maps, with the bytes over HTTP to an engine on another node).
     tensor_route: str = "http"
 
 
 ENGINES: dict[str, EngineSpec] = {
     spec.name: spec
     for spec in (
-        EngineSpec("embedded", EmbeddedEngineClient, EmbeddedEngineProcess, weight_routes=("tensor",)),
+        EngineSpec(
+            "embedded",
+            EmbeddedEngineClient,
+            EmbeddedEngineProcess,
+            weight_routes=("tensor",),
+            tensor_route="shared_memory",
+        ),
         EngineSpec(
             "sglang",
             SGLangEngineClient,

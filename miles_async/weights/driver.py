@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from miles_async.config import Config
 from miles_async.utils.weight_checksum import first_mismatch
-from miles_async.weights.update import DISK, WeightUpdate, route_for
+from miles_async.weights import shared_memory
+from miles_async.weights.update import DISK, SHARED_MEMORY, WeightUpdate, route_for
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -72,25 +73,72 @@ def weight_update(cfg: Config, weight_version: int) -> WeightUpdate:
 
 
 async def _push_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate) -> dict:
+    if update.route == SHARED_MEMORY and shared_memory.stages(update.engine):
+        return await _stage_then_commit(cfg, controller, actor, update)
+    t_pause = time.time()
     urls = await controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
-        for attempt in range(cfg.engine.num_engines + 1):
-            try:
-                metrics = await actor.push_weights(replace(update, targets=tuple(urls)))
-                break
-            except Exception as e:
-                if cfg.engine.fault_tolerance is None:
-                    raise
-                await controller.weight_versions.remote()  # reports the engines that fail to answer
-                still = await controller.serving_urls.remote()
-                if set(still) == set(urls) or not still or attempt == cfg.engine.num_engines:
-                    raise
-                logger.warning(
-                    "weight push to %s failed (%s); pushing again to the engines still serving: %s", urls, e, still
-                )
-                urls = still
+        metrics = await _push_paused(cfg, controller, actor, update, urls)
     finally:
         await controller.end_weight_update.remote()
+    metrics["weights/pause_seconds"] = time.time() - t_pause
+    return metrics
+
+
+async def _push_paused(
+    cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate, urls: list[str]
+) -> dict:
+    """Push to the paused engines ``urls``; with --use-fault-tolerance again to the ones still serving."""
+    for attempt in range(cfg.engine.num_engines + 1):
+        try:
+            return await actor.push_weights(replace(update, targets=tuple(urls)))
+        except Exception as e:
+            if cfg.engine.fault_tolerance is None:
+                raise
+            await controller.weight_versions.remote()  # reports the engines that fail to answer
+            still = await controller.serving_urls.remote()
+            if set(still) == set(urls) or not still or attempt == cfg.engine.num_engines:
+                raise
+            logger.warning(
+                "weight push to %s failed (%s); pushing again to the engines still serving: %s", urls, e, still
+            )
+            urls = still
+    raise AssertionError("unreachable")
+
+
+async def _stage_then_commit(cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate) -> dict:
+    """The embedded engine on the trainer's node, off the critical path: the trainer writes the update into
+    shared memory and the engines map it while they still generate; the pause then only covers the copy into
+    their parameters (each engine's commit is one step between two decode steps). Engines that were not staged
+    (on another node, or serving only since) get a plain push while paused."""
+    urls = list(await controller.serving_urls.remote())
+    try:
+        metrics = await actor.push_weights(replace(update, targets=tuple(urls), stage_only=True))
+    except Exception as e:
+        if cfg.engine.fault_tolerance is None:
+            raise
+        logger.warning("staging the weights on %s failed (%s); pushing them once the engines are paused", urls, e)
+        metrics = {}
+    staged = set(metrics.pop("staged_urls", ()))
+    t_pause = time.time()
+    serving = await controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
+    try:
+        committed = [u for u in serving if u in staged]
+        try:
+            await shared_memory.commit(
+                committed, update.version, update.timeout, update.engine, update.flush_cache, update.api_key
+            )
+        except Exception as e:
+            if cfg.engine.fault_tolerance is None:
+                raise
+            logger.warning("committing the staged weights on %s failed (%s); pushing them instead", committed, e)
+            committed = []
+        rest = [u for u in serving if u not in committed]
+        if rest:
+            metrics.update(await _push_paused(cfg, controller, actor, update, rest))
+    finally:
+        await controller.end_weight_update.remote()
+    metrics["weights/pause_seconds"] = time.time() - t_pause
     return metrics
 
 

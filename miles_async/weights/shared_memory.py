@@ -1,5 +1,11 @@
-"""The same-node route (``--weight-update-method tensor`` into SGLang): SGLang on the trainer's node loads the
-tensors from the trainer's memory (``/update_weights_from_tensor``); only handles travel over HTTP.
+"""The same-node route (``--weight-update-method tensor`` into an engine on the trainer's node): the engine loads
+the tensors from the trainer's memory; only handles or offsets travel over HTTP. Two engines, two forms:
+
+- The embedded engine maps a staging buffer (``staging.py``): each bucket is written once into a /dev/shm
+  file, the engine maps and checks it (``/stage_weights_from_shm``, possible while it generates: the driver
+  stages before pausing, ``driver.py``) and copies it into its parameters on ``/commit_staged_weights``. An
+  embedded engine on another node gets the staged bytes over HTTP instead (the http route).
+- SGLang (``/update_weights_from_tensor``) takes torch multiprocessing handles, below.
 
 SGLang takes the tensors pickled with torch's multiprocessing reductions, so the handle follows the bucket's
 device: GPU tensors go as CUDA IPC handles to the trainer's GPU memory, uncopied (the colocated route of
@@ -22,14 +28,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 from collections.abc import Iterable
 
 import torch
 
 from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
+from miles_async.inference.engines import engine_spec, make_client
+from miles_async.weights import http
 from miles_async.weights.http import Bucket, stream_buckets
 from miles_async.weights.node import node_address, on_this_node
+from miles_async.weights.staging import StagingBuffer
+
+logger = logging.getLogger(__name__)
 
 _DEVICE_ARG = 6  # the GPU index in torch's reduce_tensor arguments for rebuild_cuda_tensor
 
@@ -109,3 +121,81 @@ async def push_buckets(
     """Hand each bucket to every engine as handles to this node's memory; returns the bytes sent per engine."""
     refuse_other_nodes(urls)
     return await stream_buckets(buckets, urls, weight_version, timeout, engine, _post_handles, flush, api_key)
+
+
+# -- the embedded engine: a staging buffer it maps ---------------------------------------------------------
+
+
+def stages(engine: str) -> bool:
+    """Whether ``engine`` takes this route as a staged update (the embedded engine) rather than handles."""
+    return hasattr(engine_spec(engine).client, "stage_weights_from_shm")
+
+
+async def _each(urls: list[str], timeout: float, engine: str, api_key: ApiKey | None, call) -> list:
+    clients = [make_client(engine, u, timeout, api_key) for u in urls]
+    try:
+        return await asyncio.gather(*[call(c) for c in clients])
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def stage(
+    buckets: Iterable[Bucket],
+    urls: list[str],
+    weight_version: int,
+    timeout: float,
+    engine: str,
+    staging: StagingBuffer,
+    api_key: ApiKey | None = None,
+) -> tuple[int, list[dict], list[str]]:
+    """Write every bucket once into ``staging`` and have each engine of ``urls`` on this node map it, without
+    applying it (they may be generating). Returns (bytes, the segments, the engines staged); the engines on
+    other nodes are left out (they cannot map this node's memory)."""
+    near = [u for u in urls if on_this_node(u)]
+    segments, nbytes = await asyncio.to_thread(staging.write, buckets)
+    try:
+        await _each(near, timeout, engine, api_key, lambda c: c.stage_weights_from_shm(segments, weight_version))
+    except BaseException:
+        await discard(near, timeout, engine, api_key)
+        raise
+    return nbytes, segments, near
+
+
+async def commit(
+    urls: list[str], weight_version: int, timeout: float, engine: str, flush: bool, api_key: ApiKey | None = None
+) -> None:
+    """The staged engines copy the update of ``weight_version`` into their parameters (they should be paused)."""
+    await _each(urls, timeout, engine, api_key, lambda c: c.commit_staged_weights(weight_version, flush))
+
+
+async def discard(urls: list[str], timeout: float, engine: str, api_key: ApiKey | None = None) -> None:
+    """Best effort, after a failure: the engines drop a staged update (and their mappings of its files)."""
+
+    async def one(c: EngineClient) -> None:
+        try:
+            await c.discard_staged_weights()
+        except Exception as e:  # noqa: BLE001 - the failure being handled is the one to report
+            logger.warning("could not discard the staged weights of %s: %s", c.base_url, e)
+
+    await _each(urls, min(timeout, 10.0), engine, api_key, one)
+
+
+async def push_staged(
+    buckets: Iterable[Bucket],
+    urls: list[str],
+    weight_version: int,
+    timeout: float,
+    engine: str,
+    staging: StagingBuffer,
+    flush: bool = True,
+    api_key: ApiKey | None = None,
+) -> int:
+    """Stage and commit at once (the engines are paused); engines on other nodes get the bytes over HTTP."""
+    nbytes, segments, near = await stage(buckets, urls, weight_version, timeout, engine, staging, api_key)
+    await commit(near, weight_version, timeout, engine, flush, api_key)
+    far = [u for u in urls if u not in near]
+    if far:
+        logger.info("engines %s are on another node than the trainer: their weights go over HTTP", far)
+        await http.push_buckets(staging.buckets(segments), far, weight_version, timeout, engine, flush, api_key)
+    return nbytes

@@ -43,6 +43,9 @@ class WeightUpdate:
     # the paused requests keep their KV (that mode's point) and SGLang refuses a flush while any is held.
     flush_cache: bool = True
     api_key: ApiKey | None = None  # the engines' key (EngineConfig.api_key), sent with every call to them
+    # The shared-memory route into an engine that stages (the embedded engine): only write the update and have
+    # the engines on this node map it, while they still generate; the driver commits it once they are paused.
+    stage_only: bool = False
 
     def __post_init__(self):
         if self.route not in ROUTES:

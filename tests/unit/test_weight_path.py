@@ -13,7 +13,7 @@ from miles_async.weights.update import WeightUpdate, route_for
 @pytest.mark.parametrize(
     ("method", "engine", "route"),
     [
-        ("tensor", "embedded", "http"),
+        ("tensor", "embedded", "shared_memory"),
         ("tensor", "sglang", "shared_memory"),
         ("distributed", "sglang", "process_group"),
         ("disk", "sglang", "disk"),

@@ -4,6 +4,10 @@ Its tensor route posts a raw safetensors blob to ``/update_weights_from_tensor?w
 (SGLang's takes pickled tensors in JSON, see ``sglang/client.py``: a safetensors blob is safe to parse and
 cheap to produce). It also serves a per-tensor checksum of its weights (``--check-weight-update-equal``) and
 reads them back (``/get_weights``, to seed a restarted engine from a peer under ``--use-fault-tolerance``).
+
+On the trainer's node it maps the update from shared memory instead (``miles_async/weights/staging.py``): the
+trainer writes it into /dev/shm files, ``stage_weights_from_shm`` sends their layout (the engine maps and checks
+them while it generates) and ``commit_staged_weights`` copies them into the model.
 """
 
 from __future__ import annotations
@@ -64,3 +68,17 @@ class EmbeddedEngineClient(EngineClient):
         if weight_version is not None:
             params["weight_version"] = str(int(weight_version))
         return await self._request("POST", "/update_weights_from_tensor", data=data, params=params)
+
+    async def stage_weights_from_shm(self, segments: list[dict], weight_version: int) -> dict[str, Any]:
+        """Have the engine map and check an update staged in this node's shared memory (applied on commit)."""
+        return await self._request(
+            "POST", "/stage_weights_from_shm", json_body={"weight_version": int(weight_version), "segments": segments}
+        )
+
+    async def commit_staged_weights(self, weight_version: int, flush: bool = True) -> dict[str, Any]:
+        return await self._request(
+            "POST", "/commit_staged_weights", json_body={"weight_version": int(weight_version), "flush": flush}
+        )
+
+    async def discard_staged_weights(self) -> dict[str, Any]:
+        return await self._request("POST", "/discard_staged_weights")

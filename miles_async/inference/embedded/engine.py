@@ -47,7 +47,13 @@ from miles_async.inference.embedded.records import (
     resolve,
 )
 from miles_async.inference.embedded.sampling import sample_tokens
-from miles_async.inference.embedded.weights import copy_into_model, read_checkpoint
+from miles_async.inference.embedded.weights import (
+    ShmMaps,
+    StagedWeights,
+    copy_into_model,
+    map_staged,
+    read_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +116,10 @@ class Engine:
         self._live: dict[str, Seq] = {}
         self._paused = False
         self._stopping = False
+        # A staged update (``stage_weights``): set by a server thread, taken by the decode thread's commit.
+        self._staged: StagedWeights | None = None
+        self._staged_lock = threading.Lock()  # also serializes the stages' use of _shm_maps
+        self._shm_maps = ShmMaps()
         self.stats = {
             "decode_steps": 0,
             "decode_tokens": 0,
@@ -205,6 +215,47 @@ class Engine:
             copy_into_model(self.model, tensors)
             if weight_version is not None:
                 self.weight_version = int(weight_version)
+            if flush:
+                self._flush()
+            return self.weight_version
+
+        return self.run_between_steps(apply)
+
+    def stage_weights(self, segments: Any, weight_version: int) -> int:
+        """Map an update the trainer wrote into shared memory and check it, while generation goes on; nothing
+        is applied until ``commit_staged_weights``. Replaces an earlier stage never committed. Returns the bytes
+        staged. Must not be called from the decode thread (mapping is IO)."""
+        with self._staged_lock:
+            self._staged = None
+            try:
+                self._staged = map_staged(self.model, segments, weight_version, self._shm_maps)
+            except BaseException:
+                self._shm_maps.clear()
+                raise
+            return self._staged.nbytes
+
+    def discard_staged_weights(self) -> bool:
+        """Drop a staged update and every mapping of the trainer's files (its update failed); True if there
+        was a staged update."""
+        with self._staged_lock:
+            old, self._staged = self._staged, None
+            self._shm_maps.clear()
+        return old is not None
+
+    def commit_staged_weights(self, weight_version: int, flush: bool) -> concurrent.futures.Future:
+        """Copy the staged update of ``weight_version`` into the live model between two decode steps, as one
+        step: a request sees the old weights or the new ones, never a mix. Fails (``LookupError``, nothing
+        touched) if no update of that version is staged."""
+
+        def apply() -> int:
+            with self._staged_lock:
+                staged = self._staged
+                if staged is None or staged.weight_version != int(weight_version):
+                    have = "none" if staged is None else f"version {staged.weight_version}"
+                    raise LookupError(f"no staged update of weight version {weight_version} (staged: {have})")
+                self._staged = None
+            copy_into_model(self.model, staged.tensors)
+            self.weight_version = int(weight_version)
             if flush:
                 self._flush()
             return self.weight_version

@@ -18,6 +18,10 @@ Endpoints (JSON unless noted):
 - ``POST /flush_cache``                 (GET accepted too, as older SGLang did)
 - ``POST /update_weights_from_disk``    ``{"model_path": str, "weight_version": int | null}``
 - ``POST /update_weights_from_tensor?weight_version=V&flush=1``  body: raw safetensors bytes
+- ``POST /stage_weights_from_shm``      ``{"weight_version": V, "segments": [{"path", "tensors": [[name, dtype,
+  shape, offset]]}]}``: map the trainer's /dev/shm files and check them, while generating (same node only)
+- ``POST /commit_staged_weights``       ``{"weight_version": V, "flush": bool}``: copy the staged update in
+- ``POST /discard_staged_weights``      drop a staged update
 - ``GET  /weights_checksum``            ``{"weight_version": V, "checksums": {name: {sha256, sum, shape, dtype}}}``
 - ``GET  /get_weights``                 every parameter as a safetensors blob, ``weight_version`` in its metadata
 
@@ -383,6 +387,43 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     )
 
 
+async def stage_weights_from_shm(request: web.Request) -> web.Response:
+    """Map the trainer's shared-memory update and check it while generation goes on (``Engine.stage_weights``)."""
+    engine = _engine(request)
+    body = await _json_body(request)
+    version = _parse_version(body.get("weight_version"), "weight_version")
+    if version is None:
+        raise BadRequest("weight_version", "required: the version the staged weights become")
+    try:
+        nbytes = await asyncio.to_thread(engine.stage_weights, body.get("segments"), version)
+    except (UnknownParameterError, ValueError, OSError) as exc:
+        return web.json_response(
+            {"success": False, "message": str(exc), "weight_version": engine.weight_version}, status=400
+        )
+    return web.json_response({"success": True, "message": f"staged {nbytes} bytes", "staged_bytes": nbytes})
+
+
+async def commit_staged_weights(request: web.Request) -> web.Response:
+    """Apply the staged update between two decode steps; ``{"weight_version": V, "flush": bool}``."""
+    engine = _engine(request)
+    body = await _json_body(request)
+    version = _parse_version(body.get("weight_version"), "weight_version")
+    if version is None:
+        raise BadRequest("weight_version", "required: the version that was staged")
+    try:
+        new_version = await _await(engine.commit_staged_weights(version, bool(body.get("flush", True))))
+    except LookupError as exc:
+        return web.json_response(
+            {"success": False, "message": str(exc), "weight_version": engine.weight_version}, status=409
+        )
+    return web.json_response({"success": True, "message": "committed", "weight_version": new_version})
+
+
+async def discard_staged_weights(request: web.Request) -> web.Response:
+    dropped = _engine(request).discard_staged_weights()
+    return web.json_response({"success": True, "discarded": dropped})
+
+
 async def weights_checksum(request: web.Request) -> web.Response:
     """Checksums of every parameter in the engine's dtype (``--check-weight-update-equal``)."""
     checksums, version = await _await(_engine(request).weights_checksum())
@@ -441,6 +482,9 @@ def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/stage_weights_from_shm", stage_weights_from_shm)
+    app.router.add_post("/commit_staged_weights", commit_staged_weights)
+    app.router.add_post("/discard_staged_weights", discard_staged_weights)
     app.router.add_get("/weights_checksum", weights_checksum)
     app.router.add_get("/get_weights", get_weights)
     return app

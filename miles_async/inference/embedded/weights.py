@@ -1,4 +1,6 @@
-"""The embedded engine's weights: HF-named tensors copied into the live model, and checkpoints read from disk.
+"""The embedded engine's weights: HF-named tensors copied into the live model, checkpoints read from disk, and
+updates staged in the trainer's shared memory (``ShmMaps``, ``map_staged``: mapped and checked while the engine
+generates, copied in by the engine's commit).
 
 Names are HF parameter names (``model.state_dict()`` keys); for tied embeddings either or both of
 ``lm_head.weight`` and ``model.embed_tokens.weight`` may be given.
@@ -8,8 +10,13 @@ from __future__ import annotations
 
 import glob
 import logging
+import mmap
 import os
+import re
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +58,120 @@ def copy_into_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
     with torch.no_grad():
         for name, tensor in tensors.items():
             table[name].copy_(tensor)  # copy_ casts to the model dtype
+
+
+SHM_DIR = "/dev/shm"
+_PROC_FD = re.compile(r"/proc/\d+/fd/\d+")
+_MEMFD_PREFIX = "/memfd:miles-async-wstage-"  # the trainer's names (miles_async/weights/staging.py)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StagedWeights:
+    """A weight update the trainer wrote into shared memory, mapped here and checked against the model but
+    not yet applied: ``tensors`` are views of the mappings (``ShmMaps``), copied into the parameters by
+    ``copy_into_model`` once the engine is paused."""
+
+    weight_version: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class ShmMaps:
+    """The trainer's staging files, mapped read-only and kept from one update to the next: the trainer reuses
+    its files, so the next update finds them mapped (mapping and populating a file costs about as much as the
+    copy itself). Only the trainer's memfds (``/proc/<pid>/fd/<fd>``, named ``miles-async-wstage-*``) and files
+    directly in ``shm_dir`` are opened. A mapping outlives the trainer's closing of its file until
+    ``keep_only`` or ``clear`` drops it."""
+
+    def __init__(self, shm_dir: str = SHM_DIR):
+        self.shm_dir = os.path.realpath(shm_dir)
+        self._maps: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+
+    def get(self, path: str) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor (mapped now, or earlier if it is the same file)."""
+        if _PROC_FD.fullmatch(path):
+            real = path
+            try:
+                target = os.readlink(path)
+            except OSError as e:
+                raise ValueError(f"{path!r}: {e.strerror} (is the trainer on this node and still running?)") from e
+            if not target.startswith(_MEMFD_PREFIX):
+                raise ValueError(f"{path!r} is not a weight staging memfd ({target!r})")
+        else:
+            real = os.path.realpath(path)
+            if os.path.dirname(real) != self.shm_dir:
+                raise ValueError(f"{path!r} is not a file in {self.shm_dir}")
+        fd = os.open(real, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino, st.st_size)
+            cached = self._maps.get(real)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            # MAP_POPULATE: the page tables are filled now, while generation goes on, not during the copy.
+            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer: the engine only reads it
+            data = torch.frombuffer(m, dtype=torch.uint8)
+        self._maps[real] = (key, data)
+        return data
+
+    def _drop(self, path: str) -> None:
+        # Not mmap.close(): it would unmap under a tensor still viewing it (a staged update being copied);
+        # the mapping goes when its last view does (torch.frombuffer holds the mmap).
+        self._maps.pop(path, None)
+
+    def keep_only(self, paths: Iterable[str]) -> None:
+        # As ``get`` names them: a memfd's /proc path as it is (its realpath is "/memfd:... (deleted)").
+        keep = {p if _PROC_FD.fullmatch(p) else os.path.realpath(p) for p in paths}
+        for p in [p for p in self._maps if p not in keep]:
+            self._drop(p)
+
+    def clear(self) -> None:
+        self.keep_only(())
+
+
+def _segment_error(i: int, message: str) -> ValueError:
+    return ValueError(f"segments[{i}]: {message}")
+
+
+def map_staged(model: torch.nn.Module, segments: Any, weight_version: int, maps: ShmMaps) -> StagedWeights:
+    """View each tensor of the trainer's staging files in place (mapped through ``maps``); every name, shape,
+    dtype and byte range is checked before anything is kept."""
+    if not isinstance(segments, list) or not segments:
+        raise ValueError("segments: expected a non-empty list of {path, tensors}")
+    table = param_table(model)
+    staged = StagedWeights(int(weight_version), {})
+    for i, seg in enumerate(segments):
+        well_formed = isinstance(seg, dict) and isinstance(seg.get("path"), str)
+        if not well_formed or not isinstance(seg.get("tensors"), list):
+            raise _segment_error(i, "expected {path: str, tensors: [[name, dtype, shape, offset], ...]}")
+        try:
+            data = maps.get(seg["path"])
+        except ValueError as e:
+            raise _segment_error(i, str(e)) from e
+        size = data.numel()
+        for entry in seg["tensors"]:
+            name, dtype, shape, offset = entry
+            if name not in table:
+                raise UnknownParameterError([name])
+            if dtype not in _DTYPES:
+                raise _segment_error(i, f"{name}: dtype {dtype!r}, expected one of {sorted(_DTYPES)}")
+            dt = _DTYPES[dtype]
+            if tuple(shape) != tuple(table[name].shape):
+                raise ValueError(f"shape mismatch: {name}: got {tuple(shape)}, expected {tuple(table[name].shape)}")
+            n = table[name].numel() * dt.itemsize
+            if not isinstance(offset, int) or offset < 0 or offset + n > size or offset % dt.itemsize:
+                raise _segment_error(i, f"{name}: bytes [{offset}, +{n}) outside the {size}-byte file")
+            staged.tensors[name] = data[offset : offset + n].view(dt).view(tuple(shape))
+    maps.keep_only(seg["path"] for seg in segments)
+    return staged
 
 
 def read_checkpoint(
