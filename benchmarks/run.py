@@ -34,6 +34,8 @@ REGISTRY: dict[str, str] = {
     "time_to_accuracy": "benchmarks.time_to_accuracy",
     "save_latency": "benchmarks.save_latency",
     "train_step": "benchmarks.train_step",
+    "scale": "benchmarks.scale",
+    "train_memory": "benchmarks.train_memory",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

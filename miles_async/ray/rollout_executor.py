@@ -21,6 +21,7 @@ from miles_async.rollout.dynamic_sampling import DynamicSampler
 from miles_async.rollout.eval import evaluate
 from miles_async.rollout.filters import BatchAssembler, filter_args, load_group_filter
 from miles_async.rollout.fully_async import FullyAsyncProducer
+from miles_async.rollout.gc_policy import tune_gc_for_rollouts
 from miles_async.rollout.generate import GenerateContext, encode_prompt, generate_sample
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn
 from miles_async.rollout.rewards import RewardModel
@@ -163,6 +164,8 @@ class RolloutExecutor:
             name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key, flag=f"--eval-prompt-data ({name})")
             for name, path in eval_cfg.datasets
         }
+        # This actor's process holds every sample in flight: keep full collections off the per-sample path.
+        tune_gc_for_rollouts()
 
     async def generate(self, rollout_id: int) -> dict:
         """One-step-off and --synchronous: generate rollout ``rollout_id`` now, with the rollout function.
