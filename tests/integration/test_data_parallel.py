@@ -98,10 +98,14 @@ def test_data_parallel_helpers_work_over_the_group_they_are_given(tmp_path):
 
 
 def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
+    """The pair runs FSDP2 with --fsdp-cpu-offload (FSDP2's CPUOffloadPolicy; on this CPU-only machine the shards
+    are in host memory either way, so what moves to a GPU and back is not exercised here; the pair without it:
+    tests/integration/test_fsdp2.py)."""
     train, _ = tiny_task
     common = tiny_train_flags(tiny_model, train, tmp_path, "--lr", "1e-2", "--global-batch-size", "8")
     one = parse_args(common)
-    two = parse_args(common + ["--actor-num-gpus-per-node", "2"])
+    two = parse_args(common + ["--actor-num-gpus-per-node", "2", "--fsdp-cpu-offload"])
+    assert two.train.cpu_offload
     assert two.cluster.num_train_workers == 2
     port = _free_port()
     ctx = mp.get_context("spawn")

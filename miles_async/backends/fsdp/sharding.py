@@ -43,7 +43,8 @@ def shard_model(
     options = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        # Pinned host memory needs an accelerator; on a CPU-only run the shards are in host memory anyway.
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
     }
     for block in _blocks(model):
         fully_shard(block, **options)
