@@ -16,8 +16,6 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from miles_async.backends.data_parallel import DataParallel, all_reduce_max
-
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated transformer blocks: HF names their classes in ``_no_split_modules``."""
@@ -75,11 +73,10 @@ def total_norm(grads: list[torch.Tensor]) -> float:
     return float(full_tensor(torch.nn.utils.get_total_norm(grads)))
 
 
-def even_out(micro_batches: list[list[int]], dp: DataParallel, device: torch.device) -> list[list[int]]:
-    """``micro_batches`` split or padded to the largest count among the replicas, so that every rank runs as many
-    passes (a sharded model's passes are collectives). The largest micro-batch is halved while it has two rows;
-    a rank with too few rows gets empty entries, on which it runs a throw-away pass."""
-    target = all_reduce_max(len(micro_batches), dp, device)
+def even_out(micro_batches: list[list[int]], target: int) -> list[list[int]]:
+    """``micro_batches`` split or padded to ``target`` entries (the largest count among the replicas), so that
+    every rank runs as many passes (a sharded model's passes are collectives). The largest micro-batch is halved
+    while it has two rows; a rank with too few rows gets empty entries, on which it runs a throw-away pass."""
     out = [list(mb) for mb in micro_batches]
     while len(out) < target:
         big = max(range(len(out)), key=lambda k: len(out[k]), default=None)

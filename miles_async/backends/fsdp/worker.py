@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from miles_async.backends.data_parallel import all_reduce_max
 from miles_async.backends.fsdp import checkpoint
 from miles_async.backends.fsdp.sharding import even_out, full_tensor, shard_model, total_norm
 from miles_async.backends.packing import MicroBatch
@@ -130,7 +131,7 @@ class TrainWorker(BaseWorker):
 
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
         packed = super()._micro_batches(batch, idx)
-        return even_out(packed, self.dp, self.device) if self._sharded else packed
+        return even_out(packed, all_reduce_max(len(packed), self.dp, self.device)) if self._sharded else packed
 
     def _per_sample(self, fn, batch: RolloutBatch, idx: list[int]) -> dict[int, list[float]]:
         out = super()._per_sample(fn, batch, idx)
