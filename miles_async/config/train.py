@@ -51,10 +51,6 @@ class LoraSettings:
     target_modules: tuple[str, ...]  # module name suffixes, or ("all-linear",)
     save_adapter: bool = False  # --save-hf also writes the adapter alone into <save-hf>/adapter
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
 
 @dataclass(frozen=True)
 class TrainConfig:

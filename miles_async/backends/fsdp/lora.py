@@ -11,7 +11,6 @@ kernels. SGLang and vLLM could load the adapter instead (fewer bytes per update)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,13 +23,27 @@ ADAPTER = "default"  # peft's name of the one adapter
 ALL_LINEAR = "all-linear"
 
 
+def _peft_config(lora: LoraSettings, base_model: str | None = None):
+    """The one peft ``LoraConfig`` of --lora-*: what the adapters are built from and what their folder records."""
+    from peft import LoraConfig
+
+    targets = ALL_LINEAR if lora.target_modules == (ALL_LINEAR,) else list(lora.target_modules)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+
+
 def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     """``model`` with LoRA adapters on its target linear layers (B starts at zero, so the model is unchanged),
     everything else frozen."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
 
-    targets = ALL_LINEAR if lora.target_modules == (ALL_LINEAR,) else list(lora.target_modules)
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets)
+    config = _peft_config(lora)
     try:
         model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft names the modules it could not find
@@ -49,18 +62,17 @@ def _check_linear(model: torch.nn.Module) -> None:
         raise ValueError(f"--lora-target-modules: only linear layers take adapters here, not {other[:3]}")
 
 
-def _hf_name(name: str) -> str:
-    return name.replace(".base_layer.", ".")
-
-
 def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` of the model with each adapter merged into its layer's weight, gathered one
     layer at a time (sharded tensors are collectives: every rank must drain it)."""
     from peft.tuners.lora import Linear
 
     seen: set[int] = set()  # tied weights (embeddings and head) go once, as named_parameters() gives them
+    merged: tuple[str, ...] = ()  # prefixes of the LoRA layers yielded: their base layers and adapters follow
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
+        if merged and prefix.startswith(merged):
+            continue
         if isinstance(module, Linear):
             base = module.base_layer
             weight = full_tensor(base.weight.detach())
@@ -69,21 +81,12 @@ def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
             yield f"{prefix}weight", weight + (b @ a) * module.scaling[ADAPTER]
             if base.bias is not None:
                 yield f"{prefix}bias", full_tensor(base.bias.detach())
-            continue
-        if _inside_lora(model, module_name):
+            merged += (prefix,)
             continue
         for name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                yield _hf_name(f"{prefix}{name}"), full_tensor(p.detach())
-
-
-def _inside_lora(model: torch.nn.Module, module_name: str) -> bool:
-    """Whether ``module_name`` lies within a LoRA layer (its base layer or adapters), already merged above."""
-    from peft.tuners.lora import Linear
-
-    parts = module_name.split(".")
-    return any(isinstance(model.get_submodule(".".join(parts[:i])), Linear) for i in range(1, len(parts)))
+                yield f"{prefix}{name}", full_tensor(p.detach())
 
 
 def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,14 +104,4 @@ def write_adapter(named: Iterator[tuple[str, torch.Tensor]], lora: LoraSettings,
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().clone() for k, v in named}, str(path / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": ALL_LINEAR if lora.target_modules == (ALL_LINEAR,) else list(lora.target_modules),
-        "bias": "none",
-    }
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    _peft_config(lora, base_model).save_pretrained(str(path))
