@@ -143,6 +143,15 @@ def torch_threads(n: int) -> Iterator[None]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def export_tree(commit: str, dest: Path) -> Path:
+    """``commit``'s files under ``dest`` (``git archive``: reads the object store, changes no git state), for
+    running an older revision side by side with this one."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, timeout=120, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, timeout=120, check=True)
+    return dest
+
+
 def run_train_async(args: list[str], out: Path, timeout: float = 1800, extra_env: dict | None = None) -> list[dict]:
     """One real ``train_async.py`` run in a subprocess (``extra_env`` added to its environment); returns its
     metrics.jsonl rows."""

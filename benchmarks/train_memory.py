@@ -187,14 +187,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def export_tree(commit: str, dest: Path) -> Path:
-    """``commit``'s files under ``dest`` (``git archive``: reads the object store, changes no git state)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, timeout=120, check=True)
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, timeout=120, check=True)
-    return dest
-
-
 def _lora_missing(model: Path, data: Path) -> str | None:
     """None when this tree's parser takes the LoRA flags, else the parser's complaint."""
     import contextlib
@@ -311,7 +303,7 @@ def _summary(runs: list[list[dict]]) -> dict:
 
 
 def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
-    from benchmarks.common import smollm2_path
+    from benchmarks.common import export_tree, smollm2_path
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 
     # The batch is train_step's, cut to its first prompt(s): the tensor bytes do not depend on it, and on the

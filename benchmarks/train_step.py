@@ -203,27 +203,15 @@ def measure(
     return {"mode": "interleaved" if interleaved else "sequential", "backends": results}
 
 
-def _export(rev: str, into: Path) -> str:
-    """The source tree of git revision ``rev`` of this repository, written under ``into`` (read-only use of git)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    tree = into / f"tree-{rev}"
-    tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return str(tree)
-
-
 def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS), baseline: str | None = None) -> dict:
     """``baseline``: also the torch backend of that git revision ("fsdp @<rev>"), side by side."""
-    from benchmarks.common import fmt, median, smollm2_path, table
+    from benchmarks.common import export_tree, fmt, median, smollm2_path, table
 
     reps = 3 if quick else 6
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}
         if baseline is not None:
-            trees[f"fsdp @{baseline}"] = _export(baseline, Path(tmp))
+            trees[f"fsdp @{baseline}"] = str(export_tree(baseline, Path(tmp) / f"tree-{baseline}"))
             variants = (*variants, f"fsdp @{baseline}")
         measured = measure(smollm2_path(), reps, Path(tmp), variants, trees=trees)
     res = measured["backends"]
