@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# Build (once) or reuse an inference engine's virtual environment; sourced by setup_sglang_env.sh and
-# setup_vllm_env.sh, which define `engine_build` (the install steps, run with errexit into $VENV) and call
+# Build (once) or reuse a virtual environment of its own (an inference engine's, or the TRL peer
+# benchmark's); sourced by setup_sglang_env.sh, setup_vllm_env.sh and setup_trl_env.sh, which define
+# `engine_build` (the install steps, run with errexit into $VENV) and call
 #   engine_env NAME REQUIREMENTS_FILE STAMP_EXTRA
 # It prints the environment's path as the last line of stdout. The environment lives in the user's cache
 # (MILES_ASYNC_<NAME>_VENV, default ~/.cache/miles-async/venv-<name>), keyed by a hash of the requirements

@@ -1,0 +1,477 @@
+"""TRL's GRPOTrainer as a peer: the quickstart run by ``train_async.py`` and by TRL, side by side, one invocation.
+
+    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--out DIR]
+    python -m benchmarks.run --only trl_peer [--quick]
+
+TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environment
+(scripts/setup_trl_env.sh). The quickstart's assets are prepared as scripts/quickstart.sh does; then
+our launcher (scripts/run-smollm2-cpu-async.sh) runs, and after it benchmarks/trl_grpo_runner.py with
+every setting taken from that launcher's own command line (its ``--dry-run``, read by our parser), so
+the two cannot drift apart: same model, prompts, group size, response length, learning rate, seed,
+held-out eval and reward. The runner's docstring lists what TRL cannot match (it is on-policy and
+synchronous; ours is one step off with TIS).
+
+Reported: seconds per step (median, mean) and their ratio; held-out accuracy against training wall
+time for both (ours from its first rollout, evals in the background; TRL's with its in-process
+evals taken out of the clock); final accuracies; and for each run's final accuracy, the wall time
+both take to first reach it at an eval after step 0 (None when never reached) and the speed-up.
+Full: the quickstart, 30 steps with an eval every 10; quick: a 2-step smoke run with an eval every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import ROOT, table
+
+LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
+RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
+EVAL_KEY = "eval/mul/accuracy"
+FULL = (30, 10)  # steps, eval interval: the quickstart's
+QUICK = (2, 1)
+
+Curve = list[tuple[int, float, float]]  # (step, accuracy, training wall seconds when the eval's weights were ready)
+
+
+# ---- the quickstart's settings, translated for TRL (pure) ----
+
+
+def launcher_argv(dry_run_output: str) -> list[str]:
+    """train_async.py's flags from the launcher's ``--dry-run`` output (the command minus python and script)."""
+    # Each flag sits on a continuation line ("\\\n"), which shlex would keep as a word of its own.
+    words = shlex.split(dry_run_output.replace("\\\n", " "))
+    for i, w in enumerate(words):
+        if w.endswith("train_async.py"):
+            return words[i + 1 :]
+    raise ValueError(f"no train_async.py in the launcher's --dry-run output:\n{dry_run_output[:2000]}")
+
+
+def parse_ours(argv: Sequence[str]) -> argparse.Namespace:
+    """Our parser's namespace for ``argv``, defaults included (unvalidated: paths need not exist)."""
+    from miles_async.arguments import build_parser
+
+    ns, _ = build_parser().parse_known_args(list(argv))
+    return ns
+
+
+def peer_args(ns: argparse.Namespace) -> list[str]:
+    """trl_grpo_runner.py's flags for our settings ``ns``; raises ValueError for one TRL's runner cannot match."""
+    unsupported = {
+        "--advantage-estimator": (ns.advantage_estimator, "grpo"),
+        "--optimizer": (ns.optimizer, "adam"),
+        "--lr-warmup-iters": (ns.lr_warmup_iters, 0),
+        "--loss-agg-mode": (ns.loss_agg_mode, "token_mean"),
+        "--policy-loss-type": (ns.policy_loss_type or "ppo", "ppo"),
+        "--global-batch-size": (ns.global_batch_size, None),
+        "--num-steps-per-rollout": (ns.num_steps_per_rollout, None),
+    }
+    for name, (value, wanted) in unsupported.items():
+        if value != wanted:
+            raise ValueError(f"{name} {value}: the TRL peer runs only {wanted} (as the quickstart)")
+    if not ns.apply_chat_template:
+        raise ValueError("the TRL peer sends chat prompts: the quickstart's --apply-chat-template is expected")
+    if ns.eval_interval is None or not ns.eval_prompt_data:
+        raise ValueError("the TRL peer compares held-out accuracy: give --eval-prompt-data and --eval-interval")
+    if ns.lr_decay_style not in ("constant", "cosine"):
+        raise ValueError(f"--lr-decay-style {ns.lr_decay_style}: the TRL peer runs constant or cosine")
+    kl = ns.kl_loss_coef if ns.use_kl_loss else 0.0
+    flags: dict[str, Any] = {
+        "--steps": ns.num_rollout,
+        "--eval-interval": ns.eval_interval,
+        "--lr": ns.lr,
+        "--lr-schedule": ns.lr_decay_style,
+        "--min-lr": ns.min_lr,
+        "--seed": ns.seed,
+        "--prompts-per-step": ns.rollout_batch_size,
+        "--num-generations": ns.n_samples_per_prompt,
+        "--max-completion-length": ns.rollout_max_response_len,
+        "--temperature": ns.rollout_temperature,
+        "--top-p": ns.rollout_top_p,
+        "--top-k": max(ns.rollout_top_k, 0),  # ours: -1 = off; TRL's: 0 = off
+        "--epsilon": ns.eps_clip,
+        "--beta": kl,
+        "--entropy-coef": ns.entropy_coef,
+        "--scale-rewards": "none" if ns.disable_grpo_std_normalization else "group",
+        "--max-grad-norm": ns.clip_grad,
+        "--adam-beta1": ns.adam_beta1,
+        "--adam-beta2": ns.adam_beta2,
+        "--adam-eps": ns.adam_eps,
+        "--weight-decay": ns.weight_decay,
+        "--eval-samples": ns.n_samples_per_eval_prompt,
+        "--eval-temperature": ns.eval_temperature,
+        "--eval-top-p": ns.eval_top_p,
+        "--eval-max-new-tokens": ns.eval_max_response_len or ns.rollout_max_response_len,
+    }
+    if ns.eps_clip_high is not None:
+        flags["--epsilon-high"] = ns.eps_clip_high
+    return [x for k, v in flags.items() for x in (k, str(v))]
+
+
+# ---- curves and comparisons (pure) ----
+
+
+def our_curve(metrics: list[dict], evals: list[dict], key: str = EVAL_KEY) -> Curve:
+    """Our held-out accuracy against wall time since the first rollout began (when each eval started, i.e.
+    when its weights were ready). Background evals finish out of order: sorted by step."""
+    start = metrics[0]["rollout/started_at"]
+    ordered = sorted(evals, key=lambda e: e["step"])
+    return [(e["step"], e[key], e["eval/started_at"] - start) for e in ordered if key in e]
+
+
+def mixed_version_evals(evals: list[dict], key: str = "eval/mul") -> list[list[int]]:
+    """[step, first, last weight version] of our background evals whose weights changed while they ran."""
+    out = []
+    for e in sorted(evals, key=lambda e: e["step"]):
+        lo, hi = e.get(f"{key}/weight_version_min"), e.get(f"{key}/weight_version_max")
+        if lo is not None and hi is not None and lo != hi:
+            out.append([e["step"], lo, hi])
+    return out
+
+
+def trl_curve(evals: list[dict]) -> Curve:
+    return [(e["step"], e["accuracy"], e["train_seconds"]) for e in sorted(evals, key=lambda e: e["step"])]
+
+
+def time_to_reach(curve: Curve, level: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first eval after step 0 at or above ``level``; None when never reached.
+    Step 0 is left out: it measures the untrained model, which reaches a low level in no time."""
+    for step, acc, seconds in curve:
+        if step > 0 and acc >= level - 1e-9:
+            return step, seconds
+    return None
+
+
+def ratio(slow: float | None, fast: float | None) -> float | None:
+    """``slow / fast``, None when either is missing or ``fast`` is not positive."""
+    if slow is None or fast is None or fast <= 0:
+        return None
+    return slow / fast
+
+
+def step_stats(seconds: Sequence[float]) -> dict[str, float]:
+    return {"median": float(statistics.median(seconds)), "mean": float(statistics.fmean(seconds))}
+
+
+def compare(ours: dict, trl: dict) -> dict:
+    """The comparison of two runs, each {"step_seconds": [...], "curve": Curve}."""
+    out: dict[str, Any] = {}
+    for name, r in (("ours", ours), ("trl", trl)):
+        out[name] = {
+            **step_stats(r["step_seconds"]),
+            "initial_accuracy": r["curve"][0][1],
+            "final_accuracy": r["curve"][-1][1],
+        }
+    out["step_ratio_median"] = ratio(out["trl"]["median"], out["ours"]["median"])
+    out["step_ratio_mean"] = ratio(out["trl"]["mean"], out["ours"]["mean"])
+    out["levels"] = []
+    for whose in ("trl", "ours"):
+        level = out[whose]["final_accuracy"]
+        hit_ours, hit_trl = time_to_reach(ours["curve"], level), time_to_reach(trl["curve"], level)
+        t_ours, t_trl = (hit_ours[1] if hit_ours else None), (hit_trl[1] if hit_trl else None)
+        out["levels"].append(
+            {
+                "level": level,
+                "of": whose,
+                "ours_seconds": t_ours,
+                "ours_step": hit_ours[0] if hit_ours else None,
+                "trl_seconds": t_trl,
+                "trl_step": hit_trl[0] if hit_trl else None,
+                "speedup": ratio(t_trl, t_ours),
+            }
+        )
+    return out
+
+
+def _s(x: float | None, step: int | None = None) -> str:
+    if x is None:
+        return "not reached"
+    return f"{x:.0f} s" + (f" (step {step})" if step is not None else "")
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _run_cells(r: dict) -> list[str]:
+    return [f"{r['median']:.1f}", f"{r['mean']:.1f}", f"{r['initial_accuracy']:.3f}", f"{r['final_accuracy']:.3f}"]
+
+
+def tables(cmp: dict, curves: dict[str, Curve], what: str) -> list[dict]:
+    o, t = cmp["ours"], cmp["trl"]
+    steps = table(
+        f"Seconds per step, train_async.py vs TRL GRPOTrainer: {what}",
+        ["run", "median s/step", "mean s/step", "accuracy before", "accuracy at the end"],
+        [
+            ["train_async.py (one-step-off)", *_run_cells(o)],
+            ["TRL GRPOTrainer", *_run_cells(t)],
+            ["TRL / ours", _x(cmp["step_ratio_median"]), _x(cmp["step_ratio_mean"]), "", ""],
+        ],
+        "TRL's step time excludes its held-out evals (run in-process between steps); ours include whatever the "
+        "background evals cost the step",
+    )
+    reach = table(
+        "Wall time to reach the peer's final held-out accuracy",
+        ["level", "train_async.py", "TRL GRPOTrainer", "speed-up (TRL / ours)"],
+        [
+            [
+                f"{lv['level']:.3f} ({'TRL' if lv['of'] == 'trl' else 'our'} final)",
+                _s(lv["ours_seconds"], lv["ours_step"]),
+                _s(lv["trl_seconds"], lv["trl_step"]),
+                _x(lv["speedup"]),
+            ]
+            for lv in cmp["levels"]
+        ],
+        "first eval after step 0 at or above the level; wall time of training from the first step, when that "
+        "eval's weights were ready",
+    )
+    steps_seen = sorted({s for c in curves.values() for s, _, _ in c})
+    by_step = {name: {s: (a, sec) for s, a, sec in c} for name, c in curves.items()}
+    rows = []
+    for s in steps_seen:
+        row: list[Any] = [s]
+        for name in ("ours", "trl"):
+            a, sec = by_step[name].get(s, (None, None))
+            row += ["-" if a is None else f"{a:.3f}", "-" if sec is None else f"{sec:.0f}"]
+        rows.append(row)
+    curve = table(
+        "Held-out accuracy against training wall time",
+        ["step", "ours accuracy", "ours s", "TRL accuracy", "TRL s"],
+        rows,
+    )
+    return [steps, reach, curve]
+
+
+def headline(entry: dict) -> list[list[str]]:
+    c = entry["comparison"]
+    what = f"TRL GRPOTrainer peer, SmolLM2 quickstart, {entry['steps']} steps"
+    rows = [
+        [
+            f"{what}: seconds per step, train_async.py vs TRL (median)",
+            f"{c['ours']['median']:.1f} s vs {c['trl']['median']:.1f} s ({_x(c['step_ratio_median'])})",
+        ]
+    ]
+    finals = f"final accuracy {c['ours']['final_accuracy']:.2f} vs {c['trl']['final_accuracy']:.2f}"
+    lv = next(lv for lv in c["levels"] if lv["of"] == "trl")
+    if lv["speedup"] is None:
+        result = f"ours {_s(lv['ours_seconds'])}, TRL {_s(lv['trl_seconds'])}; {finals} (goal: 3x)"
+    else:
+        result = f"{lv['ours_seconds']:.0f} s vs {lv['trl_seconds']:.0f} s ({lv['speedup']:.2f}x); {finals} (goal: 3x)"
+    rows.append([f"{what}: wall time to TRL's final held-out accuracy ({lv['level']:.2f}), ours vs TRL", result])
+    return rows
+
+
+# ---- running the two (I/O) ----
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        raise RuntimeError(f"{path} was not written")
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def _run(cmd: list[str], log: Path, timeout: float, what: str, env: dict[str, str]) -> str:
+    print(f"[trl_peer] {what} (log: {log})", file=sys.stderr, flush=True)
+    with log.open("w") as fh:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=fh, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{what} ran past {timeout:.0f} s; log {log}") from e
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{log.read_text()[-4000:]}")
+    return proc.stdout
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
+
+
+def trl_python() -> Path:
+    """The TRL environment's python, built once by scripts/setup_trl_env.sh."""
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_trl_env.sh")], capture_output=True, text=True, timeout=3600
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/setup_trl_env.sh failed:\n{out.stderr[-4000:]}")
+    return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
+
+
+def prepare_assets() -> tuple[Path, Path]:
+    """The quickstart's model and data, exactly as scripts/quickstart.sh prepares them."""
+    cache = _cache()
+    model = subprocess.run(
+        [sys.executable, "-m", "miles_async.assets.smollm2", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=_env(),
+        cwd=ROOT,
+    )
+    if model.returncode != 0:
+        raise RuntimeError(f"preparing SmolLM2 failed:\n{model.stderr[-4000:]}")
+    data = cache / "data" / "mul"
+    subprocess.run(
+        [sys.executable, "-m", "miles_async.assets.arith_dataset", "--task", "mul", "--out", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=ROOT,
+        check=True,
+    )
+    return Path(model.stdout.strip().splitlines()[-1]), data
+
+
+def _timed(cmd: list[str], log: Path, timeout: float, what: str, env: dict, load: list[float]) -> float:
+    """``_run`` with its wall seconds returned and the 1-minute load average before and after put in ``load``."""
+    load.append(round(os.getloadavg()[0], 1))
+    t = time.perf_counter()
+    _run(cmd, log, timeout, what, env)
+    load.append(round(os.getloadavg()[0], 1))
+    return time.perf_counter() - t
+
+
+def run_both(steps: int, interval: int, work: Path) -> dict:
+    python = trl_python()
+    model, data = prepare_assets()
+    ours_out, trl_out = work / "ours", work / "trl"
+    env = _env(MODEL=str(model), DATA=str(data), OUT=str(ours_out), PYTHON=sys.executable)
+    flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot"]
+    launcher = ["bash", str(LAUNCHER), *flags]
+    ns = parse_ours(launcher_argv(_run([*launcher, "--dry-run"], work / "dry_run.log", 60, "launcher --dry-run", env)))
+    trl_flags = peer_args(ns)
+    timeout = 600 + 600 * steps
+    load: dict[str, list[float]] = {"ours": [], "trl": []}
+    ours_wall = _timed(launcher, work / "ours.log", timeout, f"train_async.py, {steps} steps", env, load["ours"])
+    metrics, evals = _jsonl(ours_out / "metrics.jsonl"), _jsonl(ours_out / "eval.jsonl")
+    ours = {"step_seconds": [r["time/step_seconds"] for r in metrics], "curve": our_curve(metrics, evals)}
+    ours["mixed_version_evals"] = mixed_version_evals(evals)
+    cmd = [str(python), str(RUNNER), "--model", str(model), "--train", str(data / "train.jsonl")]
+    cmd += ["--eval", str(data / "eval.jsonl"), "--out", str(trl_out), *trl_flags]
+    trl_wall = _timed(cmd, work / "trl.log", timeout, f"TRL GRPOTrainer, {steps} steps", env, load["trl"])
+    trl_steps, trl_evals = _jsonl(trl_out / "steps.jsonl"), _jsonl(trl_out / "evals.jsonl")
+    trl = {"step_seconds": [r["step_seconds"] for r in trl_steps], "curve": trl_curve(trl_evals)}
+    version = subprocess.run(
+        [str(python), "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.split()
+    return {
+        "ours": {**ours, "process_seconds": ours_wall, "reward_mean": [r.get("rollout/reward_mean") for r in metrics]},
+        "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_steps]},
+        "trl_flags": trl_flags,
+        "trl_version": version[0] if version else None,
+        "trl_transformers_version": version[1] if len(version) > 1 else None,
+        "load_average_per_run": load,
+    }
+
+
+def _plot(curves: dict[str, Curve], out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("ours", "train_async.py (one-step-off)"), ("trl", "TRL GRPOTrainer")):
+        c = curves[name]
+        ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", label=label)
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("SmolLM2 quickstart: train_async.py vs TRL")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "trl_peer.png", dpi=100)
+    plt.close(fig)
+    return ["trl_peer.png"]
+
+
+def measure(steps: int, interval: int, out_dir: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="miles_async_trl_peer_"))
+    try:
+        raw = run_both(steps, interval, work)
+    except Exception:
+        # Kept on failure: the logs of both runs say why.
+        print(f"[trl_peer] failed; logs kept in {work}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    curves = {"ours": raw["ours"]["curve"], "trl": raw["trl"]["curve"]}
+    cmp = compare(raw["ours"], raw["trl"])
+    what = f"SmolLM2-135M quickstart (multiplication), {steps} steps of 8 prompts x 8, eval every {interval}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "steps": steps,
+        "eval_interval": interval,
+        "results": raw,
+        "comparison": cmp,
+        "tables": tables(cmp, curves, what),
+        "plots": _plot(curves, out_dir),
+        "notes": [
+            f"TRL {raw['trl_version']} (transformers {raw['trl_transformers_version']}) in its own environment, "
+            "on-policy and synchronous (generation with transformers in the trainer's process); train_async.py "
+            "one step off with TIS. Both float32 on the CPU, run one after the other on the same machine.",
+            f"TRL runner flags, derived from the quickstart launcher: {' '.join(raw['trl_flags'])}",
+        ]
+        + (
+            [
+                "Our evals run in the background while training goes on; these saw the weights change mid-eval "
+                "(step: first..last weight version): "
+                + ", ".join(f"{s}: {lo}..{hi}" for s, lo, hi in raw["ours"]["mixed_version_evals"])
+            ]
+            if raw["ours"]["mixed_version_evals"]
+            else []
+        ),
+    }
+
+
+def run(quick: bool, out_dir: Path) -> dict:
+    steps, interval = QUICK if quick else FULL
+    return measure(steps, interval, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import machine_info, render_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=FULL[0], help="steps for both (our --num-rollout)")
+    ap.add_argument("--eval-interval", type=int, default=FULL[1], help="held-out eval every this many steps")
+    ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer"), help="where results.json and the plot go")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.eval_interval < 1:
+        ap.error("--steps and --eval-interval must be at least 1")
+    load_before = os.getloadavg()[0]
+    entry = measure(args.steps, args.eval_interval, args.out)
+    entry = {
+        "machine": machine_info(),
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        **entry,
+    }
+    (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
+    for t in entry["tables"]:
+        print(render_table(t), "\n")
+    for what, result in headline(entry):
+        print(f"{what}: {result}")
+    print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The TRL peer benchmark's pure parts: settings taken from the quickstart launcher, TRL's config, the comparison."""
+
+import subprocess
+
+import pytest
+
+from benchmarks import trl_grpo_runner as runner
+from benchmarks import trl_peer
+from benchmarks.common import ROOT
+
+# Real-shaped curves: (step, held-out accuracy, training wall seconds when the eval's weights were ready).
+OURS = [(0, 0.16, -2.0), (10, 0.41, 310.0), (20, 0.62, 640.0), (30, 0.70, 950.0)]
+TRL = [(0, 0.16, 0.0), (10, 0.30, 900.0), (20, 0.45, 1800.0), (30, 0.52, 2700.0)]
+
+
+def _quickstart_ns(*extra: str):
+    out = subprocess.run(
+        ["bash", str(trl_peer.LAUNCHER), "--dry-run", *extra],
+        env={"MODEL": "/m", "DATA": "/d", "OUT": "/o", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    return trl_peer.parse_ours(trl_peer.launcher_argv(out))
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def test_peer_flags_come_from_the_quickstart_launcher():
+    ns = _quickstart_ns("--num-rollout", "2", "--eval-interval", "1")
+    assert str(ns.hf_checkpoint) == "/m" and ns.eval_prompt_data == ["mul", "/d/eval.jsonl"]
+    flags = _flags(trl_peer.peer_args(ns))
+    assert flags == {
+        "--steps": "2",
+        "--eval-interval": "1",
+        "--lr": "1e-05",
+        "--lr-schedule": "cosine",
+        "--min-lr": "1e-06",
+        "--seed": "1234",
+        "--prompts-per-step": "8",
+        "--num-generations": "8",
+        "--max-completion-length": "8",
+        "--temperature": "1.0",
+        "--top-p": "1.0",
+        "--top-k": "0",
+        "--epsilon": "0.2",
+        "--beta": "0.0",
+        "--entropy-coef": "0.0",
+        "--scale-rewards": "group",
+        "--max-grad-norm": "1.0",
+        "--adam-beta1": "0.9",
+        "--adam-beta2": "0.98",
+        "--adam-eps": "1e-08",
+        "--weight-decay": "0.0",
+        "--eval-samples": "4",
+        "--eval-temperature": "1.0",
+        "--eval-top-p": "1.0",
+        "--eval-max-new-tokens": "8",
+    }
+    # The runner's own defaults are the quickstart's, so a direct run matches it too.
+    defaults = runner.build_parser().parse_args(["--model", "m", "--train", "t", "--eval", "e", "--out", "o"])
+    parsed = runner.build_parser().parse_args(
+        ["--model", "m", "--train", "t", "--eval", "e", "--out", "o", *trl_peer.peer_args(_quickstart_ns())]
+    )
+    assert vars(parsed) == vars(defaults)
+
+
+def test_peer_flags_follow_changed_settings_and_refuse_untranslatable_ones():
+    ns = _quickstart_ns("--lr", "1e-4", "--disable-grpo-std-normalization", "--eps-clip-high", "0.28")
+    flags = _flags(trl_peer.peer_args(ns))
+    assert (flags["--lr"], flags["--scale-rewards"], flags["--epsilon-high"]) == ("0.0001", "none", "0.28")
+    flags = _flags(trl_peer.peer_args(_quickstart_ns("--lr-decay-style", "cosine", "--min-lr", "1e-6")))
+    assert (flags["--lr-schedule"], flags["--min-lr"]) == ("cosine", "1e-06")
+    with pytest.raises(ValueError, match="--lr-decay-style linear"):
+        trl_peer.peer_args(_quickstart_ns("--lr-decay-style", "linear"))
+    with pytest.raises(ValueError, match="--global-batch-size 16"):
+        trl_peer.peer_args(_quickstart_ns("--global-batch-size", "16"))
+
+
+def test_grpo_config_kwargs_translate_our_settings():
+    args = runner.build_parser().parse_args(
+        ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--steps", "30", "--lr", "5e-5"]
+        + ["--lr-schedule", "constant"]
+    )
+    kw = runner.grpo_config_kwargs(args)
+    # 8 prompts x 8 completions in one generation batch and one optimizer step per batch.
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["num_generations"]) == (64, 1, 8)
+    assert (kw["num_iterations"], kw["max_steps"], kw["max_completion_length"]) == (1, 30, 8)
+    assert (kw["learning_rate"], kw["lr_scheduler_type"], kw["warmup_steps"]) == (5e-5, "constant", 0)
+    assert (kw["adam_beta2"], kw["max_grad_norm"], kw["beta"], kw["epsilon"], kw["epsilon_high"]) == (
+        0.98,
+        1.0,
+        0.0,
+        0.2,
+        0.2,
+    )
+    assert (kw["loss_type"], kw["scale_rewards"], kw["bf16"], kw["gradient_checkpointing"]) == (
+        "dapo",
+        "group",
+        False,
+        False,
+    )
+
+
+def test_eval_schedule_is_ours():
+    assert [s for s in range(31) if runner.eval_due(s, 10, 30)] == [0, 10, 20, 30]
+    assert [s for s in range(8) if runner.eval_due(s, 3, 7)] == [0, 3, 6, 7]
+
+
+def test_reward_is_our_integer_reward_on_trl_completions():
+    completions = [[{"role": "assistant", "content": "7 * 8 = 56"}], [{"role": "assistant", "content": "54"}], "x"]
+    assert runner.integer_reward_func(completions, label=["56", "56", "1"]) == [1.0, 0.0, 0.0]
+
+
+def test_time_to_reach_skips_step_zero_and_says_none_when_never_reached():
+    assert trl_peer.time_to_reach(OURS, 0.52) == (20, 640.0)
+    assert trl_peer.time_to_reach(TRL, 0.52) == (30, 2700.0)
+    assert trl_peer.time_to_reach(TRL, 0.70) is None
+    assert trl_peer.time_to_reach(TRL, 0.10) == (10, 900.0)  # step 0's 0.16 does not count
+
+
+def test_compare_reports_step_ratio_and_time_to_the_peers_final_accuracy():
+    ours, trl = {"step_seconds": [30.0, 32.0, 40.0], "curve": OURS}, {"step_seconds": [90.0] * 3, "curve": TRL}
+    cmp = trl_peer.compare(ours, trl)
+    assert cmp["ours"]["median"] == 32.0 and cmp["ours"]["mean"] == pytest.approx(34.0)
+    assert cmp["step_ratio_median"] == pytest.approx(90 / 32)
+    assert (cmp["ours"]["final_accuracy"], cmp["trl"]["final_accuracy"]) == (0.70, 0.52)
+    at_trl, at_ours = cmp["levels"]
+    assert (at_trl["of"], at_trl["ours_seconds"], at_trl["trl_seconds"]) == ("trl", 640.0, 2700.0)
+    assert at_trl["speedup"] == pytest.approx(2700 / 640)
+    assert (at_ours["of"], at_ours["ours_seconds"], at_ours["trl_seconds"], at_ours["speedup"]) == (
+        "ours",
+        950.0,
+        None,
+        None,
+    )
+    assert trl_peer.ratio(None, 3.0) is None and trl_peer.ratio(3.0, 0.0) is None
+
+
+def test_headline_rows():
+    cmp = trl_peer.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
+    rows = trl_peer.headline({"steps": 30, "comparison": cmp})
+    assert rows == [
+        [
+            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps: seconds per step, train_async.py vs TRL (median)",
+            "32.0 s vs 90.0 s (2.81x)",
+        ],
+        [
+            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps: wall time to TRL's final held-out accuracy (0.52), "
+            "ours vs TRL",
+            "640 s vs 2700 s (4.22x); final accuracy 0.70 vs 0.52 (goal: 3x)",
+        ],
+    ]
+    # Ours never reaching TRL's level (a much better TRL) is said, not hidden.
+    worse = trl_peer.compare({"step_seconds": [32.0], "curve": TRL}, {"step_seconds": [90.0], "curve": OURS})
+    assert trl_peer.headline({"steps": 30, "comparison": worse})[1][1] == (
+        "ours not reached, TRL 950 s; final accuracy 0.52 vs 0.70 (goal: 3x)"
+    )
+    tables = trl_peer.tables(cmp, {"ours": OURS, "trl": TRL}, "test")
+    assert tables[1]["rows"][1] == ["0.700 (our final)", "950 s (step 30)", "not reached", "-"]
+    assert tables[2]["rows"][0] == [0, "0.160", "-2", "0.160", "0"]
+
+
+def test_our_curve_reads_background_evals_in_step_order():
+    metrics = [{"rollout/started_at": 1000.0}]
+    evals = [
+        {"step": 2, "eval/mul/accuracy": 0.5, "eval/started_at": 1100.0},
+        {"step": 0, "eval/mul/accuracy": 0.2, "eval/started_at": 999.0},
+    ]
+    assert trl_peer.our_curve(metrics, evals) == [(0, 0.2, -1.0), (2, 0.5, 100.0)]
+
+
+def test_launcher_argv_needs_the_script():
+    assert trl_peer.launcher_argv(f"python {ROOT}/train_async.py \\\n  --lr 5e-5") == ["--lr", "5e-5"]
+    with pytest.raises(ValueError, match="no train_async.py"):
+        trl_peer.launcher_argv("echo hi")
+
+
+def test_mixed_version_evals_names_background_evals_that_straddled_an_update():
+    evals = [
+        {"step": 1, "eval/mul/weight_version_min": 1, "eval/mul/weight_version_max": 1},
+        {"step": 0, "eval/mul/weight_version_min": 0, "eval/mul/weight_version_max": 1},
+    ]
+    assert trl_peer.mixed_version_evals(evals) == [[0, 0, 1]]
+
+
+def test_a_cosine_schedule_gives_trl_our_learning_rate_at_every_step():
+    import torch
+    from transformers.optimization import get_scheduler
+
+    from miles_async.backends.worker import lr_lambda
+    from miles_async.config.train import OptimizerConfig
+
+    argv = ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--steps", "60", "--lr", "1e-5"]
+    kw = runner.grpo_config_kwargs(
+        runner.build_parser().parse_args([*argv, "--lr-schedule", "cosine", "--min-lr", "1e-6"])
+    )
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=kw["learning_rate"])
+    hf = get_scheduler(
+        kw["lr_scheduler_type"], opt, 0, kw["max_steps"], scheduler_specific_kwargs=kw["lr_scheduler_kwargs"]
+    )
+    ours = lr_lambda(OptimizerConfig("adam", 1e-5, 1e-6, 0, "cosine", 0.0, 0.9, 0.98, 1e-8, 1.0), total_steps=60)
+    for step in range(60):
+        assert opt.param_groups[0]["lr"] == pytest.approx(1e-5 * ours(step), rel=1e-9), step
+        opt.step()
+        hf.step()
