@@ -36,6 +36,8 @@ REGISTRY: dict[str, str] = {
     "train_step": "benchmarks.train_step",
     "scale": "benchmarks.scale",
     "train_memory": "benchmarks.train_memory",
+    "trl_peer": "benchmarks.trl_peer",
+    "quickstart_speed": "benchmarks.quickstart_speed",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
