@@ -61,7 +61,8 @@ def _launch(tree: Path, model: Path, data: Path, out: Path, steps: int, timeout:
         OUT=str(out),
         PYTHON=sys.executable,
     )
-    # No held-out evals: they share the engine with the next rollout in both trees, and are not what is timed.
+    # Held-out evals only before the first and after the last step: they share the engine with the next rollout
+    # in both trees, and are not what is timed.
     cmd = ["bash", str(tree / "scripts" / "run-smollm2-cpu-async.sh"), "--num-rollout", str(steps)]
     cmd += ["--eval-interval", str(10 * steps), "--save-interval", str(10 * steps)]
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
@@ -75,7 +76,7 @@ def run(quick: bool, out_dir: Path, baseline: str = DEFAULT_BASELINE, steps: int
     from miles_async.assets.arith_dataset import make_multiplication_dataset
 
     steps = steps or (3 if quick else 10)
-    load_before = os.getloadavg()[0]
+    load_before = round(os.getloadavg()[0], 1)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         data = work / "data"
@@ -97,10 +98,11 @@ def run(quick: bool, out_dir: Path, baseline: str = DEFAULT_BASELINE, steps: int
         "baseline": baseline,
         "results": results,
         "speedup": speedup,
-        "load_average": [load_before, os.getloadavg()[0]],
+        "load_average": [load_before, round(os.getloadavg()[0], 1)],
         "tables": [
             table(
-                f"Quickstart (scripts/run-smollm2-cpu-async.sh, {steps} steps, no evals): median seconds per step",
+                f"Quickstart (scripts/run-smollm2-cpu-async.sh, {steps} steps, no periodic evals): "
+                "median seconds per step",
                 ["tree", "steps timed", "step", "training", "weight update"],
                 rows,
                 note="the first step (start-up) is not timed; the older launcher runs in float32",
