@@ -72,6 +72,7 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
         "--advantage-estimator": (ns.advantage_estimator, "grpo"),
         "--optimizer": (ns.optimizer, "adam"),
         "--lr-warmup-iters": (ns.lr_warmup_iters, 0),
+        "--lr-decay-iters": (ns.lr_decay_iters, None),  # TRL's schedule spans its max_steps
         "--loss-agg-mode": (ns.loss_agg_mode, "token_mean"),
         "--policy-loss-type": (ns.policy_loss_type or "ppo", "ppo"),
         "--global-batch-size": (ns.global_batch_size, None),

@@ -31,7 +31,10 @@ if TYPE_CHECKING:
 
 
 def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
-    """The LR of step ``step`` as a fraction of ``--lr``: warm-up, then the decay style down to ``--min-lr``."""
+    """The LR of step ``step`` as a fraction of ``--lr``: warm-up, then the decay style down to ``--min-lr`` over
+    ``--lr-decay-iters`` steps (default ``total_steps``, the run's)."""
+    if cfg.lr_decay_iters is not None:
+        total_steps = cfg.lr_decay_iters
 
     def f(step: int) -> float:
         if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:

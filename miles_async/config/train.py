@@ -39,6 +39,7 @@ class OptimizerConfig:
     adam_eps: float
     clip_grad: float
     sgd_momentum: float = 0.9
+    lr_decay_iters: int | None = None  # optimizer steps the decay spans; None: the whole run
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,15 @@ GROUPS = (
         ),
         flag("--lr-warmup-iters", type=int, default=0, check=at_least(0)),
         flag("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine")),
+        flag(
+            "--lr-decay-iters",
+            type=int,
+            default=None,
+            check=at_least(1),
+            effect_needs=when_value("--lr-decay-style", "linear", "cosine"),
+            help="optimizer steps the decay spans, warm-up included (Megatron's); then --min-lr holds. "
+            "Default: the whole run. A fixed span keeps a shorter run on the same schedule as a longer one",
+        ),
         flag("--weight-decay", type=float, default=0.0),
         flag("--adam-beta1", type=float, default=0.9, check=within(0, 1), effect_needs=ADAM),
         flag("--adam-beta2", type=float, default=0.98, check=within(0, 1), effect_needs=ADAM),
@@ -349,6 +359,7 @@ def build(
         ns.adam_eps,
         ns.clip_grad,
         ns.sgd_momentum,
+        ns.lr_decay_iters,
     )
     return TrainConfig(
         backend=ns.train_backend,

@@ -123,6 +123,7 @@ def test_values_that_failed_later_are_refused_naming_the_flag(tmp_path, extra, m
         (["--update-weight-buffer-size", "1024"], "--update-weight-buffer-size 1024", []),
         (["--max-staleness-steps", "3"], "--max-staleness-steps 3", ["--fully-async"]),
         (["--min-lr", "1e-07"], "--min-lr 1e-07", ["--lr-decay-style", "cosine"]),
+        (["--lr-decay-iters", "60"], "--lr-decay-iters 60", ["--lr-decay-style", "cosine"]),
         (["--gamma", "0.9"], "--gamma 0.9", ["--advantage-estimator", "reinforce_plus_plus"]),
         (["--kl-loss-coef", "0.1"], "--kl-loss-coef 0.1", ["--use-kl-loss", "--ref-load", "MODEL"]),
         (
