@@ -187,6 +187,15 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def time_to_reach(curve: Sequence[tuple[int, float, float]], level: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first eval after step 0 at or above ``level``; None when never reached.
+    Step 0 is left out: it measures the untrained model, which reaches a low level in no time."""
+    for step, acc, seconds in curve:
+        if step > 0 and acc >= level - 1e-9:
+            return step, seconds
+    return None
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str | None = None) -> dict:
     """One Markdown table of a benchmark's result; run.py renders every ``tables`` entry it finds."""
     return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows], "note": note}

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, run_train_async, table, tiny_setup
+from benchmarks.common import ROOT, run_train_async, table, time_to_reach, tiny_setup
 
 MODES = {"synchronous": ["--synchronous"], "one-step-off": []}
 THRESHOLD_OF_SYNC_FINAL = 0.9
@@ -44,7 +44,7 @@ def set_time_to_threshold(results: dict[str, dict]) -> float:
     run's final accuracy; returns that threshold."""
     threshold = THRESHOLD_OF_SYNC_FINAL * results["synchronous"]["final_accuracy"]
     for r in results.values():
-        hit = next(((step, t) for step, acc, t in r["curve"] if acc >= threshold and step > 0), None)
+        hit = time_to_reach(r["curve"], threshold)
         r["step_at_threshold"], r["seconds_to_threshold"] = hit if hit else (None, None)
     return threshold
 

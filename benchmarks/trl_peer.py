@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, table
+from benchmarks.common import ROOT, median, table, time_to_reach
 
 LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
 RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
@@ -145,15 +145,6 @@ def trl_curve(evals: list[dict]) -> Curve:
     return [(e["step"], e["accuracy"], e["train_seconds"]) for e in sorted(evals, key=lambda e: e["step"])]
 
 
-def time_to_reach(curve: Curve, level: float) -> tuple[int, float] | None:
-    """(step, seconds) of the first eval after step 0 at or above ``level``; None when never reached.
-    Step 0 is left out: it measures the untrained model, which reaches a low level in no time."""
-    for step, acc, seconds in curve:
-        if step > 0 and acc >= level - 1e-9:
-            return step, seconds
-    return None
-
-
 def ratio(slow: float | None, fast: float | None) -> float | None:
     """``slow / fast``, None when either is missing or ``fast`` is not positive."""
     if slow is None or fast is None or fast <= 0:
@@ -162,7 +153,7 @@ def ratio(slow: float | None, fast: float | None) -> float | None:
 
 
 def step_stats(seconds: Sequence[float]) -> dict[str, float]:
-    return {"median": float(statistics.median(seconds)), "mean": float(statistics.fmean(seconds))}
+    return {"median": median(seconds), "mean": float(statistics.fmean(seconds))}
 
 
 def compare(ours: dict, trl: dict) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import trl_grpo_runner as runner
 from benchmarks import trl_peer
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, time_to_reach
 
 # Real-shaped curves: (step, held-out accuracy, training wall seconds when the eval's weights were ready).
 OURS = [(0, 0.16, -2.0), (10, 0.41, 310.0), (20, 0.62, 640.0), (30, 0.70, 950.0)]
@@ -116,10 +116,10 @@ def test_reward_is_our_integer_reward_on_trl_completions():
 
 
 def test_time_to_reach_skips_step_zero_and_says_none_when_never_reached():
-    assert trl_peer.time_to_reach(OURS, 0.52) == (20, 640.0)
-    assert trl_peer.time_to_reach(TRL, 0.52) == (30, 2700.0)
-    assert trl_peer.time_to_reach(TRL, 0.70) is None
-    assert trl_peer.time_to_reach(TRL, 0.10) == (10, 900.0)  # step 0's 0.16 does not count
+    assert time_to_reach(OURS, 0.52) == (20, 640.0)
+    assert time_to_reach(TRL, 0.52) == (30, 2700.0)
+    assert time_to_reach(TRL, 0.70) is None
+    assert time_to_reach(TRL, 0.10) == (10, 900.0)  # step 0's 0.16 does not count
 
 
 def test_compare_reports_step_ratio_and_time_to_the_peers_final_accuracy():
