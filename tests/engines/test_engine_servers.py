@@ -26,7 +26,7 @@ import requests
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.inference.auth import ApiKey, auth_headers
+from miles_async.inference.auth import ApiKey, auth_headers, new_api_key
 from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.weights.update import WeightUpdate, route_for
@@ -79,9 +79,11 @@ def cfg(backend, engine_python, tiny_model, tiny_task, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(backend, cfg, tmp_path_factory):
-    """Listening on this node's address, as an engine placed on a cluster node does: it requires the run's key."""
+    """Listening on this node's address, as an engine placed on a cluster node does: it requires the run's key.
+    The key starts with "-", as one random run key in 64 does (``new_api_key``): the server must still take it."""
     t0 = time.monotonic()
-    placed_cfg = dataclasses.replace(cfg.engine, host=ray.util.get_node_ip_address())
+    key = ApiKey("-" + new_api_key().reveal())
+    placed_cfg = dataclasses.replace(cfg.engine, host=ray.util.get_node_ip_address(), api_key=key)
     with make_engine_process(placed_cfg, 0, str(tmp_path_factory.mktemp(f"{backend}_logs"))) as proc:
         print(f"{backend} server healthy after {time.monotonic() - t0:.1f}s")
         yield proc
@@ -174,7 +176,7 @@ def test_launch_command_has_the_cpu_defaults(backend, engine):
         ):
             assert flag in cmd
         assert env["SGLANG_USE_CPU_ENGINE"] == "1"
-        assert cmd[cmd.index("--api-key") + 1] == engine.cfg.api_key.reveal()  # SGLang reads it from nowhere else
+        assert f"--api-key={engine.cfg.api_key.reveal()}" in cmd  # SGLang reads it from nowhere else
     else:
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         for flag in ("--enable-scale-out", "--enforce-eager", "--max-num-seqs"):
@@ -352,7 +354,7 @@ def test_trained_weights_reach_sglang_without_disk(backend, cfg, engine, tiny_mo
                     targets=(engine.url,),
                     engine=backend,
                     bucket_bytes=64 * 1024,
-                    api_key=cfg.engine.api_key,
+                    api_key=engine.cfg.api_key,
                 )
             )
             assert pushed["weights/bytes"] == sum(p.numel() * 4 for p in actor.module.parameters())

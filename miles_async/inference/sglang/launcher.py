@@ -68,7 +68,8 @@ class SGLangEngineProcess(ServerEngineProcess):
         ]
         key = self.server_api_key()
         if key is not None:
-            cmd += ["--api-key", key]
+            # One token: a random key starts with "-" one time in 64, which argparse would take for a flag.
+            cmd.append(f"--api-key={key}")
         given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
