@@ -14,10 +14,10 @@ first pass over a batch), max 8 new tokens, temperature 1.0, top-p 1, no top-k, 
 our --kl-loss-coef default), GRPO advantages normalised by the group std, the token-level loss
 mean over the whole step (loss_type="dapo" = our --loss-agg-mode token_mean with one step per
 rollout), AdamW with our betas (0.9, 0.98), eps 1e-8, no weight decay, our learning-rate schedule
-(constant, or cosine down to --min-lr), no warm-up, gradient clipping at 1.0, no dropout, no gradient
-checkpointing, float32 (this CPU has no bf16 arithmetic; our --bf16 falls back to float32 here), the chat
-template applied to the user message with the generation prompt (TRL's conversational prompts = our
---apply-chat-template).
+(constant, or cosine down to --min-lr over --lr-decay-iters steps, by default the run), no warm-up,
+gradient clipping at 1.0, no dropout, no gradient checkpointing, float32 (this CPU has no bf16 arithmetic;
+our --bf16 falls back to float32 here), the chat template applied to the user message with the generation
+prompt (TRL's conversational prompts = our --apply-chat-template).
 
 What differs, because TRL does not offer ours:
 
@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr-schedule", choices=("constant", "cosine"), default="cosine", help="our --lr-decay-style (no warm-up)"
     )
     p.add_argument("--min-lr", type=float, default=1e-6, help="our --min-lr: where the cosine ends")
+    p.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="our --lr-decay-iters: the steps the cosine spans (default --steps); at least --steps",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--prompts-per-step", type=int, default=8, help="our --rollout-batch-size")
     p.add_argument("--num-generations", type=int, default=8, help="our --n-samples-per-prompt")
@@ -94,9 +100,17 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.num_generations < 2:
         raise SystemExit("--num-generations must be at least 2: GRPO needs a group to compare against")
+    if args.lr_decay_iters is not None and args.lr_decay_iters < args.steps:
+        # HF's cosine climbs back past its span where ours holds --min-lr: only a span that outlasts the run matches.
+        raise SystemExit(f"--lr-decay-iters {args.lr_decay_iters} must be at least --steps {args.steps}")
     for path in (args.model, args.train, args.eval):
         if not path.exists():
             raise SystemExit(f"{path} does not exist")
+
+
+def decay_span(args: argparse.Namespace) -> int:
+    """The optimizer steps the cosine spans: --lr-decay-iters, else the whole run."""
+    return args.lr_decay_iters if args.lr_decay_iters is not None else args.steps
 
 
 def grpo_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,9 +135,14 @@ def grpo_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "loss_type": "dapo",
         "mask_truncated_completions": False,
         "learning_rate": args.lr,
-        # HF's cosine_with_min_lr is ours: min + (lr - min) * (1 + cos(pi * step / steps)) / 2.
+        # HF's cosine_with_min_lr is ours: min + (lr - min) * (1 + cos(2 pi cycles * step / steps)) / 2, where
+        # cycles = steps / (2 span) makes it cos(pi * step / span): our cosine over --lr-decay-iters.
         "lr_scheduler_type": "cosine_with_min_lr" if args.lr_schedule == "cosine" else "constant",
-        **({"lr_scheduler_kwargs": {"min_lr": args.min_lr}} if args.lr_schedule == "cosine" else {}),
+        **(
+            {"lr_scheduler_kwargs": {"min_lr": args.min_lr, "num_cycles": 0.5 * args.steps / decay_span(args)}}
+            if args.lr_schedule == "cosine"
+            else {}
+        ),
         "warmup_steps": 0,
         "optim": "adamw_torch",
         "adam_beta1": args.adam_beta1,

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer as a peer: the quickstart run by ``train_async.py`` and by TRL, side by side, one invocation.
 
-    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--out DIR]
+    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--out DIR] [-- LAUNCHER FLAGS]
     python -m benchmarks.run --only trl_peer [--quick]
 
 TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environment
@@ -8,8 +8,9 @@ TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environm
 our launcher (scripts/run-smollm2-cpu-async.sh) runs, and after it benchmarks/trl_grpo_runner.py with
 every setting taken from that launcher's own command line (its ``--dry-run``, read by our parser), so
 the two cannot drift apart: same model, prompts, group size, response length, learning rate, seed,
-held-out eval and reward. The runner's docstring lists what TRL cannot match (it is on-policy and
-synchronous; ours is one step off with TIS).
+held-out eval and reward. Flags after ``--`` go to our launcher, and so through its ``--dry-run`` to TRL's
+runner as well (``-- --lr-decay-iters 60`` runs both on the cosine of a 60-step run). The runner's
+docstring lists what TRL cannot match (it is on-policy and synchronous; ours is one step off with TIS).
 
 Reported: seconds per step (median, mean) and their ratio; held-out accuracy against training wall
 time for both (ours from its first rollout, evals in the background; TRL's with its in-process
@@ -72,7 +73,6 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
         "--advantage-estimator": (ns.advantage_estimator, "grpo"),
         "--optimizer": (ns.optimizer, "adam"),
         "--lr-warmup-iters": (ns.lr_warmup_iters, 0),
-        "--lr-decay-iters": (ns.lr_decay_iters, None),  # TRL's schedule spans its max_steps
         "--loss-agg-mode": (ns.loss_agg_mode, "token_mean"),
         "--policy-loss-type": (ns.policy_loss_type or "ppo", "ppo"),
         "--global-batch-size": (ns.global_batch_size, None),
@@ -87,6 +87,12 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
         raise ValueError("the TRL peer compares held-out accuracy: give --eval-prompt-data and --eval-interval")
     if ns.lr_decay_style not in ("constant", "cosine"):
         raise ValueError(f"--lr-decay-style {ns.lr_decay_style}: the TRL peer runs constant or cosine")
+    if ns.lr_decay_iters is not None and ns.lr_decay_iters < ns.num_rollout:
+        # Ours holds --min-lr after the span; HF's cosine would climb back.
+        raise ValueError(
+            f"--lr-decay-iters {ns.lr_decay_iters}: the TRL peer's cosine must span the run (--num-rollout "
+            f"{ns.num_rollout}) or more"
+        )
     kl = ns.kl_loss_coef if ns.use_kl_loss else 0.0
     flags: dict[str, Any] = {
         "--steps": ns.num_rollout,
@@ -117,6 +123,8 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
     }
     if ns.eps_clip_high is not None:
         flags["--epsilon-high"] = ns.eps_clip_high
+    if ns.lr_decay_iters is not None:
+        flags["--lr-decay-iters"] = ns.lr_decay_iters
     return [x for k, v in flags.items() for x in (k, str(v))]
 
 
@@ -338,12 +346,12 @@ def _timed(cmd: list[str], log: Path, timeout: float, what: str, env: dict, load
     return time.perf_counter() - t
 
 
-def run_both(steps: int, interval: int, work: Path) -> dict:
+def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str] = ()) -> dict:
     python = trl_python()
     model, data = prepare_assets()
     ours_out, trl_out = work / "ours", work / "trl"
     env = _env(MODEL=str(model), DATA=str(data), OUT=str(ours_out), PYTHON=sys.executable)
-    flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot"]
+    flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot", *launcher_args]
     launcher = ["bash", str(LAUNCHER), *flags]
     ns = parse_ours(launcher_argv(_run([*launcher, "--dry-run"], work / "dry_run.log", 60, "launcher --dry-run", env)))
     trl_flags = peer_args(ns)
@@ -367,6 +375,7 @@ def run_both(steps: int, interval: int, work: Path) -> dict:
     return {
         "ours": {**ours, "process_seconds": ours_wall, "reward_mean": [r.get("rollout/reward_mean") for r in metrics]},
         "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_steps]},
+        "launcher_args": list(launcher_args),
         "trl_flags": trl_flags,
         "trl_version": version[0] if version else None,
         "trl_transformers_version": version[1] if len(version) > 1 else None,
@@ -396,10 +405,10 @@ def _plot(curves: dict[str, Curve], out_dir: Path) -> list[str]:
     return ["trl_peer.png"]
 
 
-def measure(steps: int, interval: int, out_dir: Path) -> dict:
+def measure(steps: int, interval: int, out_dir: Path, launcher_args: Sequence[str] = ()) -> dict:
     work = Path(tempfile.mkdtemp(prefix="miles_async_trl_peer_"))
     try:
-        raw = run_both(steps, interval, work)
+        raw = run_both(steps, interval, work, launcher_args)
     except Exception:
         # Kept on failure: the logs of both runs say why.
         print(f"[trl_peer] failed; logs kept in {work}", file=sys.stderr, flush=True)
@@ -420,7 +429,8 @@ def measure(steps: int, interval: int, out_dir: Path) -> dict:
             f"TRL {raw['trl_version']} (transformers {raw['trl_transformers_version']}) in its own environment, "
             "on-policy and synchronous (generation with transformers in the trainer's process); train_async.py "
             "one step off with TIS. Both float32 on the CPU, run one after the other on the same machine.",
-            f"TRL runner flags, derived from the quickstart launcher: {' '.join(raw['trl_flags'])}",
+            f"Our launcher's extra flags: {' '.join(raw['launcher_args']) or 'none'}; TRL runner flags, derived "
+            f"from the quickstart launcher: {' '.join(raw['trl_flags'])}",
         ]
         + (
             [
@@ -446,11 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=FULL[0], help="steps for both (our --num-rollout)")
     ap.add_argument("--eval-interval", type=int, default=FULL[1], help="held-out eval every this many steps")
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer"), help="where results.json and the plot go")
+    ap.add_argument(
+        "launcher_args", nargs="*", help="after --: flags for our launcher, which TRL's runner then follows too"
+    )
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_interval < 1:
         ap.error("--steps and --eval-interval must be at least 1")
     load_before = os.getloadavg()[0]
-    entry = measure(args.steps, args.eval_interval, args.out)
+    entry = measure(args.steps, args.eval_interval, args.out, args.launcher_args)
     entry = {
         "machine": machine_info(),
         "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],

@@ -78,6 +78,11 @@ def test_peer_flags_follow_changed_settings_and_refuse_untranslatable_ones():
         trl_peer.peer_args(_quickstart_ns("--lr-decay-style", "linear"))
     with pytest.raises(ValueError, match="--global-batch-size 16"):
         trl_peer.peer_args(_quickstart_ns("--global-batch-size", "16"))
+    flags = _flags(trl_peer.peer_args(_quickstart_ns("--lr-decay-iters", "60")))
+    assert (flags["--lr-decay-iters"], flags["--steps"]) == ("60", "30")
+    assert "--lr-decay-iters" not in _flags(trl_peer.peer_args(_quickstart_ns()))
+    with pytest.raises(ValueError, match="--lr-decay-iters 20: the TRL peer's cosine must span the run"):
+        trl_peer.peer_args(_quickstart_ns("--lr-decay-iters", "20"))
 
 
 def test_grpo_config_kwargs_translate_our_settings():
@@ -187,23 +192,35 @@ def test_mixed_version_evals_names_background_evals_that_straddled_an_update():
     assert trl_peer.mixed_version_evals(evals) == [[0, 0, 1]]
 
 
-def test_a_cosine_schedule_gives_trl_our_learning_rate_at_every_step():
+@pytest.mark.parametrize("steps,span", [(60, None), (30, 60), (30, 30)])
+def test_a_cosine_schedule_gives_trl_our_learning_rate_at_every_step(steps, span):
+    """Over the whole run (span None: the run's length) and over a --lr-decay-iters longer than the run."""
     import torch
     from transformers.optimization import get_scheduler
 
     from miles_async.backends.worker import lr_lambda
     from miles_async.config.train import OptimizerConfig
 
-    argv = ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--steps", "60", "--lr", "1e-5"]
-    kw = runner.grpo_config_kwargs(
-        runner.build_parser().parse_args([*argv, "--lr-schedule", "cosine", "--min-lr", "1e-6"])
-    )
+    argv = ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--steps", str(steps), "--lr", "1e-5"]
+    argv += ["--lr-schedule", "cosine", "--min-lr", "1e-6"] + ([] if span is None else ["--lr-decay-iters", str(span)])
+    kw = runner.grpo_config_kwargs(runner.build_parser().parse_args(argv))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=kw["learning_rate"])
     hf = get_scheduler(
         kw["lr_scheduler_type"], opt, 0, kw["max_steps"], scheduler_specific_kwargs=kw["lr_scheduler_kwargs"]
     )
-    ours = lr_lambda(OptimizerConfig("adam", 1e-5, 1e-6, 0, "cosine", 0.0, 0.9, 0.98, 1e-8, 1.0), total_steps=60)
-    for step in range(60):
+    ours = lr_lambda(
+        OptimizerConfig("adam", 1e-5, 1e-6, 0, "cosine", 0.0, 0.9, 0.98, 1e-8, 1.0, lr_decay_iters=span), steps
+    )
+    for step in range(steps):
         assert opt.param_groups[0]["lr"] == pytest.approx(1e-5 * ours(step), rel=1e-9), step
         opt.step()
         hf.step()
+    if span == 60:  # half-way down the cosine after 30 of 60 steps: (1e-5 + 1e-6) / 2
+        assert opt.param_groups[0]["lr"] == pytest.approx(5.5e-6, rel=1e-9)
+
+
+def test_the_runner_refuses_a_cosine_span_shorter_than_the_run(tmp_path):
+    argv = ["--model", str(tmp_path), "--train", str(tmp_path), "--eval", str(tmp_path), "--out", str(tmp_path)]
+    args = runner.build_parser().parse_args([*argv, "--steps", "30", "--lr-decay-iters", "20"])
+    with pytest.raises(SystemExit, match="--lr-decay-iters 20 must be at least --steps 30"):
+        runner.check_args(args)
