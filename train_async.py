@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -14,6 +13,7 @@ from tqdm import tqdm
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
 from miles_async.control import Control, control_api
+from miles_async.control.signals import StopSignals
 from miles_async.ray.eval_dispatcher import EvalDispatcher
 from miles_async.ray.trainer_recovery import TrainerDied, TrainerFailed
 from miles_async.run import Run
@@ -23,7 +23,9 @@ from miles_async.utils.tracking import Tracker
 logger = logging.getLogger("train_async")
 
 
-async def train(cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, control: Control) -> None:
+async def train(
+    cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, control: Control, signals: StopSignals
+) -> None:
     """Rollouts ``start_rollout_id`` (--load's next, or after a trainer restart the restored checkpoint's next)
     to --num-rollout."""
     loop, ckpt = cfg.loop, cfg.checkpoint
@@ -52,6 +54,7 @@ async def train(cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, 
             initial=start_rollout_id,
             total=loop.num_rollout,
         ):
+            signals.check()  # Ctrl-C or SIGTERM came, and its cancellation was lost on the way
             t_wait = time.time()
             control.phase("generating")
             if next_rollout is not None:
@@ -139,27 +142,29 @@ async def train(cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, 
 
 
 async def main(cfg: Config) -> None:
-    # SIGTERM (Slurm, docker stop, kill) takes the same clean path as Ctrl-C: cancel the
-    # loop, and leaving the Run stops every actor and engine. Installed after Run() starts
-    # Ray, which sets its own SIGTERM handler (a bare sys.exit).
+    # Ctrl-C and SIGTERM (Slurm, docker stop, kill) cancel the loop, and leaving the Run stops every actor and
+    # engine. Installed after Run() starts Ray, which sets its own SIGTERM handler (a bare sys.exit).
     run = Run(cfg)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    loop, signals = asyncio.get_running_loop(), StopSignals()
+    signals.install(loop, asyncio.current_task())
     tracker = Tracker(cfg)
     try:
         async with run, control_api(cfg, run) as control:
             start, death = cfg.loop.start_rollout_id, None
             while True:
+                signals.check()
                 try:
                     if death is not None:
                         # TrainerFailed without --use-fault-tolerance or past --max-trainer-restarts; else the
                         # trainers and the rollout side are back at the last checkpoint (a worker that dies
                         # while they are rebuilt is one more death).
                         start, death = await run.recover_trainers(death), None
-                    await run.watch_trainers(train(cfg, run, tracker, start, control))
+                    await run.watch_trainers(train(cfg, run, tracker, start, control, signals))
                     break
                 except TrainerDied as e:
                     death = e
     finally:
+        signals.uninstall(loop)
         tracker.close()
     plot = None
     if cfg.tracking.plot:
