@@ -14,9 +14,16 @@ if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = 
   echo "$VENV"
   exit 0
 fi
+mkdir -p "$(dirname "$VENV")"
+# shellcheck source=scripts/lib/engine_env.sh
+source "$ROOT/scripts/lib/engine_env.sh"
+venv_lock "$VENV" setup_env
+if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+  echo "$VENV"  # built by whoever held the lock
+  exit 0
+fi
 echo "[setup_env] building the virtual environment in $VENV (once; a few minutes)" >&2
 rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip >&2
 # torch first and pinned, so nothing below can pull a multi-GB CUDA build on a CPU machine.

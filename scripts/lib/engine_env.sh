@@ -23,6 +23,12 @@ engine_env() {
   fi
   local log="$VENV.log"
   mkdir -p "$(dirname "$VENV")"
+  # One build at a time (parallel test workers, two runs on a fresh machine); whoever waited reuses it.
+  venv_lock "$VENV" "setup_${name}_env"
+  if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+    echo "$VENV"
+    return 0
+  fi
   echo "[setup_${name}_env] building ${name}'s environment in $VENV (once; minutes; log: $log)" >&2
   # Not "if ! (...)": errexit is ignored inside a condition, so a failed step would not stop the build.
   set +e
@@ -43,4 +49,15 @@ engine_env() {
   echo "$stamp" > "$VENV/.miles-async-stamp"
   echo "[setup_${name}_env] done: $(du -sh "$VENV" | cut -f1) in $VENV" >&2
   echo "$VENV"
+}
+
+# venv_lock VENV WHO: hold $VENV.lock until this shell exits, waiting at most an hour for another build of
+# the same environment (and saying so, so a wait is never silent).
+venv_lock() {
+  local venv="$1" who="$2" fd
+  exec {fd}>"$venv.lock"
+  if ! flock -n "$fd"; then
+    echo "[$who] another process is building $venv; waiting for it (lock: $venv.lock, at most 3600 s)" >&2
+    flock -w 3600 "$fd" || { echo "[$who] still locked after 3600 s: $venv.lock" >&2; return 1; }
+  fi
 }
