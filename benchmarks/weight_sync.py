@@ -83,6 +83,7 @@ def run(quick: bool, out_dir: Path) -> dict:
     from miles_async.weights import shared_memory
     from miles_async.weights.http import push_buckets
     from miles_async.weights.source import iter_buckets
+    from miles_async.weights.staged import commit
     from miles_async.weights.staging import StagingBuffer
 
     reps = 2 if quick else 5
@@ -185,7 +186,7 @@ def run(quick: bool, out_dir: Path) -> dict:
                     )
                 )
                 staged = time.perf_counter() - t0
-                return staged, paused(lambda: shared_memory.commit([eng.url], version, TIMEOUT, "embedded", True))
+                return staged, paused(lambda: commit([eng.url], version, TIMEOUT, "embedded", True))
 
             # The engine holds the sent dtype even where bf16 decoding would be emulated (a CPU without bf16
             # arithmetic makes the embedded engine serve float32): only weight transfer is timed here.

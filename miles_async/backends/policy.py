@@ -38,7 +38,7 @@ from miles_async.utils.weight_checksum import tensor_checksums
 from miles_async.weights.disk import write_engine_folder
 from miles_async.weights.sender import WeightSender
 from miles_async.weights.source import WeightSource, iter_buckets
-from miles_async.weights.update import DTYPES, WeightUpdate
+from miles_async.weights.update import WeightUpdate, torch_dtype
 
 if TYPE_CHECKING:
     from miles_async.config import TrainConfig
@@ -225,7 +225,7 @@ class PolicyMixin:
 
     def weights_checksum(self, engine_dtype: str) -> dict:
         """Per-tensor checksums of what ``push_weights`` sends (``--check-weight-update-equal``); rank 0's."""
-        return self._weight_source().read(lambda named: tensor_checksums(named, DTYPES[engine_dtype]), {})
+        return self._weight_source().read(lambda named: tensor_checksums(named, torch_dtype(engine_dtype)), {})
 
     def _keep_weights(self, weight_version: int) -> None:
         if self.cfg.algorithm.keep_old_actor:

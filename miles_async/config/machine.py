@@ -14,6 +14,9 @@ from pathlib import Path
 
 from miles_async.config.declare import ConfigError, module_installed
 
+# Present wherever an NVIDIA driver is loaded (the second on some containers that mount only the devices).
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl")
+
 
 class Machine:
     def __init__(self, check_config: bool = False):
@@ -40,6 +43,8 @@ class Machine:
     @staticmethod
     def cuda_devices() -> int:
         """CUDA devices visible here (0 without a CUDA build of torch)."""
+        if not any(Path(p).exists() for p in NVIDIA_DRIVER_FILES):
+            return 0  # no NVIDIA driver: no need to import torch (seconds of start-up on a laptop) to know
         try:
             import torch
         except ImportError:

@@ -34,9 +34,29 @@ _WHY = "this CPU has no bf16 arithmetic (no AVX512-BF16 or AMX), where torch's b
 _KEEP = "--keep-cpu-bf16 keeps bf16"
 
 
+# oneDNN computes bf16 only with one of these x86 extensions (AVX-512, AMX, or AVX2's NE-convert); a CPU whose
+# flags show none of them has no bf16 arithmetic, which is known without importing torch (seconds at start-up).
+_BF16_CAPABLE_FLAGS = ("avx512", "amx", "avx_ne_convert")
+
+
+def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The x86 flags of this CPU, or None where /proc/cpuinfo does not list them (another OS or architecture)."""
+    try:
+        with open(cpuinfo) as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 @functools.cache
 def cpu_has_bf16() -> bool:
     """Whether torch's CPU kernels run bf16 natively here (oneDNN's own check: AVX512-BF16 or AMX)."""
+    flags = _cpu_flags()
+    if flags is not None and not any(f.startswith(_BF16_CAPABLE_FLAGS) for f in flags):
+        return False
     import torch
 
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -25,6 +25,9 @@ def init_ray(cfg: ClusterConfig) -> None:
             num_cpus=os.cpu_count(),
             include_dashboard=False,
             runtime_env={"env_vars": env},
+            # Ray would start a worker per CPU for tasks the run never sends (its actors each get their own, for
+            # their runtime_env): a second of CPU each, and they hold Ray's start-up slots the actors then wait for.
+            _system_config={"prestart_worker_first_driver": False},
             logging_level=logging.WARNING,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
@@ -70,6 +71,23 @@ def worker_class(cfg: TrainConfig) -> type:
             f"(--train-backend {cfg.backend})"
         )
     return double
+
+
+def prefetch_worker_classes(cfgs: Iterable[TrainConfig]) -> threading.Thread:
+    """Import the training workers' classes (torch, transformers: seconds of CPU) on a thread while Ray starts,
+    so building the groups does not wait for it. A failure is left to ``worker_class``, which raises it again
+    where the run reports it."""
+
+    def load() -> None:
+        for cfg in cfgs:
+            try:
+                worker_class(cfg)
+            except Exception:  # noqa: BLE001 - raised again, and reported, when the group is built
+                pass
+
+    thread = threading.Thread(target=load, name="import-train-workers", daemon=True)
+    thread.start()
+    return thread
 
 
 class TrainGroup:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the inference controller compares checksums and needs no torch
+    import torch
 
 Checksums = dict[str, dict]  # name -> {"sha256": hex, "sum": float, "shape": [..], "dtype": str}
 
 
 def tensor_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> Checksums:
+    import torch
+
     out: Checksums = {}
     for name, t in named_tensors:
         t = t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from miles_async.config import Config
 from miles_async.utils.weight_checksum import first_mismatch
-from miles_async.weights import shared_memory
+from miles_async.weights import staged
 from miles_async.weights.update import DISK, SHARED_MEMORY, WeightUpdate, route_for
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def weight_update(cfg: Config, weight_version: int) -> WeightUpdate:
 
 
 async def _push_weights(cfg: Config, controller: ActorHandle, actor: TrainGroup, update: WeightUpdate) -> dict:
-    if update.route == SHARED_MEMORY and shared_memory.stages(update.engine):
+    if update.route == SHARED_MEMORY and staged.stages(update.engine):
         return await _stage_then_commit(cfg, controller, actor, update)
     t_pause = time.time()
     urls = await controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
@@ -119,13 +119,13 @@ async def _stage_then_commit(cfg: Config, controller: ActorHandle, actor: TrainG
             raise
         logger.warning("staging the weights on %s failed (%s); pushing them once the engines are paused", urls, e)
         metrics = {}
-    staged = set(metrics.pop("staged_urls", ()))
+    staged_urls = set(metrics.pop("staged_urls", ()))
     t_pause = time.time()
     serving = await controller.begin_weight_update.remote(cfg.loop.pause_generation_mode)
     try:
-        committed = [u for u in serving if u in staged]
+        committed = [u for u in serving if u in staged_urls]
         try:
-            await shared_memory.commit(
+            await staged.commit(
                 committed, update.version, update.timeout, update.engine, update.flush_cache, update.api_key
             )
         except Exception as e:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_async.weights import http, shared_memory
+from miles_async.weights import http, shared_memory, staged
 from miles_async.weights.process_group import ProcessGroupRoute
 from miles_async.weights.staging import StagingBuffer
 from miles_async.weights.update import HTTP, PROCESS_GROUP, SHARED_MEMORY, WeightUpdate
@@ -25,7 +25,7 @@ class WeightSender:
     def push(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], update: WeightUpdate) -> dict:
         t0 = time.time()
         targets = list(update.targets)
-        if update.route == SHARED_MEMORY and shared_memory.stages(update.engine):
+        if update.route == SHARED_MEMORY and staged.stages(update.engine):
             return self._push_staged(buckets, update, targets, t0)
         if update.stage_only:
             raise ValueError(f"weight route {update.route!r} into {update.engine} does not stage")

@@ -3,8 +3,9 @@ the tensors from the trainer's memory; only handles or offsets travel over HTTP.
 
 - The embedded engine maps a staging buffer (``staging.py``): each bucket is written once into a /dev/shm
   file, the engine maps and checks it (``/stage_weights_from_shm``, possible while it generates: the driver
-  stages before pausing, ``driver.py``) and copies it into its parameters on ``/commit_staged_weights``. An
-  embedded engine on another node gets the staged bytes over HTTP instead (the http route).
+  stages before pausing, ``driver.py``) and copies it into its parameters on ``/commit_staged_weights`` (the
+  driver's calls: ``staged.py``). An embedded engine on another node gets the staged bytes over HTTP instead
+  (the http route).
 - SGLang (``/update_weights_from_tensor``) takes torch multiprocessing handles, below.
 
 SGLang takes the tensors pickled with torch's multiprocessing reductions, so the handle follows the bucket's
@@ -35,10 +36,10 @@ import torch
 
 from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
-from miles_async.inference.engines import engine_spec, make_client
 from miles_async.weights import http
 from miles_async.weights.http import Bucket, stream_buckets
 from miles_async.weights.node import node_address, on_this_node
+from miles_async.weights.staged import commit, discard, each_engine
 from miles_async.weights.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -126,20 +127,6 @@ async def push_buckets(
 # -- the embedded engine: a staging buffer it maps ---------------------------------------------------------
 
 
-def stages(engine: str) -> bool:
-    """Whether ``engine`` takes this route as a staged update (the embedded engine) rather than handles."""
-    return hasattr(engine_spec(engine).client, "stage_weights_from_shm")
-
-
-async def _each(urls: list[str], timeout: float, engine: str, api_key: ApiKey | None, call) -> list:
-    clients = [make_client(engine, u, timeout, api_key) for u in urls]
-    try:
-        return await asyncio.gather(*[call(c) for c in clients])
-    finally:
-        for c in clients:
-            await c.close()
-
-
 async def stage(
     buckets: Iterable[Bucket],
     urls: list[str],
@@ -155,30 +142,11 @@ async def stage(
     near = [u for u in urls if on_this_node(u)]
     segments, nbytes = await asyncio.to_thread(staging.write, buckets)
     try:
-        await _each(near, timeout, engine, api_key, lambda c: c.stage_weights_from_shm(segments, weight_version))
+        await each_engine(near, timeout, engine, api_key, lambda c: c.stage_weights_from_shm(segments, weight_version))
     except BaseException:
         await discard(near, timeout, engine, api_key)
         raise
     return nbytes, segments, near
-
-
-async def commit(
-    urls: list[str], weight_version: int, timeout: float, engine: str, flush: bool, api_key: ApiKey | None = None
-) -> None:
-    """The staged engines copy the update of ``weight_version`` into their parameters (they should be paused)."""
-    await _each(urls, timeout, engine, api_key, lambda c: c.commit_staged_weights(weight_version, flush))
-
-
-async def discard(urls: list[str], timeout: float, engine: str, api_key: ApiKey | None = None) -> None:
-    """Best effort, after a failure: the engines drop a staged update (and their mappings of its files)."""
-
-    async def one(c: EngineClient) -> None:
-        try:
-            await c.discard_staged_weights()
-        except Exception as e:  # noqa: BLE001 - the failure being handled is the one to report
-            logger.warning("could not discard the staged weights of %s: %s", c.base_url, e)
-
-    await _each(urls, min(timeout, 10.0), engine, api_key, one)
 
 
 async def push_staged(

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from miles_async.inference.auth import ApiKey
 from miles_async.inference.engines import engine_spec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --rollout-dtype
+if TYPE_CHECKING:  # the driver builds these records and needs no torch (it costs each run seconds to import)
+    import torch
+
+DTYPES = ("float32", "bfloat16")  # --rollout-dtype: names of torch dtypes
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --rollout-dtype name (one of DTYPES)."""
+    import torch
+
+    return getattr(torch, name)
+
 
 # The routes, one module each; a --weight-update-method value names one, except "tensor", whose module is
 # the engine's (EngineSpec.tensor_route).
@@ -57,4 +67,4 @@ class WeightUpdate:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)

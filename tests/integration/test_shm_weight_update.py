@@ -22,6 +22,7 @@ from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.weights import shared_memory
 from miles_async.weights.sender import WeightSender
 from miles_async.weights.source import iter_buckets
+from miles_async.weights.staged import commit, stages
 from miles_async.weights.staging import PREFIX, SHM_DIR
 from miles_async.weights.update import SHARED_MEMORY, WeightUpdate, route_for
 
@@ -111,7 +112,7 @@ def _assert_holds(url: str, sent: dict[str, torch.Tensor], version: int) -> None
 
 def test_the_embedded_engine_takes_the_shared_memory_route():
     assert route_for("tensor", "embedded") == SHARED_MEMORY
-    assert shared_memory.stages("embedded") and not shared_memory.stages("sglang")
+    assert stages("embedded") and not stages("sglang")
 
 
 def test_a_push_lands_bitwise_and_leaves_no_file_once_the_sender_closes(engine, tiny_model):
@@ -225,7 +226,7 @@ def test_staging_runs_while_generating_and_the_commit_swaps_between_two_steps(en
             assert (await c.load())["decode_steps"] > steps0
             assert not gen.done()
             await c.pause("in_place")
-            await shared_memory.commit([engine.url], v0 + 1, 60, "embedded", False)
+            await commit([engine.url], v0 + 1, 60, "embedded", False)
             await c.resume()
             return await gen
 

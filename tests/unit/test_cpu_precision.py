@@ -50,3 +50,13 @@ def test_this_machine_trains_and_serves_what_its_cpu_computes(tmp_path):
     assert cfg.train.dtype == ("bfloat16" if native else "float32")
     assert cfg.engine.dtype == ("bfloat16" if native else "float32")
     assert any(w.startswith("--bf16:") for w in cfg.warnings) is (not native)
+
+
+def test_the_cpu_flags_shortcut_agrees_with_torch():
+    """Without AVX-512, AMX or AVX-NE-CONVERT in /proc/cpuinfo the answer comes without torch; it must be
+    torch's answer (oneDNN's check) on this machine."""
+    import torch
+
+    flags = precision._cpu_flags()
+    assert flags is not None and "fpu" in flags  # this x86 Linux machine lists its flags
+    assert precision.cpu_has_bf16() is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

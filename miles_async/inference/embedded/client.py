@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from miles_async.inference.client import EngineClient
+
+if TYPE_CHECKING:  # the driver, the controller and the executor import this module and need no torch
+    import torch
 
 
 def serialize_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
