@@ -57,6 +57,6 @@ def test_the_cpu_flags_shortcut_agrees_with_torch():
     torch's answer (oneDNN's check) on this machine."""
     import torch
 
-    flags = precision._cpu_flags()
-    assert flags is not None and "fpu" in flags  # this x86 Linux machine lists its flags
+    if precision._cpu_flags() is None:
+        pytest.skip("/proc/cpuinfo lists no flags here: torch is always asked")
     assert precision.cpu_has_bf16() is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
