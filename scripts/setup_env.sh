@@ -9,16 +9,16 @@ VENV="${MILES_ASYNC_VENV:-$CACHE/venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="${MILES_ASYNC_TORCH_SPEC:-torch==2.13.0}"
 
+# shellcheck source=scripts/lib/engine_env.sh
+source "$ROOT/scripts/lib/engine_env.sh"
 stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "$ROOT/requirements-megatron.txt" | sha256sum | cut -c1-16)-${TORCH_SPEC}"
-if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+if venv_current "$VENV" "$stamp"; then
   echo "$VENV"
   exit 0
 fi
 mkdir -p "$(dirname "$VENV")"
-# shellcheck source=scripts/lib/engine_env.sh
-source "$ROOT/scripts/lib/engine_env.sh"
 venv_lock "$VENV" setup_env
-if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+if venv_current "$VENV" "$stamp"; then
   echo "$VENV"  # built by whoever held the lock
   exit 0
 fi

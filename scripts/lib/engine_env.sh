@@ -17,7 +17,7 @@ engine_env() {
   PYTHON="${PYTHON:-python3}"
   local stamp
   stamp="$(sha256sum "$req" | cut -c1-16)-$extra"
-  if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+  if venv_current "$VENV" "$stamp"; then
     echo "$VENV"
     return 0
   fi
@@ -25,7 +25,7 @@ engine_env() {
   mkdir -p "$(dirname "$VENV")"
   # One build at a time (parallel test workers, two runs on a fresh machine); whoever waited reuses it.
   venv_lock "$VENV" "setup_${name}_env"
-  if [ -f "$VENV/.miles-async-stamp" ] && [ "$(cat "$VENV/.miles-async-stamp")" = "$stamp" ]; then
+  if venv_current "$VENV" "$stamp"; then
     echo "$VENV"
     return 0
   fi
@@ -60,4 +60,9 @@ venv_lock() {
     echo "[$who] another process is building $venv; waiting for it (lock: $venv.lock, at most 3600 s)" >&2
     flock -w 3600 "$fd" || { echo "[$who] still locked after 3600 s: $venv.lock" >&2; return 1; }
   fi
+}
+
+# venv_current VENV STAMP: whether VENV was built, to the end, from the requirements STAMP names.
+venv_current() {
+  [ -f "$1/.miles-async-stamp" ] && [ "$(cat "$1/.miles-async-stamp")" = "$2" ]
 }
