@@ -11,6 +11,7 @@ the two cannot drift apart: same model, prompts, group size, response length, le
 held-out eval and reward. Flags after ``--`` go to our launcher, and so through its ``--dry-run`` to TRL's
 runner as well (``-- --lr-decay-iters 60`` runs both on the cosine of a 60-step run). The runner's
 docstring lists what TRL cannot match (it is on-policy and synchronous; ours is one step off with TIS).
+``-- --synchronous`` runs ours on-policy as TRL is, generation and training taking turns on all the cores.
 
 Reported: seconds per step (median, mean) and their ratio; held-out accuracy against training wall
 time for both (ours from its first rollout, evals in the background; TRL's with its in-process
@@ -65,6 +66,11 @@ def parse_ours(argv: Sequence[str]) -> argparse.Namespace:
 
     ns, _ = build_parser().parse_known_args(list(argv))
     return ns
+
+
+def loop_mode(ns: argparse.Namespace) -> str:
+    """Our loop as the launcher's flags chose it."""
+    return "synchronous" if ns.synchronous else "fully-async" if ns.fully_async else "one-step-off"
 
 
 def peer_args(ns: argparse.Namespace) -> list[str]:
@@ -208,13 +214,13 @@ def _run_cells(r: dict) -> list[str]:
     return [f"{r['median']:.1f}", f"{r['mean']:.1f}", f"{r['initial_accuracy']:.3f}", f"{r['final_accuracy']:.3f}"]
 
 
-def tables(cmp: dict, curves: dict[str, Curve], what: str) -> list[dict]:
+def tables(cmp: dict, curves: dict[str, Curve], what: str, mode: str = "one-step-off") -> list[dict]:
     o, t = cmp["ours"], cmp["trl"]
     steps = table(
         f"Seconds per step, train_async.py vs TRL GRPOTrainer: {what}",
         ["run", "median s/step", "mean s/step", "accuracy before", "accuracy at the end"],
         [
-            ["train_async.py (one-step-off)", *_run_cells(o)],
+            [f"train_async.py ({mode})", *_run_cells(o)],
             ["TRL GRPOTrainer", *_run_cells(t)],
             ["TRL / ours", _x(cmp["step_ratio_median"]), _x(cmp["step_ratio_mean"]), "", ""],
         ],
@@ -376,6 +382,7 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
         "ours": {**ours, "process_seconds": ours_wall, "reward_mean": [r.get("rollout/reward_mean") for r in metrics]},
         "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_steps]},
         "launcher_args": list(launcher_args),
+        "mode": loop_mode(ns),
         "trl_flags": trl_flags,
         "trl_version": version[0] if version else None,
         "trl_transformers_version": version[1] if len(version) > 1 else None,
@@ -383,7 +390,7 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     }
 
 
-def _plot(curves: dict[str, Curve], out_dir: Path) -> list[str]:
+def _plot(curves: dict[str, Curve], out_dir: Path, mode: str) -> list[str]:
     try:
         import matplotlib
     except ImportError:
@@ -392,7 +399,7 @@ def _plot(curves: dict[str, Curve], out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in (("ours", "train_async.py (one-step-off)"), ("trl", "TRL GRPOTrainer")):
+    for name, label in (("ours", f"train_async.py ({mode})"), ("trl", "TRL GRPOTrainer")):
         c = curves[name]
         ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", label=label)
     ax.set_xlabel("training wall time (s)")
@@ -423,12 +430,17 @@ def measure(steps: int, interval: int, out_dir: Path, launcher_args: Sequence[st
         "eval_interval": interval,
         "results": raw,
         "comparison": cmp,
-        "tables": tables(cmp, curves, what),
-        "plots": _plot(curves, out_dir),
+        "tables": tables(cmp, curves, what, raw["mode"]),
+        "plots": _plot(curves, out_dir, raw["mode"]),
         "notes": [
             f"TRL {raw['trl_version']} (transformers {raw['trl_transformers_version']}) in its own environment, "
             "on-policy and synchronous (generation with transformers in the trainer's process); train_async.py "
-            "one step off with TIS. Both float32 on the CPU, run one after the other on the same machine.",
+            + (
+                "synchronous too (on-policy, the engine generating with the weights it then trains)"
+                if raw["mode"] == "synchronous"
+                else f"{raw['mode']} with TIS"
+            )
+            + ". Both float32 on the CPU, run one after the other on the same machine.",
             f"Our launcher's extra flags: {' '.join(raw['launcher_args']) or 'none'}; TRL runner flags, derived "
             f"from the quickstart launcher: {' '.join(raw['trl_flags'])}",
         ]

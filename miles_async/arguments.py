@@ -223,7 +223,7 @@ def build_config(ns: argparse.Namespace) -> Config:
     train.check_data_parallel(
         global_batch, num_workers // megatron_cfg.model_parallel_size, cluster.num_critic_workers(ns)
     )
-    use_gpu, threads = machine.cuda_devices() > 0, max(1, (os.cpu_count() or 2) // 2)
+    use_gpu, threads = machine.cuda_devices() > 0, loop.cpu_threads(ns, os.cpu_count() or 2)
     ns, slow_bf16 = precision.fall_back(ns, use_gpu, precision.cpu_has_bf16())
     warnings += machine.warnings + slow_bf16
     for message in warnings:

@@ -101,7 +101,8 @@ GROUPS = (
             default=None,
             check=at_least(1),
             effect_needs=EMBEDDED,
-            help="torch threads per embedded engine (default: half the cores)",
+            help="torch threads per embedded engine (default: half the cores; all of them under --synchronous, where "
+            "generation and training take turns)",
         ),
     ),
     group(

@@ -108,7 +108,8 @@ GROUPS = (
             type=int,
             default=None,
             check=at_least(1),
-            help="torch threads per training worker (default: half the cores)",
+            help="torch threads per training worker (default: half the cores; all of them under --synchronous, where "
+            "generation and training take turns)",
         ),
     ),
     group(

@@ -282,3 +282,13 @@ def test_fully_async_keep_old_actor_needs_abort_pauses(tmp_path, data):
         args + ["--pause-generation-mode", "abort", "--partial-rollout", "--mask-offpolicy-in-partial-rollout"]
     ).rollout.mask_offpolicy_in_partial_rollout
     assert parse_args(base(tmp_path, data, "--keep-old-actor")).train.algorithm.keep_old_actor  # one-step-off drains
+
+
+@pytest.mark.parametrize("mode", [[], ["--fully-async"], ["--synchronous"]])
+def test_cpu_threads_default_to_half_the_cores_where_generation_and_training_overlap(tmp_path, data, mode, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = parse_args(base(tmp_path, data, *mode))
+    want = 8 if mode == ["--synchronous"] else 4  # --synchronous takes turns: each side gets every core
+    assert (cfg.engine.num_threads, cfg.train.num_threads) == (want, want)
+    pinned = parse_args(base(tmp_path, data, *mode, "--rollout-num-threads", "3", "--train-num-threads", "2"))
+    assert (pinned.engine.num_threads, pinned.train.num_threads) == (3, 2)

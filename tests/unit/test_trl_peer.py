@@ -165,8 +165,20 @@ def test_headline_rows():
         "ours not reached, TRL 950 s; final accuracy 0.52 vs 0.70 (goal: 3x)"
     )
     tables = trl_peer.tables(cmp, {"ours": OURS, "trl": TRL}, "test")
+    assert tables[0]["rows"][0][0] == "train_async.py (one-step-off)"
     assert tables[1]["rows"][1] == ["0.700 (our final)", "950 s (step 30)", "not reached", "-"]
     assert tables[2]["rows"][0] == [0, "0.160", "-2", "0.160", "0"]
+
+
+def test_our_loop_mode_comes_from_the_launchers_flags_and_names_our_row():
+    assert trl_peer.loop_mode(_quickstart_ns()) == "one-step-off"
+    assert trl_peer.loop_mode(_quickstart_ns("--fully-async")) == "fully-async"
+    sync = trl_peer.loop_mode(_quickstart_ns("--synchronous"))
+    assert sync == "synchronous"
+    cmp = trl_peer.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
+    assert trl_peer.tables(cmp, {"ours": OURS, "trl": TRL}, "test", sync)[0]["rows"][0][0] == (
+        "train_async.py (synchronous)"
+    )
 
 
 def test_our_curve_reads_background_evals_in_step_order():
