@@ -40,6 +40,8 @@ async def train(
     )
     if loop.eval_interval is not None and start_rollout_id == 0 and not cfg.eval.skip_before_train:
         await evals.dispatch(0)
+        if loop.synchronous:
+            await evals.drain()  # --synchronous takes turns: an eval, like a rollout, overlaps no training
 
     # One-step-off and --synchronous generate each rollout when asked; the fully-async
     # producer generates all along, and each ask drains its next batch.
@@ -106,10 +108,21 @@ async def train(
                 control.phase("updating_weights")
                 metrics.update(await run.update_weights(weight_version=rollout_id + 1))
                 await control.reassert_pause()
+            eval_due = should_run_periodic_action(
+                rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout
+            )
+            if eval_due and loop.synchronous:
+                # Taking turns: on one machine a background eval would share the cores with the next rollout and
+                # the step (4 threads on 2 cores tripled the steps it overlapped).
+                control.phase("evaluating")
+                t_eval = time.time()
+                await evals.dispatch(rollout_id + 1)
+                await evals.drain()
+                metrics["time/eval_seconds"] = time.time() - t_eval
             if defer_next_drain:
                 next_rollout = asyncio.ensure_future(generate(rollout_id + 1))
 
-            if should_run_periodic_action(rollout_id, loop.eval_interval, loop.num_rollout_per_epoch, loop.num_rollout):
+            if eval_due and not loop.synchronous:
                 control.phase("evaluating")
                 await evals.dispatch(rollout_id + 1)
             metrics["time/step_seconds"] = time.time() - t_wait

@@ -93,9 +93,14 @@ class Run:
             .options(**opts)
             .remote(cfg.engine, cfg.tracking.output_dir, self.placement.get("rollout"))
         )
-        await self._start_executor(await self.controller.start.remote())
+        # The executor (a process, its imports, the tokenizer, the data) starts while the engines boot; the
+        # controller gives it the engines once they answer.
+        await asyncio.gather(self.controller.start.remote(), self._start_executor())
+        await self.controller.attach.remote(self.executor)
 
-    async def _start_executor(self, engine_urls: list[str]) -> None:
+    async def _start_executor(self) -> None:
+        """A rollout executor without engines: ``controller.attach`` gives it those serving, and with
+        --use-fault-tolerance every change."""
         cfg = self.cfg
         opts = actor_options(num_threads=1)
         self.executor = (
@@ -105,7 +110,7 @@ class Run:
                 cfg.rollout,
                 cfg.eval,
                 cfg.engine,
-                engine_urls,
+                [],
                 self.restore.load_dir,
                 self._load_rollout_id,
                 cfg.tracking.output_dir,
@@ -113,8 +118,6 @@ class Run:
             )
         )
         await self.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout
-        if cfg.engine.fault_tolerance is not None:
-            await self.controller.attach.remote(self.executor)
 
     async def _start_trainers(self) -> None:
         cfg = self.cfg
@@ -176,7 +179,8 @@ class Run:
         # folder, once their replacements run.
         await kill_and_wait([*old, self.executor], 60)
         self.actor = self.critic = self.executor = None
-        await asyncio.gather(self._start_executor(await self.controller.serving_urls.remote()), self._start_trainers())
+        await asyncio.gather(self._start_executor(), self._start_trainers())
+        await self.controller.attach.remote(self.executor)
         await self._record_processes()
         return self.restore.start
 

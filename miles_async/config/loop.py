@@ -53,7 +53,8 @@ GROUPS = (
             "--synchronous",
             action="store_true",
             help="no overlap: generate each rollout only after the previous step's weights reached the "
-            "engines (on-policy with --update-weights-interval 1; the baseline the async modes beat)",
+            "engines, and run evals between steps too (on-policy with --update-weights-interval 1; on one "
+            "machine the engines and the trainer then take turns on all its cores)",
         ),
         flag(
             "--fully-async",

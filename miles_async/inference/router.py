@@ -62,12 +62,12 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         client_factory: Callable[[str, float], Any] = lambda url, timeout: EngineClient(url, timeout=timeout),
     ):
-        if not urls:
-            raise ValueError("Router needs at least one engine URL")
+        # ``urls`` may be empty: the rollout executor starts while the engines boot and is given them by
+        # ``set_engines`` (the inference controller's ``attach``) before its first request.
         self.timeout = timeout
         self.retry = retry
         self.cooldown = cooldown
-        self.max_attempts = max_attempts or max(3, 2 * len(urls))
+        self._max_attempts = max_attempts
         self.clock = clock
         self._client_factory = client_factory
         self.clients: dict[str, Any] = {u: client_factory(u, timeout) for u in urls}
@@ -82,6 +82,10 @@ class Router:
     @property
     def urls(self) -> list[str]:
         return list(self.clients)
+
+    @property
+    def max_attempts(self) -> int:
+        return self._max_attempts or max(3, 2 * len(self.clients))
 
     async def set_engines(self, urls: list[str], fatal: str | None = None) -> None:
         """The engines that may take traffic now; ``fatal``: none ever will again, fail every request."""
@@ -102,7 +106,13 @@ class Router:
         if fatal is not None:
             self.fatal = fatal
         if set(urls) != old or fatal is not None:
-            logger.warning("router: engines now %s%s", urls, f" (fatal: {fatal.splitlines()[0]})" if fatal else "")
+            # The first set is the run starting (info); later ones are engines failing or coming back.
+            logger.log(
+                logging.WARNING if old or fatal else logging.INFO,
+                "router: engines now %s%s",
+                urls,
+                f" (fatal: {fatal.splitlines()[0]})" if fatal else "",
+            )
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -130,6 +140,8 @@ class Router:
         self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
     ) -> dict[str, Any]:
         errors: list[str] = []
+        if not self.clients and not self.retry:
+            raise NoEngineError(self.fatal or "the router has no engine yet (set_engines gives it them)")
         for attempt in range(1, self.max_attempts + 1):
             url = await self._acquire() if self.retry else min(self.clients, key=lambda u: self.outstanding[u])
             self.outstanding[url] += 1
@@ -215,8 +227,7 @@ class SGLangRouter:
                 str(port),
                 "--policy",
                 policy,
-                "--worker-urls",
-                *urls,
+                *(["--worker-urls", *urls] if urls else []),
             ]
         )
         # The key reaches the router, not the engines behind it: engines that require one (placed on other

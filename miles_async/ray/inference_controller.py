@@ -85,10 +85,13 @@ class InferenceController:
             self._health_task = asyncio.ensure_future(self._health_loop())
         return self.urls()
 
-    def attach(self, listener) -> None:
-        """A Ray actor with ``set_engines(urls, fatal)`` (the rollout executor) to tell about engine changes. The
-        run has one executor at a time: one rebuilt after a trainer restart replaces the old, which is gone."""
+    async def attach(self, listener) -> None:
+        """A Ray actor with ``set_engines(urls, fatal)`` (the rollout executor), told the engines serving now and
+        then every change. The run has one executor at a time: one rebuilt after a trainer restart replaces the
+        old, which is gone. Telling the current set here, not at the executor's construction, lets the executor
+        start while the engines boot, and leaves no gap in which a change could go unheard."""
         self._listeners = [listener]
+        await listener.set_engines.remote(self.serving_urls(), self._fatal)
 
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]

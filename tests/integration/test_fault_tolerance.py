@@ -144,7 +144,7 @@ def test_a_killed_engine_is_restarted_with_the_current_weights(cfg, tmp_path, ti
         controller = InferenceController(engine_cfg, str(tmp_path))
         urls = await controller.start()
         listener = Listener()
-        controller.attach(Handle(listener))
+        await controller.attach(Handle(listener))
         try:
             await controller.begin_weight_update()
             weights = _perturbed_weights(tiny_model, seed=1)
@@ -160,8 +160,9 @@ def test_a_killed_engine_is_restarted_with_the_current_weights(cfg, tmp_path, ti
             assert restarted.pid != old_pid and (await restarted.state())[0]
             assert controller.all_engine_pids() == [controller.engines[0].pid, old_pid, restarted.pid]
             assert controller.supervisor.state(1) == EngineState.HEALTHY
-            # out of the router as soon as detected, back only once seeded, at its new URL
-            assert listener.calls[0] == ([urls[0]], None)
+            # told both at attach; out of the router as soon as detected, back only once seeded, at its new URL
+            assert listener.calls[0] == (urls, None)
+            assert listener.calls[1] == ([urls[0]], None)
             assert listener.calls[-1] == ([urls[0], restarted.url], None)
             assert await controller.weight_versions() == [7, 7]
             sums = await controller.weights_checksums()
@@ -216,7 +217,7 @@ def test_with_no_engine_left_the_run_fails_naming_the_engine_and_its_log(cfg, tm
     async def go():
         controller = InferenceController(engine_cfg, str(tmp_path))
         await controller.start()
-        controller.attach(Handle(Listener()))
+        await controller.attach(Handle(Listener()))
         try:
             os.kill(controller.engines[0].pid, signal.SIGKILL)
             t0 = time.monotonic()

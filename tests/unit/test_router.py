@@ -158,3 +158,19 @@ def test_outer_cancellation_is_not_mistaken_for_an_eviction():
         assert r.outstanding == {"a": 0, "b": 0} and r.retries == 0
 
     asyncio.run(go())
+
+
+def test_a_router_started_before_its_engines_takes_them_from_set_engines():
+    """The rollout executor starts while the engines boot (Run._start_rollout); the controller's attach then gives
+    its router the engines. Before that a request without retry fails naming why, instead of picking from nothing."""
+
+    async def go():
+        r = make([])
+        with pytest.raises(NoEngineError, match="no engine yet"):
+            await r.generate([1], {})
+        await r.set_engines(["a", "b"])
+        assert r.max_attempts == 4  # from the engines it has now, not the none it started with
+        out = await asyncio.gather(*[r.generate([1], {}) for _ in range(4)])
+        assert sorted(o["engine"] for o in out) == ["a", "a", "b", "b"]
+
+    asyncio.run(go())

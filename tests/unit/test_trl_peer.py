@@ -190,6 +190,22 @@ def test_our_curve_reads_background_evals_in_step_order():
     assert trl_peer.our_curve(metrics, evals) == [(0, 0.2, -1.0), (2, 0.5, 100.0)]
 
 
+def test_our_curve_takes_evals_run_between_steps_out_of_the_clock_as_trls():
+    metrics = [{"rollout/started_at": 1000.0}]
+    evals = [
+        {"step": 0, "eval/mul/accuracy": 0.2, "eval/started_at": 990.0, "eval/seconds": 10.0},
+        {"step": 10, "eval/mul/accuracy": 0.8, "eval/started_at": 1200.0, "eval/seconds": 15.0},
+        {"step": 20, "eval/mul/accuracy": 0.9, "eval/started_at": 1415.0, "eval/seconds": 15.0},
+    ]
+    # Step 0's eval ended before the first rollout; step 10's 15 s come off step 20's time.
+    assert trl_peer.our_curve(metrics, evals, between_steps=True) == [
+        (0, 0.2, -10.0),
+        (10, 0.8, 200.0),
+        (20, 0.9, 400.0),
+    ]
+    assert trl_peer.our_curve(metrics, evals)[2] == (20, 0.9, 415.0)  # background evals: nothing to take out
+
+
 def test_launcher_argv_needs_the_script():
     assert trl_peer.launcher_argv(f"python {ROOT}/train_async.py \\\n  --lr 5e-5") == ["--lr", "5e-5"]
     with pytest.raises(ValueError, match="no train_async.py"):
