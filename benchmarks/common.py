@@ -187,6 +187,28 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def eval_curve(
+    metrics: list[dict], evals: list[dict], key: str, between_steps: bool = False
+) -> list[tuple[int, float, float]]:
+    """A run's held-out accuracy ``key`` as (step, accuracy, seconds): wall time since the first rollout began,
+    when each eval started (its weights were ready). Background evals finish out of order: sorted by step.
+    ``between_steps`` (--synchronous, whose evals run between steps): the evals before each are taken out of the
+    clock, as TRL's runner does with its own."""
+    start = metrics[0]["rollout/started_at"]
+    out, evaluating = [], 0.0
+    for e in sorted(evals, key=lambda e: e["step"]):
+        if key in e:
+            out.append((e["step"], e[key], e["eval/started_at"] - start - evaluating))
+        if between_steps and e["step"] > 0:  # step 0's eval ran before the first rollout, off the clock already
+            evaluating += e["eval/seconds"]
+    return out
+
+
+def step_seconds(metrics: list[dict], between_steps: bool = False) -> list[float]:
+    """Each step's wall time; ``between_steps`` (--synchronous): without the eval run between steps."""
+    return [r["time/step_seconds"] - (r.get("time/eval_seconds", 0.0) if between_steps else 0.0) for r in metrics]
+
+
 def time_to_reach(curve: Sequence[tuple[int, float, float]], level: float) -> tuple[int, float] | None:
     """(step, seconds) of the first eval after step 0 at or above ``level``; None when never reached.
     Step 0 is left out: it measures the untrained model, which reaches a low level in no time."""

@@ -19,22 +19,25 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, run_train_async, table, time_to_reach, tiny_setup
+from benchmarks.common import ROOT, eval_curve, run_train_async, step_seconds, table, time_to_reach, tiny_setup
 
 MODES = {"synchronous": ["--synchronous"], "one-step-off": []}
 THRESHOLD_OF_SYNC_FINAL = 0.9
 
 
-def _result(out: Path, rows: list[dict], key: str) -> dict:
-    # Background evals are written as they finish: order them by the step they measured.
-    evals = sorted((json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()), key=lambda e: e["step"])
-    start = rows[0]["rollout/started_at"]
-    curve = [(e["step"], e[key], e["eval/started_at"] - start) for e in evals if key in e]
+def _result(out: Path, rows: list[dict], key: str, mode: str) -> dict:
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    # --synchronous evals run between its steps: out of its clock, as the one-step-off's background ones are.
+    between = mode == "synchronous"
+    curve = eval_curve(rows, evals, key, between)
+    steps = step_seconds(rows, between)
     return {
         "final_accuracy": curve[-1][1],
         "initial_accuracy": curve[0][1],
-        "step_seconds_mean": sum(r["time/step_seconds"] for r in rows) / len(rows),
-        "wall_seconds": rows[-1]["train/finished_at"] - start,
+        "step_seconds_mean": sum(steps) / len(steps),
+        "wall_seconds": rows[-1]["train/finished_at"]
+        - rows[0]["rollout/started_at"]
+        - sum(r.get("time/eval_seconds", 0.0) for r in rows if between),
         "curve": curve,
     }
 
@@ -91,7 +94,7 @@ def _quick(work: Path) -> tuple[dict, str]:
             ],
             out,
         )
-        results[mode] = _result(out, rows, key)
+        results[mode] = _result(out, rows, key, mode)
     return results, "tiny model, 'starts with a digit' reward, 12 steps of 8 prompts x 4"
 
 
@@ -135,7 +138,7 @@ def _full(work: Path) -> tuple[dict, str]:
         if proc.returncode != 0:
             raise RuntimeError(f"the quickstart launcher failed ({mode}):\n{proc.stderr[-4000:]}")
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        results[mode] = _result(out, rows, key)
+        results[mode] = _result(out, rows, key, mode)
     return results, "SmolLM2-135M quickstart (multiplication), 16 steps of 8 prompts x 8, eval every 2"
 
 

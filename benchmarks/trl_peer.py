@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, median, table, time_to_reach
+from benchmarks.common import ROOT, eval_curve, median, step_seconds, table, time_to_reach
 
 LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
 RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
@@ -135,21 +135,6 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
 
 
 # ---- curves and comparisons (pure) ----
-
-
-def our_curve(metrics: list[dict], evals: list[dict], key: str = EVAL_KEY, between_steps: bool = False) -> Curve:
-    """Our held-out accuracy against wall time since the first rollout began (when each eval started, i.e.
-    when its weights were ready). Background evals finish out of order: sorted by step. ``between_steps``
-    (--synchronous, whose evals run between steps): the evals before each are taken out of the clock, as TRL's."""
-    start = metrics[0]["rollout/started_at"]
-    ordered = sorted(evals, key=lambda e: e["step"])
-    out, evaluating = [], 0.0
-    for e in ordered:
-        if key in e:
-            out.append((e["step"], e[key], e["eval/started_at"] - start - evaluating))
-        if between_steps and e["step"] > 0:  # step 0's eval ran before the first rollout, off the clock already
-            evaluating += e["eval/seconds"]
-    return out
 
 
 def mixed_version_evals(evals: list[dict], key: str = "eval/mul") -> list[list[int]]:
@@ -372,10 +357,11 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     load: dict[str, list[float]] = {"ours": [], "trl": []}
     ours_wall = _timed(launcher, work / "ours.log", timeout, f"train_async.py, {steps} steps", env, load["ours"])
     metrics, evals = _jsonl(ours_out / "metrics.jsonl"), _jsonl(ours_out / "eval.jsonl")
-    between = ns.synchronous
-    # A --synchronous step's time includes the eval run between steps; TRL's does not: taken out, as TRL's.
-    step_seconds = [r["time/step_seconds"] - (r.get("time/eval_seconds", 0.0) if between else 0.0) for r in metrics]
-    ours = {"step_seconds": step_seconds, "curve": our_curve(metrics, evals, between_steps=between)}
+    # --synchronous runs its evals between steps, in its clock; TRL's runner takes its own out: so are ours.
+    ours = {
+        "step_seconds": step_seconds(metrics, ns.synchronous),
+        "curve": eval_curve(metrics, evals, EVAL_KEY, ns.synchronous),
+    }
     ours["mixed_version_evals"] = mixed_version_evals(evals)
     cmd = [str(python), str(RUNNER), "--model", str(model), "--train", str(data / "train.jsonl")]
     cmd += ["--eval", str(data / "eval.jsonl"), "--out", str(trl_out), *trl_flags]

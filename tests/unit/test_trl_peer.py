@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import trl_grpo_runner as runner
 from benchmarks import trl_peer
-from benchmarks.common import ROOT, time_to_reach
+from benchmarks.common import ROOT, eval_curve, step_seconds, time_to_reach
 
 # Real-shaped curves: (step, held-out accuracy, training wall seconds when the eval's weights were ready).
 OURS = [(0, 0.16, -2.0), (10, 0.41, 310.0), (20, 0.62, 640.0), (30, 0.70, 950.0)]
@@ -187,7 +187,7 @@ def test_our_curve_reads_background_evals_in_step_order():
         {"step": 2, "eval/mul/accuracy": 0.5, "eval/started_at": 1100.0},
         {"step": 0, "eval/mul/accuracy": 0.2, "eval/started_at": 999.0},
     ]
-    assert trl_peer.our_curve(metrics, evals) == [(0, 0.2, -1.0), (2, 0.5, 100.0)]
+    assert eval_curve(metrics, evals, "eval/mul/accuracy") == [(0, 0.2, -1.0), (2, 0.5, 100.0)]
 
 
 def test_our_curve_takes_evals_run_between_steps_out_of_the_clock_as_trls():
@@ -198,12 +198,16 @@ def test_our_curve_takes_evals_run_between_steps_out_of_the_clock_as_trls():
         {"step": 20, "eval/mul/accuracy": 0.9, "eval/started_at": 1415.0, "eval/seconds": 15.0},
     ]
     # Step 0's eval ended before the first rollout; step 10's 15 s come off step 20's time.
-    assert trl_peer.our_curve(metrics, evals, between_steps=True) == [
+    assert eval_curve(metrics, evals, "eval/mul/accuracy", between_steps=True) == [
         (0, 0.2, -10.0),
         (10, 0.8, 200.0),
         (20, 0.9, 400.0),
     ]
-    assert trl_peer.our_curve(metrics, evals)[2] == (20, 0.9, 415.0)  # background evals: nothing to take out
+    # Background evals: nothing to take out.
+    assert eval_curve(metrics, evals, "eval/mul/accuracy")[2] == (20, 0.9, 415.0)
+    rows = [{"time/step_seconds": 20.0}, {"time/step_seconds": 35.0, "time/eval_seconds": 15.0}]
+    assert step_seconds(rows, between_steps=True) == [20.0, 20.0]
+    assert step_seconds(rows) == [20.0, 35.0]
 
 
 def test_launcher_argv_needs_the_script():
