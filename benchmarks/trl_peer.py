@@ -253,7 +253,8 @@ def tables(cmp: dict, curves: dict[str, Curve], what: str, mode: str = "one-step
 
 def headline(entry: dict) -> list[list[str]]:
     c = entry["comparison"]
-    what = f"TRL GRPOTrainer peer, SmolLM2 quickstart, {entry['steps']} steps"
+    mode = entry.get("results", {}).get("mode", "one-step-off")  # runs before the mode was recorded: the default
+    what = f"TRL GRPOTrainer peer, SmolLM2 quickstart, {entry['steps']} steps, ours {mode}"
     rows = [
         [
             f"{what}: seconds per step, train_async.py vs TRL (median)",

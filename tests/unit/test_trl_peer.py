@@ -150,15 +150,19 @@ def test_headline_rows():
     rows = trl_peer.headline({"steps": 30, "comparison": cmp})
     assert rows == [
         [
-            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps: seconds per step, train_async.py vs TRL (median)",
+            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps, ours one-step-off: seconds per step, train_async.py "
+            "vs TRL (median)",
             "32.0 s vs 90.0 s (2.81x)",
         ],
         [
-            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps: wall time to TRL's final held-out accuracy (0.52), "
+            "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps, ours one-step-off: wall time to TRL's final held-out "
+            "accuracy (0.52), "
             "ours vs TRL",
             "640 s vs 2700 s (4.22x); final accuracy 0.70 vs 0.52 (goal: 3x)",
         ],
     ]
+    synchronous = trl_peer.headline({"steps": 30, "comparison": cmp, "results": {"mode": "synchronous"}})
+    assert synchronous[0][0].startswith("TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps, ours synchronous: ")
     # Ours never reaching TRL's level (a much better TRL) is said, not hidden.
     worse = trl_peer.compare({"step_seconds": [32.0], "curve": TRL}, {"step_seconds": [90.0], "curve": OURS})
     assert trl_peer.headline({"steps": 30, "comparison": worse})[1][1] == (
