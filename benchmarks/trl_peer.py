@@ -216,8 +216,12 @@ def tables(cmp: dict, curves: dict[str, Curve], what: str, mode: str = "one-step
             ["TRL GRPOTrainer", *_run_cells(t)],
             ["TRL / ours", _x(cmp["step_ratio_median"]), _x(cmp["step_ratio_mean"]), "", ""],
         ],
-        "TRL's step time excludes its held-out evals (run in-process between steps); ours include whatever the "
-        "background evals cost the step",
+        "TRL's step time excludes its held-out evals (run in-process between steps); "
+        + (
+            "so does ours (--synchronous runs them between steps too)"
+            if mode == "synchronous"
+            else "ours include whatever the background evals cost the step"
+        ),
     )
     reach = table(
         "Wall time to reach the peer's final held-out accuracy",
