@@ -37,7 +37,8 @@ FULLY_ASYNC = when_flag("--fully-async")
 def cpu_threads(ns: argparse.Namespace, cpu_count: int) -> int:
     """Torch threads for each embedded engine and each training worker whose own flag leaves it open. The
     one-step-off and --fully-async loops generate while they train, so each side takes half the cores;
-    --synchronous takes turns, so each takes them all (on 2 cores: a quickstart step of 14.9 s instead of 30 s)."""
+    --synchronous takes turns, so each takes them all (on 2 cores the quickstart's synchronous step took ~21 s at one
+    thread each and ~15 s at two)."""
     return max(1, cpu_count if ns.synchronous else cpu_count // 2)
 
 
