@@ -60,3 +60,26 @@ def test_threshold_not_reached_is_reported_with_the_final_accuracies():
 def test_the_readme_table_still_renders_from_the_stored_results():
     block = render_readme_block(json.loads((DEFAULT_OUT / "results.json").read_text()))
     assert "time to accuracy" in block and "final accuracy 0.63 vs 0.73" in block
+
+
+def test_a_synchronous_runs_between_step_evals_are_taken_out_of_its_clock(tmp_path):
+    from benchmarks.time_to_accuracy import _result as run_result
+
+    evals = [
+        {"step": 0, "k": 0.1, "eval/started_at": 99.0, "eval/seconds": 1.0},
+        {"step": 2, "k": 0.5, "eval/started_at": 130.0, "eval/seconds": 5.0},
+        {"step": 4, "k": 0.7, "eval/started_at": 165.0, "eval/seconds": 5.0},
+    ]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    rows = [
+        {"rollout/started_at": 100.0, "time/step_seconds": 15.0, "train/finished_at": 110.0},
+        {"rollout/started_at": 115.0, "time/step_seconds": 20.0, "time/eval_seconds": 5.0, "train/finished_at": 125.0},
+        {"rollout/started_at": 135.0, "time/step_seconds": 15.0, "train/finished_at": 145.0},
+        {"rollout/started_at": 150.0, "time/step_seconds": 20.0, "time/eval_seconds": 5.0, "train/finished_at": 160.0},
+    ]
+    sync = run_result(tmp_path, rows, "k", "synchronous")
+    assert sync["curve"] == [(0, 0.1, -1.0), (2, 0.5, 30.0), (4, 0.7, 60.0)]
+    assert (sync["step_seconds_mean"], sync["wall_seconds"]) == (15.0, 50.0)
+    background = run_result(tmp_path, rows, "k", "one-step-off")
+    assert background["curve"][-1] == (4, 0.7, 65.0)
+    assert (background["step_seconds_mean"], background["wall_seconds"]) == (17.5, 60.0)
