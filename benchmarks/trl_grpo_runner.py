@@ -27,15 +27,18 @@ What differs, because TRL does not offer ours:
   clip 2.0). TRL therefore needs no TIS.
 - Advantage epsilon: TRL divides by (std + 1e-4), ours by (std + 1e-6): the same for any group
   whose rewards differ (0/1 rewards in a group of 8 have std >= 0.35).
-- Data order: both shuffle the training prompts with the same seed, but with different samplers,
-  so the prompts of step k differ.
+- Data order: with ``--in-order`` (as ``benchmarks/trl_peer.py`` runs it) ``--train`` holds our run's
+  prompts in the order our data source hands them out (--rollout-seed), and TRL takes them as they come,
+  so step k of both trains on the same 8 prompts. Without it TRL shuffles them with its own sampler
+  and --seed, and the prompts of step k differ.
 - Evaluation: ours runs in the background on the engine while training goes on; here it runs
   in-process between steps (the model's ``generate``, same protocol: every held-out prompt x 4
   samples, temperature 1.0, max 8 new tokens, the same reward), and its time is taken out of
   TRL's training clock, so TRL is not charged for it.
 
 Output in --out: ``steps.jsonl`` (one row per optimizer step: step, step_seconds, reward_mean,
-train_seconds = training wall time since the first step began, evaluations excluded) and
+train_seconds = training wall time since the first step began, evaluations excluded, prompts = the
+step's user messages in the order TRL drew them) and
 ``evals.jsonl`` (step, accuracy, train_seconds when that eval's weights were ready, eval_seconds,
 num_samples), both written as they happen.
 """
@@ -70,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="our --lr-decay-iters: the steps the cosine spans (default --steps); at least --steps",
     )
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--in-order",
+        action="store_true",
+        help="train on --train's prompts in file order, --prompts-per-step per step (our run's order), not shuffled",
+    )
     p.add_argument("--prompts-per-step", type=int, default=8, help="our --rollout-batch-size")
     p.add_argument("--num-generations", type=int, default=8, help="our --n-samples-per-prompt")
     p.add_argument("--max-completion-length", type=int, default=8, help="our --rollout-max-response-len")
@@ -157,7 +165,7 @@ def grpo_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "use_cpu": True,
         "seed": args.seed,
         "data_seed": args.seed,
-        "shuffle_dataset": True,
+        "shuffle_dataset": not args.in_order,
         "logging_steps": 1,
         "report_to": "none",
         "save_strategy": "no",
@@ -214,9 +222,21 @@ class Recorder:
         self.excluded = 0.0
         self.last_step_end = 0.0
         self.pending: dict[int, dict] = {}
+        self.step_prompts: list[str] = []
         args.out.mkdir(parents=True, exist_ok=True)
         self.steps_file = (args.out / "steps.jsonl").open("w")
         self.evals_file = (args.out / "evals.jsonl").open("w")
+
+    def reward_func(self) -> Any:
+        """``integer_reward_func`` that also keeps the step's prompts (user messages, in order) for steps.jsonl."""
+
+        def integer_reward(completions: list, label: list, prompts: list | None = None, **_: Any) -> list[float]:
+            if prompts is not None:
+                texts = (p[-1]["content"] if isinstance(p, list) else p for p in prompts)
+                self.step_prompts = list(dict.fromkeys(texts))  # each prompt once, num_generations in a row
+            return integer_reward_func(completions, label)
+
+        return integer_reward
 
     def train_seconds(self) -> float:
         return time.perf_counter() - self.t0 - self.excluded
@@ -283,7 +303,12 @@ class Recorder:
             def on_step_end(self, args, state, control, model=None, **kw):
                 now = rec.train_seconds()
                 step = state.global_step
-                rec.pending[step] = {"step": step, "step_seconds": now - rec.last_step_end, "train_seconds": now}
+                rec.pending[step] = {
+                    "step": step,
+                    "step_seconds": now - rec.last_step_end,
+                    "train_seconds": now,
+                    "prompts": rec.step_prompts,
+                }
                 rec.last_step_end = now
                 if eval_due(step, rec.args.eval_interval, rec.args.steps):
                     rec.evaluate(model, step)
@@ -307,13 +332,18 @@ class Recorder:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    train, held_out = read_records(args.train), read_records(args.eval)
+    if args.in_order and len(train) < args.steps * args.prompts_per_step:
+        # TRL would start over at the top of the file, where our run draws a new epoch.
+        raise SystemExit(
+            f"--in-order: {args.train} holds {len(train)} prompts, fewer than --steps x --prompts-per-step "
+            f"({args.steps} x {args.prompts_per_step})"
+        )
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    train = read_records(args.train)
-    held_out = read_records(args.eval)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -324,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     recorder = Recorder(args, held_out, tokenizer)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[integer_reward_func],
+        reward_funcs=[recorder.reward_func()],
         args=GRPOConfig(**grpo_config_kwargs(args)),
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer as a peer: the quickstart run by ``train_async.py`` and by TRL, side by side, one invocation.
 
-    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--out DIR] [-- LAUNCHER FLAGS]
+    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--seeds S ...] [--out DIR] [-- LAUNCHER FLAGS]
     python -m benchmarks.run --only trl_peer [--quick]
 
 TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environment
@@ -8,10 +8,19 @@ TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environm
 our launcher (scripts/run-smollm2-cpu-async.sh) runs, and after it benchmarks/trl_grpo_runner.py with
 every setting taken from that launcher's own command line (its ``--dry-run``, read by our parser), so
 the two cannot drift apart: same model, prompts, group size, response length, learning rate, seed,
-held-out eval and reward. Flags after ``--`` go to our launcher, and so through its ``--dry-run`` to TRL's
-runner as well (``-- --lr-decay-iters 60`` runs both on the cosine of a 60-step run). The runner's
-docstring lists what TRL cannot match (it is on-policy and synchronous; ours is one step off with TIS).
+held-out eval and reward. Both train on the same prompts at every step: ours draws them from its data
+source (--rollout-seed), and TRL's runner gets that sequence in order; each run's own record of what it
+drew (our rollouts.jsonl, TRL's steps.jsonl) is checked against it. Flags after ``--`` go to our
+launcher, and so through its ``--dry-run`` to TRL's runner as well (``-- --lr-decay-iters 60`` runs both
+on the cosine of a 60-step run). The runner's docstring lists what TRL cannot match (it is on-policy and
+synchronous; ours is one step off with TIS).
 ``-- --synchronous`` runs ours on-policy as TRL is, generation and training taking turns on all the cores.
+
+One run of each differs from the next by its seed as much as by its code: the held-out set is 60 prompts
+over 9 facts (4 or 8 prompts each), so one fact learnt or lost moves it by 7 or 13 points. ``--seeds 1 2
+3`` runs both once per seed (our --seed and --rollout-seed, which TRL's runner follows: its own --seed and
+our prompt order) and sums them up as their mean curves; each seed's raw result is written to
+``--out``/seed-S.json as it ends, and ``--from-results`` sums up such files again without running anything.
 
 Reported: seconds per step (median, mean) and their ratio; held-out accuracy against training wall
 time for both (ours from its first rollout, evals in the background; TRL's with its in-process
@@ -134,6 +143,41 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
     return [x for k, v in flags.items() for x in (k, str(v))]
 
 
+def prompt_sequence(ns: argparse.Namespace) -> list[dict]:
+    """Our run's training prompts, step after step, as our data source hands them out (--rollout-seed):
+    TRL's runner trains on the same prompts at every step (``--in-order``)."""
+    from miles_async.config import rollout
+    from miles_async.rollout.data_source import DataSource
+
+    cfg = rollout.build(ns, None)
+    # Each of these draws a step's prompts otherwise than one batch of the data source per step.
+    for name, value in (
+        ("--data-source-path", cfg.data_source_path),
+        ("--rollout-max-prompt-len", cfg.data.max_prompt_len),
+        ("--dynamic-sampling-filter-path / --zero-variance-filter", cfg.dynamic_sampling),
+    ):
+        if value is not None:
+            raise ValueError(f"{name}: the TRL peer gives TRL our prompt order, one batch of the data source a step")
+    source = DataSource(cfg.data, ns.rollout_batch_size)
+    return [
+        {"uid": item.uid, "prompt": item.prompt, "label": item.label}
+        for _ in range(ns.num_rollout)
+        for item in source.next_batch()
+    ]
+
+
+def check_same_prompts(whose: str, sequence: list[dict], batch: int, drawn: list[list[str]], key: str) -> None:
+    """Raise ValueError at the first step where ``whose`` run trained on other prompts than ``sequence``, the
+    order both runs follow: ``drawn`` holds each step's ``key`` (our rollouts.jsonl's uids, TRL's steps.jsonl
+    prompts). Within a step the order does not matter: the step's one optimizer step sees them all."""
+    steps = [sequence[i : i + batch] for i in range(0, len(sequence), batch)]
+    if len(drawn) != len(steps):
+        raise ValueError(f"{whose} trained {len(drawn)} steps; the prompt order has {len(steps)}")
+    for step, (got, meant) in enumerate(zip(drawn, steps, strict=True), 1):
+        if sorted(got) != sorted(r[key] for r in meant):
+            raise ValueError(f"{whose}, step {step}: trained on {sorted(got)}, not {sorted(r[key] for r in meant)}")
+
+
 # ---- curves and comparisons (pure) ----
 
 
@@ -192,6 +236,37 @@ def compare(ours: dict, trl: dict) -> dict:
     return out
 
 
+def seed_args(seed: int) -> list[str]:
+    """Our launcher's flags for one seed of a multi-seed run: sampling and initialisation (--seed) and the
+    prompt order (--rollout-seed), which TRL's runner then follows too."""
+    return ["--seed", str(seed), "--rollout-seed", str(seed)]
+
+
+def mean_curve(curves: Sequence[Curve]) -> Curve:
+    """Accuracy and wall seconds averaged over runs, at every eval step all of them have."""
+    by_run = [{s: (a, t) for s, a, t in c} for c in curves]
+    steps = sorted(set.intersection(*(set(b) for b in by_run)))
+    return [(s, statistics.fmean(b[s][0] for b in by_run), statistics.fmean(b[s][1] for b in by_run)) for s in steps]
+
+
+def pooled(runs: Sequence[dict]) -> dict:
+    """One run standing for several seeds of one side: step times pooled, curves averaged."""
+    return {
+        "step_seconds": [x for r in runs for x in r["step_seconds"]],
+        "curve": mean_curve([r["curve"] for r in runs]),
+    }
+
+
+def accuracy_range(curves: Sequence[Curve]) -> dict[int, tuple[float, float]]:
+    """(lowest, highest) accuracy over runs at each eval step."""
+    out: dict[int, tuple[float, float]] = {}
+    for c in curves:
+        for s, a, _ in c:
+            lo, hi = out.get(s, (a, a))
+            out[s] = (min(lo, a), max(hi, a))
+    return out
+
+
 def _s(x: float | None, step: int | None = None) -> str:
     if x is None:
         return "not reached"
@@ -206,7 +281,15 @@ def _run_cells(r: dict) -> list[str]:
     return [f"{r['median']:.1f}", f"{r['mean']:.1f}", f"{r['initial_accuracy']:.3f}", f"{r['final_accuracy']:.3f}"]
 
 
-def tables(cmp: dict, curves: dict[str, Curve], what: str, mode: str = "one-step-off") -> list[dict]:
+def tables(
+    cmp: dict,
+    curves: dict[str, Curve],
+    what: str,
+    mode: str = "one-step-off",
+    ranges: dict[str, dict[int, tuple[float, float]]] | None = None,
+) -> list[dict]:
+    """Step times, time to the peer's final accuracy, and the curves; ``ranges``: with several seeds, the
+    curves are their means and each accuracy shows its lowest and highest seed."""
     o, t = cmp["ours"], cmp["trl"]
     steps = table(
         f"Seconds per step, train_async.py vs TRL GRPOTrainer: {what}",
@@ -245,10 +328,13 @@ def tables(cmp: dict, curves: dict[str, Curve], what: str, mode: str = "one-step
         row: list[Any] = [s]
         for name in ("ours", "trl"):
             a, sec = by_step[name].get(s, (None, None))
-            row += ["-" if a is None else f"{a:.3f}", "-" if sec is None else f"{sec:.0f}"]
+            cell = "-" if a is None else f"{a:.3f}"
+            if a is not None and ranges is not None:
+                cell += " ({:.3f}-{:.3f})".format(*ranges[name][s])
+            row += [cell, "-" if sec is None else f"{sec:.0f}"]
         rows.append(row)
     curve = table(
-        "Held-out accuracy against training wall time",
+        "Held-out accuracy against training wall time" + (", mean of the seeds (lowest-highest)" if ranges else ""),
         ["step", "ours accuracy", "ours s", "TRL accuracy", "TRL s"],
         rows,
     )
@@ -259,6 +345,8 @@ def headline(entry: dict) -> list[list[str]]:
     c = entry["comparison"]
     mode = entry.get("results", {}).get("mode", "one-step-off")  # runs before the mode was recorded: the default
     what = f"TRL GRPOTrainer peer, SmolLM2 quickstart, {entry['steps']} steps, ours {mode}"
+    if entry.get("seeds"):
+        what += f", seed {entry['seeds'][0]}" if len(entry["seeds"]) == 1 else f", mean of {len(entry['seeds'])} seeds"
     rows = [
         [
             f"{what}: seconds per step, train_async.py vs TRL (median)",
@@ -368,11 +456,17 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
         "curve": eval_curve(metrics, evals, EVAL_KEY, ns.synchronous),
     }
     ours["mixed_version_evals"] = mixed_version_evals(evals)
-    cmd = [str(python), str(RUNNER), "--model", str(model), "--train", str(data / "train.jsonl")]
+    sequence = prompt_sequence(ns)
+    uids = [r["uids"] for r in _jsonl(ours_out / "rollouts.jsonl")]
+    check_same_prompts("our run", sequence, ns.rollout_batch_size, uids, "uid")
+    ordered = work / "train_in_our_order.jsonl"
+    ordered.write_text("".join(json.dumps(r) + "\n" for r in sequence))
+    cmd = [str(python), str(RUNNER), "--model", str(model), "--train", str(ordered), "--in-order"]
     cmd += ["--eval", str(data / "eval.jsonl"), "--out", str(trl_out), *trl_flags]
     trl_wall = _timed(cmd, work / "trl.log", timeout, f"TRL GRPOTrainer, {steps} steps", env, load["trl"])
     trl_steps, trl_evals = _jsonl(trl_out / "steps.jsonl"), _jsonl(trl_out / "evals.jsonl")
     trl = {"step_seconds": [r["step_seconds"] for r in trl_steps], "curve": trl_curve(trl_evals)}
+    check_same_prompts("TRL", sequence, ns.rollout_batch_size, [r["prompts"] for r in trl_steps], "prompt")
     version = subprocess.run(
         [str(python), "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
         capture_output=True,
@@ -391,7 +485,8 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     }
 
 
-def _plot(curves: dict[str, Curve], out_dir: Path, mode: str) -> list[str]:
+def _plot(runs: dict[str, list[Curve]], out_dir: Path, mode: str) -> list[str]:
+    """Held-out accuracy against wall time: each side's mean over its runs, and each run faintly when several."""
     try:
         import matplotlib
     except ImportError:
@@ -400,9 +495,13 @@ def _plot(curves: dict[str, Curve], out_dir: Path, mode: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in (("ours", f"train_async.py ({mode})"), ("trl", "TRL GRPOTrainer")):
-        c = curves[name]
-        ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", label=label)
+    for name, label, color in (("ours", f"train_async.py ({mode})", "C0"), ("trl", "TRL GRPOTrainer", "C1")):
+        if len(runs[name]) > 1:
+            label += f", mean of {len(runs[name])} seeds"
+            for c in runs[name]:
+                ax.plot([s for _, _, s in c], [a for _, a, _ in c], color=color, alpha=0.25, linewidth=1)
+        c = mean_curve(runs[name])
+        ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", color=color, label=label)
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title("SmolLM2 quickstart: train_async.py vs TRL")
@@ -413,48 +512,137 @@ def _plot(curves: dict[str, Curve], out_dir: Path, mode: str) -> list[str]:
     return ["trl_peer.png"]
 
 
-def measure(steps: int, interval: int, out_dir: Path, launcher_args: Sequence[str] = ()) -> dict:
+def run_kept(steps: int, interval: int, launcher_args: Sequence[str]) -> dict:
+    """``run_both`` in a scratch folder, removed after a success and kept (with both runs' logs) after a failure."""
     work = Path(tempfile.mkdtemp(prefix="miles_async_trl_peer_"))
     try:
         raw = run_both(steps, interval, work, launcher_args)
     except Exception:
-        # Kept on failure: the logs of both runs say why.
         print(f"[trl_peer] failed; logs kept in {work}", file=sys.stderr, flush=True)
         raise
     shutil.rmtree(work, ignore_errors=True)
+    return raw
+
+
+def _notes(raw: dict) -> list[str]:
+    return [
+        f"TRL {raw['trl_version']} (transformers {raw['trl_transformers_version']}) in its own environment, "
+        "on-policy and synchronous (generation with transformers in the trainer's process); train_async.py "
+        + (
+            "synchronous too (on-policy, the engine generating with the weights it then trains)"
+            if raw["mode"] == "synchronous"
+            else f"{raw['mode']} with TIS"
+        )
+        + ". Both float32 on the CPU, run one after the other on the same machine, on the same prompts at "
+        "every step (ours in its --rollout-seed order, given to TRL as is).",
+        f"Our launcher's extra flags: {' '.join(raw['launcher_args']) or 'none'}; TRL runner flags, derived "
+        f"from the quickstart launcher: {' '.join(raw['trl_flags'])}",
+    ] + (
+        [
+            "Our evals run in the background while training goes on; these saw the weights change mid-eval "
+            "(step: first..last weight version): "
+            + ", ".join(f"{s}: {lo}..{hi}" for s, lo, hi in raw["ours"]["mixed_version_evals"])
+        ]
+        if raw["ours"]["mixed_version_evals"]
+        else []
+    )
+
+
+def _what(steps: int, interval: int) -> str:
+    return f"SmolLM2-135M quickstart (multiplication), {steps} steps of 8 prompts x 8, eval every {interval}"
+
+
+def summarize(steps: int, interval: int, raw: dict, out_dir: Path) -> dict:
+    """The entry of one run of each."""
     curves = {"ours": raw["ours"]["curve"], "trl": raw["trl"]["curve"]}
     cmp = compare(raw["ours"], raw["trl"])
-    what = f"SmolLM2-135M quickstart (multiplication), {steps} steps of 8 prompts x 8, eval every {interval}"
-    out_dir.mkdir(parents=True, exist_ok=True)
     return {
         "steps": steps,
         "eval_interval": interval,
         "results": raw,
         "comparison": cmp,
-        "tables": tables(cmp, curves, what, raw["mode"]),
-        "plots": _plot(curves, out_dir, raw["mode"]),
-        "notes": [
-            f"TRL {raw['trl_version']} (transformers {raw['trl_transformers_version']}) in its own environment, "
-            "on-policy and synchronous (generation with transformers in the trainer's process); train_async.py "
-            + (
-                "synchronous too (on-policy, the engine generating with the weights it then trains)"
-                if raw["mode"] == "synchronous"
-                else f"{raw['mode']} with TIS"
-            )
-            + ". Both float32 on the CPU, run one after the other on the same machine.",
-            f"Our launcher's extra flags: {' '.join(raw['launcher_args']) or 'none'}; TRL runner flags, derived "
-            f"from the quickstart launcher: {' '.join(raw['trl_flags'])}",
-        ]
-        + (
-            [
-                "Our evals run in the background while training goes on; these saw the weights change mid-eval "
-                "(step: first..last weight version): "
-                + ", ".join(f"{s}: {lo}..{hi}" for s, lo, hi in raw["ours"]["mixed_version_evals"])
-            ]
-            if raw["ours"]["mixed_version_evals"]
-            else []
-        ),
+        "tables": tables(cmp, curves, _what(steps, interval), raw["mode"]),
+        "plots": _plot({k: [c] for k, c in curves.items()}, out_dir, raw["mode"]),
+        "notes": _notes(raw),
     }
+
+
+def seed_table(per_seed: dict[str, dict]) -> dict:
+    rows = []
+    for seed, c in per_seed.items():
+        lv = next(lv for lv in c["levels"] if lv["of"] == "trl")
+        rows.append(
+            [
+                seed,
+                f"{c['ours']['median']:.1f}",
+                f"{c['trl']['median']:.1f}",
+                _x(c["step_ratio_median"]),
+                f"{c['ours']['final_accuracy']:.3f}",
+                f"{c['trl']['final_accuracy']:.3f}",
+                _s(lv["ours_seconds"], lv["ours_step"]),
+                _s(lv["trl_seconds"], lv["trl_step"]),
+                _x(lv["speedup"]),
+            ]
+        )
+    return table(
+        "Each seed on its own",
+        [
+            "seed",
+            "ours s/step",
+            "TRL s/step",
+            "TRL / ours",
+            "ours final",
+            "TRL final",
+            "ours to TRL's final",
+            "TRL to its final",
+            "speed-up",
+        ],
+        rows,
+        "medians; a seed sets both runs' sampling and initialisation and the prompt order they share",
+    )
+
+
+def summarize_seeds(steps: int, interval: int, raws: dict[str, dict], out_dir: Path) -> dict:
+    """The entry of one run of each per seed: the comparison of their means, and each seed's own."""
+    if len({r["mode"] for r in raws.values()}) != 1:
+        raise ValueError(f"the seeds ran different loops: {sorted({r['mode'] for r in raws.values()})}")
+    mode = next(iter(raws.values()))["mode"]
+    runs = {name: [r[name]["curve"] for r in raws.values()] for name in ("ours", "trl")}
+    cmp = compare(pooled([r["ours"] for r in raws.values()]), pooled([r["trl"] for r in raws.values()]))
+    per_seed = {seed: compare(r["ours"], r["trl"]) for seed, r in raws.items()}
+    curves = {name: mean_curve(c) for name, c in runs.items()}
+    ranges = {name: accuracy_range(c) for name, c in runs.items()}
+    what = f"{_what(steps, interval)}, mean of seeds {', '.join(raws)}"
+    return {
+        "steps": steps,
+        "eval_interval": interval,
+        "seeds": list(raws),
+        "results": {"mode": mode, "per_seed": raws},
+        "comparison": cmp,
+        "per_seed_comparison": per_seed,
+        "tables": [*tables(cmp, curves, what, mode, ranges), seed_table(per_seed)],
+        "plots": _plot(runs, out_dir, mode),
+        "notes": [
+            "Step times pooled over the seeds; the curves are the seeds' means (accuracy and wall time at each "
+            "eval step), and the wall time to a level is read off the mean curves.",
+            *_notes(next(iter(raws.values()))),
+        ],
+    }
+
+
+def measure(
+    steps: int, interval: int, out_dir: Path, launcher_args: Sequence[str] = (), seeds: Sequence[int] = ()
+) -> dict:
+    """One run of each with the launcher's own seed; or, with ``seeds``, one of each per seed, every seed's
+    raw result written to ``out_dir/seed-S.json`` as it ends (``--from-results`` sums up what a cut run left)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not seeds:
+        return summarize(steps, interval, run_kept(steps, interval, launcher_args), out_dir)
+    raws = {}
+    for seed in seeds:
+        raws[str(seed)] = run_kept(steps, interval, [*launcher_args, *seed_args(seed)])
+        (out_dir / f"seed-{seed}.json").write_text(json.dumps(raws[str(seed)], indent=1) + "\n")
+    return summarize_seeds(steps, interval, raws, out_dir)
 
 
 def run(quick: bool, out_dir: Path) -> dict:
@@ -470,13 +658,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-interval", type=int, default=FULL[1], help="held-out eval every this many steps")
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer"), help="where results.json and the plot go")
     ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[],
+        help="one run of each per seed (our --seed and --rollout-seed, followed by TRL), summed up as their mean",
+    )
+    ap.add_argument(
+        "--from-results",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="SEED_JSON",
+        help="sum up seed-S.json files an earlier --seeds run wrote, running nothing (--steps and "
+        "--eval-interval must be theirs)",
+    )
+    ap.add_argument(
         "launcher_args", nargs="*", help="after --: flags for our launcher, which TRL's runner then follows too"
     )
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_interval < 1:
         ap.error("--steps and --eval-interval must be at least 1")
+    if "--seed" in args.launcher_args and args.seeds:
+        ap.error("--seeds sets our --seed: leave it out of the launcher flags")
     load_before = os.getloadavg()[0]
-    entry = measure(args.steps, args.eval_interval, args.out, args.launcher_args)
+    if args.from_results:
+        raws = {}
+        for path in args.from_results:
+            if not path.name.startswith("seed-") or path.suffix != ".json":
+                ap.error(f"--from-results {path}: expected a seed-S.json written by a --seeds run")
+            raw = json.loads(path.read_text())
+            ran = {len(raw[name]["step_seconds"]) for name in ("ours", "trl")}
+            if ran != {args.steps}:
+                ap.error(f"--from-results {path}: its runs took {sorted(ran)} steps, not --steps {args.steps}")
+            raws[path.stem.removeprefix("seed-")] = raw
+        args.out.mkdir(parents=True, exist_ok=True)
+        entry = summarize_seeds(args.steps, args.eval_interval, raws, args.out)
+    else:
+        entry = measure(args.steps, args.eval_interval, args.out, args.launcher_args, args.seeds)
     entry = {
         "machine": machine_info(),
         "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],

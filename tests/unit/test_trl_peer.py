@@ -1,5 +1,6 @@
 """The TRL peer benchmark's pure parts: settings taken from the quickstart launcher, TRL's config, the comparison."""
 
+import json
 import subprocess
 
 import pytest
@@ -115,9 +116,15 @@ def test_eval_schedule_is_ours():
     assert [s for s in range(8) if runner.eval_due(s, 3, 7)] == [0, 3, 6, 7]
 
 
-def test_reward_is_our_integer_reward_on_trl_completions():
+def test_reward_is_our_integer_reward_on_trl_completions(tmp_path):
     completions = [[{"role": "assistant", "content": "7 * 8 = 56"}], [{"role": "assistant", "content": "54"}], "x"]
     assert runner.integer_reward_func(completions, label=["56", "56", "1"]) == [1.0, 0.0, 0.0]
+    # The runner's reward function also keeps the step's prompts, each once, as TRL drew them.
+    args = runner.build_parser().parse_args(["--model", "m", "--train", "t", "--eval", "e", "--out", str(tmp_path)])
+    recorder = runner.Recorder(args, [], tokenizer=None)
+    prompts = [[{"role": "user", "content": "What is 7 * 8?"}]] * 2 + [[{"role": "user", "content": "1 * 1?"}]]
+    assert recorder.reward_func()(completions, label=["56", "56", "1"], prompts=prompts) == [1.0, 0.0, 0.0]
+    assert recorder.step_prompts == ["What is 7 * 8?", "1 * 1?"]
 
 
 def test_time_to_reach_skips_step_zero_and_says_none_when_never_reached():
@@ -260,3 +267,117 @@ def test_the_runner_refuses_a_cosine_span_shorter_than_the_run(tmp_path):
     args = runner.build_parser().parse_args([*argv, "--steps", "30", "--lr-decay-iters", "20"])
     with pytest.raises(SystemExit, match="--lr-decay-iters 20 must be at least --steps 30"):
         runner.check_args(args)
+
+
+def _write_prompts(path, n: int) -> None:
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} * 3?", "label": str(3 * i)}) + "\n" for i in range(n)))
+
+
+def _ns_on(data, *extra: str):
+    return _quickstart_ns("--prompt-data", str(data), "--num-rollout", "3", *extra)
+
+
+def test_trl_trains_on_our_prompts_step_by_step(tmp_path):
+    from miles_async.config import rollout
+    from miles_async.rollout.data_source import DataSource
+
+    data = tmp_path / "train.jsonl"
+    _write_prompts(data, 20)
+    ns = _ns_on(data)
+    source = DataSource(rollout.build(ns, None).data, 8)
+    # Our run's three rollouts (the 4 left of the first epoch are skipped), in our order and not the file's.
+    ours = [(item.prompt, item.label) for _ in range(3) for item in source.next_batch()]
+    seq = trl_peer.prompt_sequence(ns)
+    assert [(r["prompt"], r["label"]) for r in seq] == ours
+    # What each run drew is checked against it: a step's prompts in any order pass, another prompt does not.
+    uids = [[r["uid"] for r in seq[i : i + 8]] for i in (0, 8, 16)]
+    trl_peer.check_same_prompts("our run", seq, 8, [u[::-1] for u in uids], "uid")
+    with pytest.raises(ValueError, match=r"TRL, step 2: trained on"):
+        texts = [[r["prompt"] for r in seq[i : i + 8]] for i in (0, 8, 16)]
+        trl_peer.check_same_prompts("TRL", seq, 8, [texts[0], texts[2], texts[1]], "prompt")
+    with pytest.raises(ValueError, match="our run trained 2 steps; the prompt order has 3"):
+        trl_peer.check_same_prompts("our run", seq, 8, uids[:2], "uid")
+    assert len(seq) == 24 and [r["prompt"] for r in seq[:8]] != [f"What is {i} * 3?" for i in range(8)]
+    other = trl_peer.prompt_sequence(_ns_on(data, *trl_peer.seed_args(7)))
+    assert other != seq and sorted(r["label"] for r in other[:16]) != sorted(r["label"] for r in seq[:16])
+    with pytest.raises(ValueError, match="--dynamic-sampling-filter-path / --zero-variance-filter"):
+        trl_peer.prompt_sequence(_ns_on(data, "--zero-variance-filter", "--over-sampling-batch-size", "16"))
+    with pytest.raises(ValueError, match="--rollout-max-prompt-len"):
+        trl_peer.prompt_sequence(_ns_on(data, "--rollout-max-prompt-len", "64"))
+
+
+def test_the_runner_takes_prompts_in_order_and_refuses_too_few(tmp_path):
+    argv = ["--model", str(tmp_path), "--train", str(tmp_path / "t.jsonl"), "--eval", str(tmp_path / "t.jsonl")]
+    argv += ["--out", str(tmp_path / "o"), "--steps", "3"]
+    _write_prompts(tmp_path / "t.jsonl", 23)
+    assert (
+        runner.grpo_config_kwargs(runner.build_parser().parse_args([*argv, "--in-order"]))["shuffle_dataset"] is False
+    )
+    assert runner.grpo_config_kwargs(runner.build_parser().parse_args(argv))["shuffle_dataset"] is True
+    with pytest.raises(SystemExit, match=r"--in-order: .*t.jsonl holds 23 prompts, fewer than --steps x "):
+        runner.main([*argv, "--in-order"])
+
+
+def _raw(ours_curve, trl_curve, ours_s, trl_s, mode="synchronous"):
+    return {
+        "ours": {"step_seconds": ours_s, "curve": ours_curve, "mixed_version_evals": []},
+        "trl": {"step_seconds": trl_s, "curve": trl_curve},
+        "mode": mode,
+        "launcher_args": ["--synchronous"],
+        "trl_flags": ["--steps", "2"],
+        "trl_version": "1.16.0",
+        "trl_transformers_version": "5.24.0",
+    }
+
+
+SEED_A = _raw(
+    [(0, 0.2, -1.0), (1, 0.6, 10.0), (2, 0.9, 20.0)],
+    [(0, 0.2, 0.0), (1, 0.7, 40.0), (2, 1.0, 80.0)],
+    [10.0, 10.0],
+    [40.0, 40.0],
+)
+SEED_B = _raw(
+    [(0, 0.1, -3.0), (1, 0.8, 12.0), (2, 0.9, 24.0)],
+    [(0, 0.1, 0.0), (1, 0.5, 44.0), (2, 0.8, 84.0)],
+    [12.0, 12.0],
+    [42.0, 42.0],
+)
+
+
+def test_seeds_are_summed_up_as_their_mean_curves(tmp_path):
+    assert trl_peer.mean_curve([SEED_A["ours"]["curve"], SEED_B["ours"]["curve"][:2]]) == [
+        (0, pytest.approx(0.15), -2.0),
+        (1, pytest.approx(0.7), 11.0),
+    ]
+    entry = trl_peer.summarize_seeds(2, 1, {"1": SEED_A, "2": SEED_B}, tmp_path)
+    cmp = entry["comparison"]
+    assert cmp["ours"]["median"] == 11.0 and cmp["trl"]["median"] == 41.0
+    # TRL's mean ends at 0.9, reached by our mean at step 2 (22 s) and by TRL's at step 2 (82 s).
+    at_trl = next(lv for lv in cmp["levels"] if lv["of"] == "trl")
+    assert (at_trl["level"], at_trl["ours_step"], at_trl["ours_seconds"]) == (pytest.approx(0.9), 2, 22.0)
+    assert at_trl["speedup"] == pytest.approx(82 / 22)
+    # Seed 2 on its own: TRL's 0.8 is reached by ours at step 1.
+    assert entry["per_seed_comparison"]["2"]["levels"][0]["ours_step"] == 1
+    curve_rows = entry["tables"][2]["rows"]
+    assert curve_rows[1] == [1, "0.700 (0.600-0.800)", "11", "0.600 (0.500-0.700)", "42"]
+    assert [r[0] for r in entry["tables"][3]["rows"]] == ["1", "2"]
+    assert trl_peer.headline(entry)[0][0].startswith(
+        "TRL GRPOTrainer peer, SmolLM2 quickstart, 2 steps, ours synchronous, mean of 2 seeds: "
+    )
+    with pytest.raises(ValueError, match="the seeds ran different loops"):
+        trl_peer.summarize_seeds(2, 1, {"1": SEED_A, "2": {**SEED_B, "mode": "one-step-off"}}, tmp_path)
+
+
+def test_from_results_sums_up_an_earlier_seeds_run_without_running(tmp_path, capsys):
+    for seed, raw in (("1", SEED_A), ("2", SEED_B)):
+        (tmp_path / f"seed-{seed}.json").write_text(json.dumps(raw))
+    out = tmp_path / "out"
+    files = [str(tmp_path / "seed-1.json"), str(tmp_path / "seed-2.json")]
+    assert trl_peer.main(["--steps", "2", "--eval-interval", "1", "--out", str(out), "--from-results", *files]) == 0
+    entry = json.loads((out / "results.json").read_text())
+    assert entry["seeds"] == ["1", "2"] and entry["comparison"]["trl"]["median"] == 41.0
+    assert "mean of 2 seeds" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        trl_peer.main(["--steps", "2", "--out", str(out), "--from-results", str(out / "results.json")])
+    with pytest.raises(SystemExit):
+        trl_peer.main(["--steps", "3", "--out", str(out), "--from-results", *files])
