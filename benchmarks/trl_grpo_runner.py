@@ -15,8 +15,9 @@ our --kl-loss-coef default), GRPO advantages normalised by the group std, the to
 mean over the whole step (loss_type="dapo" = our --loss-agg-mode token_mean with one step per
 rollout), AdamW with our betas (0.9, 0.98), eps 1e-8, no weight decay, our learning-rate schedule
 (constant, or cosine down to --min-lr over --lr-decay-iters steps, by default the run), no warm-up,
-gradient clipping at 1.0, no dropout, no gradient checkpointing, float32 (this CPU has no bf16 arithmetic;
-our --bf16 falls back to float32 here), the chat template applied to the user message with the generation
+gradient clipping at 1.0, no dropout, no gradient checkpointing, our run's precision (``--precision``:
+bf16 = our --bf16, autocast with float32 weights and optimizer, where the CPU computes bf16 natively;
+float32 where our run falls back to it), the chat template applied to the user message with the generation
 prompt (TRL's conversational prompts = our --apply-chat-template).
 
 What differs, because TRL does not offer ours:
@@ -31,6 +32,8 @@ What differs, because TRL does not offer ours:
   prompts in the order our data source hands them out (--rollout-seed), and TRL takes them as they come,
   so step k of both trains on the same 8 prompts. Without it TRL shuffles them with its own sampler
   and --seed, and the prompts of step k differ.
+- Generation precision: in bf16 our engine holds bf16 weights; TRL generates with the trainer's float32
+  weights under bf16 autocast.
 - Evaluation: ours runs in the background on the engine while training goes on; here it runs
   in-process between steps (the model's ``generate``, same protocol: every held-out prompt x 4
   samples, temperature 1.0, max 8 new tokens, the same reward), and its time is taken out of
@@ -94,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adam-beta2", type=float, default=0.98)
     p.add_argument("--adam-eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "float32"),
+        default="bf16",
+        help="bf16: mixed precision (our --bf16: autocast, float32 weights); float32: our run without bf16",
+    )
     p.add_argument("--eval-samples", type=int, default=4, help="our --n-samples-per-eval-prompt")
     p.add_argument("--eval-temperature", type=float, default=1.0)
     p.add_argument("--eval-top-p", type=float, default=1.0)
@@ -160,7 +169,7 @@ def grpo_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_grad_norm": args.max_grad_norm,
         "disable_dropout": True,
         "gradient_checkpointing": False,
-        "bf16": False,
+        "bf16": args.precision == "bf16",
         "fp16": False,
         "use_cpu": True,
         "seed": args.seed,
@@ -257,7 +266,8 @@ class Recorder:
         was_training = model.training
         model.eval()
         # A forked RNG: the evals neither use nor move the training's random stream.
-        with torch.random.fork_rng(), torch.no_grad():
+        bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.precision == "bf16")
+        with torch.random.fork_rng(), torch.no_grad(), bf16:
             torch.manual_seed(self.args.seed + step)
             bs = self.args.eval_batch_size
             for i in range(0, len(texts), bs):

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, eval_curve, median, step_seconds, table, time_to_reach
+from miles_async.config import precision
 
 LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
 RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
@@ -108,6 +109,12 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
             f"--lr-decay-iters {ns.lr_decay_iters}: the TRL peer's cosine must span the run (--num-rollout "
             f"{ns.num_rollout}) or more"
         )
+    trl_precision = "bf16" if ns.bf16 else "float32"
+    if ns.rollout_dtype not in (None, "bfloat16" if ns.bf16 else "float32"):
+        raise ValueError(
+            f"--rollout-dtype {ns.rollout_dtype} with{'' if ns.bf16 else 'out'} --bf16: the TRL peer generates and "
+            "trains at one precision"
+        )
     kl = ns.kl_loss_coef if ns.use_kl_loss else 0.0
     flags: dict[str, Any] = {
         "--steps": ns.num_rollout,
@@ -131,6 +138,7 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
         "--adam-beta2": ns.adam_beta2,
         "--adam-eps": ns.adam_eps,
         "--weight-decay": ns.weight_decay,
+        "--precision": trl_precision,
         "--eval-samples": ns.n_samples_per_eval_prompt,
         "--eval-temperature": ns.eval_temperature,
         "--eval-top-p": ns.eval_top_p,
@@ -445,6 +453,8 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot", *launcher_args]
     launcher = ["bash", str(LAUNCHER), *flags]
     ns = parse_ours(launcher_argv(_run([*launcher, "--dry-run"], work / "dry_run.log", 60, "launcher --dry-run", env)))
+    # Our run's precision as it resolves on this machine (bf16 only where the CPU computes it): TRL's follows.
+    ns, _ = precision.fall_back(ns, on_gpu=False, has_bf16=precision.cpu_has_bf16())
     trl_flags = peer_args(ns)
     timeout = 600 + 600 * steps
     load: dict[str, list[float]] = {"ours": [], "trl": []}
@@ -533,8 +543,8 @@ def _notes(raw: dict) -> list[str]:
             if raw["mode"] == "synchronous"
             else f"{raw['mode']} with TIS"
         )
-        + ". Both float32 on the CPU, run one after the other on the same machine, on the same prompts at "
-        "every step (ours in its --rollout-seed order, given to TRL as is).",
+        + f". Both on the CPU in {_precision(raw)}, run one after the other on the same machine, on the same "
+        "prompts at every step (ours in its --rollout-seed order, given to TRL as is).",
         f"Our launcher's extra flags: {' '.join(raw['launcher_args']) or 'none'}; TRL runner flags, derived "
         f"from the quickstart launcher: {' '.join(raw['trl_flags'])}",
     ] + (
@@ -546,6 +556,13 @@ def _notes(raw: dict) -> list[str]:
         if raw["ours"]["mixed_version_evals"]
         else []
     )
+
+
+def _precision(raw: dict) -> str:
+    flags = raw["trl_flags"]
+    if "--precision" not in flags:  # runs before TRL followed our precision: both float32
+        return "float32"
+    return {"bf16": "bf16 mixed precision", "float32": "float32"}[flags[flags.index("--precision") + 1]]
 
 
 def _what(steps: int, interval: int) -> str:

@@ -56,6 +56,7 @@ def test_peer_flags_come_from_the_quickstart_launcher():
         "--adam-beta2": "0.98",
         "--adam-eps": "1e-08",
         "--weight-decay": "0.0",
+        "--precision": "bf16",
         "--eval-samples": "4",
         "--eval-temperature": "1.0",
         "--eval-top-p": "1.0",
@@ -86,6 +87,20 @@ def test_peer_flags_follow_changed_settings_and_refuse_untranslatable_ones():
         trl_peer.peer_args(_quickstart_ns("--lr-decay-iters", "20"))
 
 
+@pytest.mark.parametrize("has_bf16,expected", [(True, "bf16"), (False, "float32")])
+def test_trl_computes_at_the_precision_our_run_resolves_to(has_bf16, expected):
+    from miles_async.config.precision import fall_back
+
+    ns, _ = fall_back(_quickstart_ns(), on_gpu=False, has_bf16=has_bf16)
+    assert _flags(trl_peer.peer_args(ns))["--precision"] == expected
+    argv = ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--precision", expected]
+    assert runner.grpo_config_kwargs(runner.build_parser().parse_args(argv))["bf16"] is (expected == "bf16")
+    # An engine at another precision than the trainer's: one precision for TRL cannot match both.
+    ns, _ = fall_back(_quickstart_ns("--rollout-dtype", "float32"), on_gpu=False, has_bf16=True)
+    with pytest.raises(ValueError, match="--rollout-dtype float32 with --bf16: the TRL peer generates and trains"):
+        trl_peer.peer_args(ns)
+
+
 def test_grpo_config_kwargs_translate_our_settings():
     args = runner.build_parser().parse_args(
         ["--model", "m", "--train", "t", "--eval", "e", "--out", "/tmp/x", "--steps", "30", "--lr", "5e-5"]
@@ -106,7 +121,7 @@ def test_grpo_config_kwargs_translate_our_settings():
     assert (kw["loss_type"], kw["scale_rewards"], kw["bf16"], kw["gradient_checkpointing"]) == (
         "dapo",
         "group",
-        False,
+        True,  # the quickstart's --bf16
         False,
     )
 
