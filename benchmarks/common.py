@@ -21,6 +21,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def machine_info() -> dict[str, Any]:
     import transformers
 
+    from miles_async.config.precision import cpu_has_bf16
+
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as fh:
@@ -53,6 +55,8 @@ def machine_info() -> dict[str, Any]:
         # Affinity, not os.cpu_count(): a container may see the host's cores but be pinned to fewer.
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "memory_gib": mem_gib,
+        # Our --bf16 runs bf16 on a CPU only where it computes it natively: CPU runs' numbers depend on it.
+        "cpu_bf16": cpu_has_bf16(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

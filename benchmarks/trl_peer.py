@@ -26,7 +26,10 @@ Reported: seconds per step (median, mean) and their ratio; held-out accuracy aga
 time for both (ours from its first rollout, evals in the background; TRL's with its in-process
 evals taken out of the clock); final accuracies; and for each run's final accuracy, the wall time
 both take to first reach it at an eval after step 0 (None when never reached) and the speed-up.
-Full: the quickstart, 30 steps with an eval every 10; quick: a 2-step smoke run with an eval every step.
+``python -m benchmarks.run --only trl_peer`` runs the README's row: 30 steps with an eval every 5, ours
+``--synchronous --lr-decay-iters 60``, seeds 1, 2 and 3 (about an hour on 2 cores); ``--quick``, a 2-step
+smoke run of each with an eval every step. ``python -m benchmarks.trl_peer`` alone defaults to one run of
+each of the quickstart as it is (one-step-off), 30 steps with an eval every 5.
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ from miles_async.config import precision
 LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
 RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
 EVAL_KEY = "eval/mul/accuracy"
-FULL = (30, 10)  # steps, eval interval: the quickstart's
+FULL = (30, 5)  # steps, eval interval
 QUICK = (2, 1)
+# The full run behind the README's row: our on-policy loop (TRL's), the cosine of a 60-step run, three seeds.
+FULL_LAUNCHER_ARGS = ("--lr-decay-iters", "60", "--synchronous")
+FULL_SEEDS = (1, 2, 3)
 
 Curve = list[tuple[int, float, float]]  # (step, accuracy, training wall seconds when the eval's weights were ready)
 
@@ -648,23 +654,34 @@ def summarize_seeds(steps: int, interval: int, raws: dict[str, dict], out_dir: P
 
 
 def measure(
-    steps: int, interval: int, out_dir: Path, launcher_args: Sequence[str] = (), seeds: Sequence[int] = ()
+    steps: int,
+    interval: int,
+    out_dir: Path,
+    launcher_args: Sequence[str] = (),
+    seeds: Sequence[int] = (),
+    seed_dir: Path | None = None,
 ) -> dict:
     """One run of each with the launcher's own seed; or, with ``seeds``, one of each per seed, every seed's
-    raw result written to ``out_dir/seed-S.json`` as it ends (``--from-results`` sums up what a cut run left)."""
+    raw result written to ``seed_dir`` (default ``out_dir``)/seed-S.json as it ends (``--from-results`` sums
+    up what a cut run left)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if not seeds:
         return summarize(steps, interval, run_kept(steps, interval, launcher_args), out_dir)
+    seed_dir = seed_dir or out_dir
+    seed_dir.mkdir(parents=True, exist_ok=True)
     raws = {}
     for seed in seeds:
         raws[str(seed)] = run_kept(steps, interval, [*launcher_args, *seed_args(seed)])
-        (out_dir / f"seed-{seed}.json").write_text(json.dumps(raws[str(seed)], indent=1) + "\n")
+        (seed_dir / f"seed-{seed}.json").write_text(json.dumps(raws[str(seed)], indent=1) + "\n")
     return summarize_seeds(steps, interval, raws, out_dir)
 
 
 def run(quick: bool, out_dir: Path) -> dict:
-    steps, interval = QUICK if quick else FULL
-    return measure(steps, interval, out_dir)
+    """benchmarks.run's entry: quick, one 2-step run of each; full, the README's row (FULL_LAUNCHER_ARGS over
+    FULL_SEEDS), the seeds' raw results kept in ``out_dir``/trl_peer_seeds."""
+    if quick:
+        return measure(*QUICK, out_dir)
+    return measure(*FULL, out_dir, FULL_LAUNCHER_ARGS, FULL_SEEDS, out_dir / "trl_peer_seeds")
 
 
 def main(argv: list[str] | None = None) -> int:
