@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer as a peer: the quickstart run by ``train_async.py`` and by TRL, side by side, one invocation.
 
-    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 10] [--seeds S ...] [--out DIR] [-- LAUNCHER FLAGS]
+    python -m benchmarks.trl_peer [--steps 30] [--eval-interval 5] [--seeds S ...] [--out DIR] [-- LAUNCHER FLAGS]
     python -m benchmarks.run --only trl_peer [--quick]
 
 TRL (pinned in benchmarks/requirements-trl.txt) lives in its own cached environment
@@ -713,8 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.eval_interval < 1:
         ap.error("--steps and --eval-interval must be at least 1")
-    if "--seed" in args.launcher_args and args.seeds:
-        ap.error("--seeds sets our --seed: leave it out of the launcher flags")
+    given = sorted({"--seed", "--rollout-seed"} & set(args.launcher_args))
+    if given and args.seeds:
+        ap.error(f"--seeds sets our --seed and --rollout-seed: leave {' and '.join(given)} out of the launcher flags")
     load_before = os.getloadavg()[0]
     if args.from_results:
         raws = {}

@@ -396,3 +396,6 @@ def test_from_results_sums_up_an_earlier_seeds_run_without_running(tmp_path, cap
         trl_peer.main(["--steps", "2", "--out", str(out), "--from-results", str(out / "results.json")])
     with pytest.raises(SystemExit):
         trl_peer.main(["--steps", "3", "--out", str(out), "--from-results", *files])
+    with pytest.raises(SystemExit):  # before anything runs
+        trl_peer.main(["--seeds", "1", "2", "--out", str(out), "--", "--rollout-seed", "7"])
+    assert "leave --rollout-seed out of the launcher flags" in capsys.readouterr().err
