@@ -121,7 +121,9 @@ class Job:
             "RAY_TEMP_DIR": str(self.tmp / "ray"),
             "RAY_START_EXTRA_ARGS": "--object-store-memory=100000000",
             "RAY_START_TIMEOUT": "90",
-            "RAY_STOP_GRACE": "5",
+            # Past Ray's own drain on SIGTERM (up to 30 s): a `ray start --block` killed mid-drain leaves its raylet
+            # and GCS behind here, where no Slurm step daemon reaps a step's processes.
+            "RAY_STOP_GRACE": "40",
             "SAVE_DIR": str(self.save_dir),
             "SAVE_TIMEOUT": "60",
             "PYTHON": sys.executable,

@@ -56,7 +56,7 @@ def test_two_node_cluster_then_usr1_saves_and_requeues(job_factory):
 
     # The run's exit status is the job's, even though a signal interrupted the script's wait.
     (job.work / "finish").write_text("5")
-    assert job.wait_exit(60) == 5, job.log
+    assert job.wait_exit(120) == 5, job.log
     assert "training command exited with 5" in job.log
     # The script stopped both Ray nodes (and their workers) on its way out.
     assert wait_marked_gone(job.marker, 20) == [], job.log
@@ -77,14 +77,14 @@ def test_requeued_job_resumes_from_load_and_stops_cleanly_on_sigterm(job_factory
 
     # scancel / requeue: SIGTERM to the batch script stops the run and Ray.
     os.kill(job.proc.pid, signal.SIGTERM)
-    assert job.wait_exit(60) == 143, job.log
+    assert job.wait_exit(120) == 143, job.log
     assert "stopping the training run" in job.log and "stopping Ray on 1 node(s)" in job.log
     assert wait_marked_gone(job.marker, 20) == [], job.log
 
 
 def test_a_node_that_fails_to_start_ends_the_job_with_its_name(job_factory):
     job = job_factory(["node1", "node2"], STUB_SRUN_BROKEN_NODE="node2").start(*FAKE_TRAIN)
-    rc = job.wait_exit(90)
+    rc = job.wait_exit(120)
     assert rc != 0
     assert "ERROR: Ray on node node2 exited during start-up" in job.log, job.log
     assert not job.report(), "training must not start on a partial cluster"
@@ -95,7 +95,7 @@ def test_missing_gpus_time_out_with_what_joined(job_factory):
     job = job_factory(["node1", "node2"], STUB_SRUN_GPU_OVERRIDE="node2=1", RAY_START_TIMEOUT="15")
     t0 = time.monotonic()
     job.start(*FAKE_TRAIN)
-    rc = job.wait_exit(90)
+    rc = job.wait_exit(120)
     assert rc != 0
     assert "ERROR: after 15s the Ray cluster has 2/2 nodes and 3/4 GPUs" in job.log, job.log
     assert time.monotonic() - t0 < 75
