@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks import trl_grpo_runner as runner
 from benchmarks import trl_peer
+from benchmarks import trl_peer_report as report
 from benchmarks.common import ROOT, eval_curve, step_seconds, time_to_reach
 
 # Real-shaped curves: (step, held-out accuracy, training wall seconds when the eval's weights were ready).
@@ -151,7 +152,7 @@ def test_time_to_reach_skips_step_zero_and_says_none_when_never_reached():
 
 def test_compare_reports_step_ratio_and_time_to_the_peers_final_accuracy():
     ours, trl = {"step_seconds": [30.0, 32.0, 40.0], "curve": OURS}, {"step_seconds": [90.0] * 3, "curve": TRL}
-    cmp = trl_peer.compare(ours, trl)
+    cmp = report.compare(ours, trl)
     assert cmp["ours"]["median"] == 32.0 and cmp["ours"]["mean"] == pytest.approx(34.0)
     assert cmp["step_ratio_median"] == pytest.approx(90 / 32)
     assert (cmp["ours"]["final_accuracy"], cmp["trl"]["final_accuracy"]) == (0.70, 0.52)
@@ -164,12 +165,12 @@ def test_compare_reports_step_ratio_and_time_to_the_peers_final_accuracy():
         None,
         None,
     )
-    assert trl_peer.ratio(None, 3.0) is None and trl_peer.ratio(3.0, 0.0) is None
+    assert report.ratio(None, 3.0) is None and report.ratio(3.0, 0.0) is None
 
 
 def test_headline_rows():
-    cmp = trl_peer.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
-    rows = trl_peer.headline({"steps": 30, "comparison": cmp})
+    cmp = report.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
+    rows = report.headline({"steps": 30, "comparison": cmp})
     assert rows == [
         [
             "TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps, ours one-step-off: seconds per step, train_async.py "
@@ -183,14 +184,14 @@ def test_headline_rows():
             "640 s vs 2700 s (4.22x); final accuracy 0.70 vs 0.52 (goal: 3x)",
         ],
     ]
-    synchronous = trl_peer.headline({"steps": 30, "comparison": cmp, "results": {"mode": "synchronous"}})
+    synchronous = report.headline({"steps": 30, "comparison": cmp, "results": {"mode": "synchronous"}})
     assert synchronous[0][0].startswith("TRL GRPOTrainer peer, SmolLM2 quickstart, 30 steps, ours synchronous: ")
     # Ours never reaching TRL's level (a much better TRL) is said, not hidden.
-    worse = trl_peer.compare({"step_seconds": [32.0], "curve": TRL}, {"step_seconds": [90.0], "curve": OURS})
-    assert trl_peer.headline({"steps": 30, "comparison": worse})[1][1] == (
+    worse = report.compare({"step_seconds": [32.0], "curve": TRL}, {"step_seconds": [90.0], "curve": OURS})
+    assert report.headline({"steps": 30, "comparison": worse})[1][1] == (
         "ours not reached, TRL 950 s; final accuracy 0.52 vs 0.70 (goal: 3x)"
     )
-    tables = trl_peer.tables(cmp, {"ours": OURS, "trl": TRL}, "test")
+    tables = report.tables(cmp, {"ours": OURS, "trl": TRL}, "test")
     assert tables[0]["rows"][0][0] == "train_async.py (one-step-off)"
     assert tables[1]["rows"][1] == ["0.700 (our final)", "950 s (step 30)", "not reached", "-"]
     assert tables[2]["rows"][0] == [0, "0.160", "-2", "0.160", "0"]
@@ -201,8 +202,8 @@ def test_our_loop_mode_comes_from_the_launchers_flags_and_names_our_row():
     assert trl_peer.loop_mode(_quickstart_ns("--fully-async")) == "fully-async"
     sync = trl_peer.loop_mode(_quickstart_ns("--synchronous"))
     assert sync == "synchronous"
-    cmp = trl_peer.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
-    assert trl_peer.tables(cmp, {"ours": OURS, "trl": TRL}, "test", sync)[0]["rows"][0][0] == (
+    cmp = report.compare({"step_seconds": [32.0], "curve": OURS}, {"step_seconds": [90.0], "curve": TRL})
+    assert report.tables(cmp, {"ours": OURS, "trl": TRL}, "test", sync)[0]["rows"][0][0] == (
         "train_async.py (synchronous)"
     )
 
@@ -360,11 +361,11 @@ SEED_B = _raw(
 
 
 def test_seeds_are_summed_up_as_their_mean_curves(tmp_path):
-    assert trl_peer.mean_curve([SEED_A["ours"]["curve"], SEED_B["ours"]["curve"][:2]]) == [
+    assert report.mean_curve([SEED_A["ours"]["curve"], SEED_B["ours"]["curve"][:2]]) == [
         (0, pytest.approx(0.15), -2.0),
         (1, pytest.approx(0.7), 11.0),
     ]
-    entry = trl_peer.summarize_seeds(2, 1, {"1": SEED_A, "2": SEED_B}, tmp_path)
+    entry = report.summarize_seeds(2, 1, {"1": SEED_A, "2": SEED_B}, tmp_path)
     cmp = entry["comparison"]
     assert cmp["ours"]["median"] == 11.0 and cmp["trl"]["median"] == 41.0
     # TRL's mean ends at 0.9, reached by our mean at step 2 (22 s) and by TRL's at step 2 (82 s).
@@ -376,11 +377,11 @@ def test_seeds_are_summed_up_as_their_mean_curves(tmp_path):
     curve_rows = entry["tables"][2]["rows"]
     assert curve_rows[1] == [1, "0.700 (0.600-0.800)", "11", "0.600 (0.500-0.700)", "42"]
     assert [r[0] for r in entry["tables"][3]["rows"]] == ["1", "2"]
-    assert trl_peer.headline(entry)[0][0].startswith(
+    assert report.headline(entry)[0][0].startswith(
         "TRL GRPOTrainer peer, SmolLM2 quickstart, 2 steps, ours synchronous, mean of 2 seeds: "
     )
     with pytest.raises(ValueError, match="the seeds ran different loops"):
-        trl_peer.summarize_seeds(2, 1, {"1": SEED_A, "2": {**SEED_B, "mode": "one-step-off"}}, tmp_path)
+        report.summarize_seeds(2, 1, {"1": SEED_A, "2": {**SEED_B, "mode": "one-step-off"}}, tmp_path)
 
 
 def test_from_results_sums_up_an_earlier_seeds_run_without_running(tmp_path, capsys):
