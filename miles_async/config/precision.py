@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 from miles_async.config.declare import flag, group
 
@@ -37,6 +38,10 @@ _KEEP = "--keep-cpu-bf16 keeps bf16"
 # oneDNN computes bf16 only with one of these x86 extensions (AVX-512, AMX, or AVX2's NE-convert); a CPU whose
 # flags show none of them has no bf16 arithmetic, which is known without importing torch (seconds at start-up).
 _BF16_CAPABLE_FLAGS = ("avx512", "amx", "avx_ne_convert")
+# oneDNN's "avx512_core" ISA, from which on every oneDNN that torch has shipped (ideep's has_bf16_type_support)
+# answers yes: a CPU with all four computes bf16, also known without torch. A CPU with only AVX-NE-CONVERT, or
+# an ISA capped by $ONEDNN_MAX_CPU_ISA, is left to torch's own check, whose answer there has varied by release.
+_AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
 
 def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
@@ -51,12 +56,24 @@ def _cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
     return None
 
 
+def bf16_from_flags(flags: set[str] | None, isa_capped: bool) -> bool | None:
+    """oneDNN's bf16 answer where the CPU's flags settle it, else None (torch must be asked). Pure."""
+    if flags is None:
+        return None
+    if not any(f.startswith(_BF16_CAPABLE_FLAGS) for f in flags):
+        return False
+    if _AVX512_CORE_FLAGS <= flags and not isa_capped:
+        return True
+    return None
+
+
 @functools.cache
 def cpu_has_bf16() -> bool:
-    """Whether torch's CPU kernels run bf16 natively here (oneDNN's own check: AVX512-BF16 or AMX)."""
-    flags = _cpu_flags()
-    if flags is not None and not any(f.startswith(_BF16_CAPABLE_FLAGS) for f in flags):
-        return False
+    """Whether torch's CPU kernels run bf16 natively here (oneDNN's own check: AVX-512 core or AMX), from the
+    CPU's flags where they settle it, so that the driver starts without torch on most CPUs."""
+    known = bf16_from_flags(_cpu_flags(), bool(os.environ.get("ONEDNN_MAX_CPU_ISA")))
+    if known is not None:
+        return known
     import torch
 
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from miles_async.arguments import build_parser, parse_args
@@ -52,11 +56,41 @@ def test_this_machine_trains_and_serves_what_its_cpu_computes(tmp_path):
     assert any(w.startswith("--bf16:") for w in cfg.warnings) is (not native)
 
 
+AVX512_CORE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize(
+    "flags, capped, expected",
+    [
+        ({"avx2", "fma"}, False, False),  # AVX2 only: no bf16 arithmetic, whatever the cap
+        ({"avx2"}, True, False),
+        ({"avx2", *AVX512_CORE}, False, True),  # Skylake-SP and later, Zen 4
+        ({"avx2", *AVX512_CORE, "avx512_bf16", "amx_bf16", "amx_tile"}, False, True),  # Sapphire Rapids
+        ({"avx2", *AVX512_CORE}, True, None),  # $ONEDNN_MAX_CPU_ISA may cap it below avx512_core
+        ({"avx2", "avx512f"}, False, None),  # Xeon Phi: AVX-512 without the core subsets
+        ({"avx2", "avx_vnni", "avx_ne_convert"}, False, None),  # client chips: torch's answer varies by release
+        (None, False, None),  # no flags listed (another OS or architecture)
+    ],
+)
+def test_the_flags_settle_bf16_only_where_onednn_answers_the_same_everywhere(flags, capped, expected):
+    assert precision.bf16_from_flags(flags, capped) is expected
+
+
 def test_the_cpu_flags_shortcut_agrees_with_torch():
-    """Without AVX-512, AMX or AVX-NE-CONVERT in /proc/cpuinfo the answer comes without torch; it must be
-    torch's answer (oneDNN's check) on this machine."""
+    """Where the flags settle it the answer comes without torch; it must be torch's answer (oneDNN's check) on
+    this machine, also with oneDNN capped below AVX-512 (as $ONEDNN_MAX_CPU_ISA does on a bigger CPU)."""
     import torch
 
-    if precision._cpu_flags() is None:
-        pytest.skip("/proc/cpuinfo lists no flags here: torch is always asked")
+    known = precision.bf16_from_flags(precision._cpu_flags(), False)
     assert precision.cpu_has_bf16() is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if known is not None:
+        assert known is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    probe = (
+        "import torch; from miles_async.config import precision; "
+        "print(precision.cpu_has_bf16(), bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))"
+    )
+    capped = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.split()  # fmt: skip
+    assert capped == ["False", "False"]
