@@ -147,9 +147,33 @@ def torch_threads(n: int) -> Iterator[None]:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def ensure_commit(commit: str, repo: Path = ROOT) -> str:
+    """``commit`` in ``repo``'s object store: a shallow clone (CI's may be one) fetches it from ``origin``, by its
+    full hash. Raises naming the commit and what to do where that fails too."""
+
+    def have() -> bool:
+        probe = ["git", "-C", str(repo), "cat-file", "-e", f"{commit}^{{commit}}"]
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+    if have():
+        return commit
+    fetch = subprocess.run(
+        ["git", "-C", str(repo), "fetch", "--quiet", "--depth", "1", "origin", commit],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if fetch.returncode != 0 or not have():
+        raise RuntimeError(
+            f"commit {commit} is not in {repo} (a shallow clone?) and `git fetch origin {commit}` failed: "
+            f"{fetch.stderr.strip()[-500:]}; clone with full history (no --depth, or "
+            f"git fetch --unshallow) to compare against it"
+        )
+    return commit
+
+
 def export_tree(commit: str, dest: Path) -> Path:
     """``commit``'s files under ``dest`` (``git archive``: reads the object store, changes no git state), for
     running an older revision side by side with this one."""
+    ensure_commit(commit)
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, timeout=120, check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, timeout=120, check=True)
