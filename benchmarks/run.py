@@ -42,6 +42,9 @@ REGISTRY: dict[str, str] = {
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parents[1] / "README.md"
+# Every page that shows the benchmark table between these markers: regenerated with it, and checked by
+# tests/unit/test_benchmark_readme.py to be what results.json renders to. A docs page is one more line here.
+FIGURE_PAGES: tuple[Path, ...] = (README,)
 README_START, README_END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 
 
@@ -71,14 +74,25 @@ def render_readme_block(results: dict) -> str:
     return "\n".join(lines)
 
 
+def marked_block(text: str) -> str | None:
+    """The page's benchmark table, markers included; None without the markers."""
+    if README_START not in text or README_END not in text:
+        return None
+    return README_START + text.split(README_START, 1)[1].split(README_END, 1)[0] + README_END
+
+
 def update_readme(results: dict, readme: Path = README) -> bool:
     text = readme.read_text()
-    if README_START not in text or README_END not in text:
+    block = marked_block(text)
+    if block is None:
         return False
-    head, rest = text.split(README_START, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(head + render_readme_block(results) + tail)
+    readme.write_text(text.replace(block, render_readme_block(results), 1))
     return True
+
+
+def update_pages(results: dict) -> bool:
+    """``update_readme`` on every page of FIGURE_PAGES; False when one has no markers."""
+    return all([update_readme(results, page) for page in FIGURE_PAGES])
 
 
 def render_markdown(results: dict) -> str:
@@ -124,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--readme-only",
         action="store_true",
-        help="regenerate README.md's performance table from results.json without running anything",
+        help="regenerate the performance table of README.md (FIGURE_PAGES) from results.json without running anything",
     )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
     args = ap.parse_args(argv)
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "results.json"
     if args.readme_only:
-        return 0 if update_readme(json.loads(json_path.read_text())) else 1
+        return 0 if update_pages(json.loads(json_path.read_text())) else 1
     # Earlier entries of benchmarks not run now are kept, so `--only X` refreshes X alone;
     # every entry carries its own date, mode and machine.
     results: dict = {"benchmarks": {}}
@@ -182,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== {name} done in {entry['seconds']:.0f} s", flush=True)
     print(f"results: {json_path} and {out / 'results.md'}")
     # The README shows full runs only; --quick is for checking that everything still runs.
-    if not args.quick and out.resolve() == DEFAULT_OUT.resolve() and update_readme(results):
-        print(f"updated the performance table in {README}")
+    if not args.quick and out.resolve() == DEFAULT_OUT.resolve() and update_pages(results):
+        print(f"updated the performance table in {', '.join(str(page) for page in FIGURE_PAGES)}")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -3,7 +3,6 @@
 import json
 
 from benchmarks.long_tail import staleness_max
-from benchmarks.run import DEFAULT_OUT, render_readme_block
 from benchmarks.time_to_accuracy import headline, set_time_to_threshold
 
 
@@ -55,11 +54,6 @@ def test_threshold_not_reached_is_reported_with_the_final_accuracies():
     assert results["one-step-off"]["seconds_to_threshold"] is None
     entry = {"results": results, "tables": [{"title": "Time to held-out accuracy 0.810 (...): tiny"}]}
     assert headline(entry)[0][1] == "threshold not reached in both runs; final accuracy 0.50 vs 0.90"
-
-
-def test_the_readme_table_still_renders_from_the_stored_results():
-    block = render_readme_block(json.loads((DEFAULT_OUT / "results.json").read_text()))
-    assert "time to accuracy" in block and "final accuracy 0.63 vs 0.73" in block
 
 
 def test_a_synchronous_runs_between_step_evals_are_taken_out_of_its_clock(tmp_path):

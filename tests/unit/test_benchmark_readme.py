@@ -1,35 +1,34 @@
-"""The README's performance table is generated from results.json by each benchmark's headline()."""
+"""The benchmark figures the README (and every other page of ``benchmarks.run.FIGURE_PAGES``) shows are
+``render(results.json)``: the stored results through each benchmark's ``headline()``, nothing edited by hand
+and nothing left from an older run."""
 
-from benchmarks.run import README_END, README_START, render_readme_block, update_readme
+import json
 
-RESULTS = {
-    "benchmarks": {
-        "orchestration": {
-            "quick": False,
-            "machine": {"date": "2026-11-30T06:00:00", "cpu_model": "CPU", "cores": 2},
-            "results": {"bare_ray_round_trip_us": 500.0, "paths": {"8x4": {"us_per_sample_without_engine": 250.0}}},
-        },
-        "long_tail": {"error": "Traceback ..."},
-    }
-}
+import pytest
+
+from benchmarks.common import ROOT
+from benchmarks.run import (
+    DEFAULT_OUT,
+    FIGURE_PAGES,
+    README_END,
+    README_START,
+    marked_block,
+    render_readme_block,
+    update_readme,
+)
 
 
-def test_update_readme_replaces_only_the_marked_block(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
-    assert update_readme(RESULTS, readme)
-    text = readme.read_text()
-    assert text.startswith("# title\nbefore\n") and text.endswith("\nafter\n")
-    assert "old table" not in text
-    assert (
-        "| orchestration overhead per sample (8x4, zero-cost generation and training) | 250 us = 0.50x a bare "
-        "Ray round trip (500 us) | full, 2026-11-30 |" in text
+@pytest.mark.parametrize("page", FIGURE_PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_the_pages_benchmark_figures_are_rendered_from_the_stored_results(page, tmp_path):
+    results = json.loads((DEFAULT_OUT / "results.json").read_text())
+    text = page.read_text()
+    block = marked_block(text)
+    assert block is not None, f"{page} has no {README_START} ... {README_END} block"
+    assert block == render_readme_block(results), (
+        f"{page}'s benchmark table is not what {DEFAULT_OUT / 'results.json'} renders to: "
+        "run `python -m benchmarks.run --readme-only`"
     )
-    assert "long_tail" not in render_readme_block(RESULTS)  # a failed benchmark has no headline
-
-
-def test_update_readme_without_markers_changes_nothing(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
-    assert not update_readme(RESULTS, readme)
-    assert readme.read_text() == "# no markers\n"
+    # Regenerating it changes nothing, on the page or around the table.
+    copy = tmp_path / page.name
+    copy.write_text(text)
+    assert update_readme(results, copy) and copy.read_text() == text
