@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.runner import all_pids, wait_all_dead
-from tests.engines.conftest import _engine_python
+from tests.engine_envs import engine_python as _engine_python
 from tests.scripts.helpers import ROOT, Job, cmdline, marked_pids, wait_marked_gone
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.sglang]
