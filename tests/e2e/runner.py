@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import ray_cluster
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -83,11 +85,24 @@ def env() -> dict:
     )
 
 
-def run_train(args: list[str], out_dir: Path, timeout: float = 300, extra_env: dict | None = None) -> Run:
+def _on_cluster(args: list[str], extra_env: dict | None, own_cluster: bool) -> tuple[list[str], dict]:
+    """The run's command-line flags and environment: joining the session's shared Ray cluster
+    (tests/ray_cluster.py) unless it brings its own ``--ray-address`` or must start a cluster of its own."""
+    environment = {**env(), **(extra_env or {})}
+    if own_cluster or "--ray-address" in args:
+        return args, environment
+    return [*args, "--ray-address", ray_cluster.address()], {**environment, **ray_cluster.join_env()}
+
+
+def run_train(
+    args: list[str], out_dir: Path, timeout: float = 300, extra_env: dict | None = None, own_cluster: bool = False
+) -> Run:
+    """``train_async.py args`` to its end; ``own_cluster``: it starts (and must stop) a Ray cluster of its own."""
+    args, environment = _on_cluster(args, extra_env, own_cluster)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train_async.py"), *args],
         cwd=ROOT,
-        env={**env(), **(extra_env or {})},
+        env=environment,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -95,11 +110,12 @@ def run_train(args: list[str], out_dir: Path, timeout: float = 300, extra_env: d
     return Run(proc.returncode, proc.stdout + proc.stderr, out_dir)
 
 
-def start_train(args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
+def start_train(args: list[str], extra_env: dict | None = None, own_cluster: bool = False) -> subprocess.Popen:
+    args, environment = _on_cluster(args, extra_env, own_cluster)
     return subprocess.Popen(
         [sys.executable, str(ROOT / "train_async.py"), *args],
         cwd=ROOT,
-        env={**env(), **(extra_env or {})},
+        env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

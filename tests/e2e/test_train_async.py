@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests import ray_cluster
 from tests.e2e.runner import (
     ROOT,
     all_pids,
@@ -57,7 +58,7 @@ def main_run(tiny_model, tiny_task, tmp_path_factory):
         )
     )
     args.remove("--no-plot")
-    run = run_train(args, out)
+    run = run_train(args, out, own_cluster=True)  # test_no_process_left_after_the_run: its Ray goes too
     assert run.returncode == 0, run.output[-4000:]
     return run
 
@@ -199,7 +200,7 @@ def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
     )
     os.environ["MILES_ASYNC_TEST_MARKER"] = str(marker)
     try:
-        run = run_train(args, tmp_path)
+        run = run_train(args, tmp_path, own_cluster=True)
     finally:
         del os.environ["MILES_ASYNC_TEST_MARKER"]
     assert run.returncode != 0
@@ -210,7 +211,9 @@ def test_induced_failure_stops_everything(tiny_model, tiny_task, tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_stops_everything(sig, tiny_model, tiny_task, tmp_path):
-    proc = start_train(without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "100000", *LEARN)))
+    proc = start_train(
+        without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "100000", *LEARN)), own_cluster=True
+    )
     deadline = time.monotonic() + 240
     while not (tmp_path / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -246,51 +249,18 @@ def test_bad_flags_fail_before_any_worker_starts(tiny_model, tiny_task, tmp_path
 
 
 def test_joins_an_existing_ray_cluster(tiny_model, tiny_task, tmp_path):
-    """--ray-address: the run uses a cluster it did not start, and leaves it running but clean."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    head = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--head",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            "--block",
-        ],
-        env=env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
+    """--ray-address: the run uses a cluster it did not start (the session's, as `ray start --head` makes it), and
+    leaves it running but clean."""
+    address = ray_cluster.address()
+    run = run_train(
+        tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2", "--ray-address", address),
+        tmp_path,
+        extra_env=ray_cluster.join_env(),
     )
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # the head's GCS port accepts connections once the cluster is up
-            assert head.poll() is None and time.monotonic() < deadline, "ray head did not start"
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.5)
-        # `ray start` clusters use token auth; a driver joining one says so (the token is in ~/.ray).
-        run = run_train(
-            tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "2", "--ray-address", f"127.0.0.1:{port}"),
-            tmp_path,
-            extra_env={"RAY_AUTH_MODE": "token"},
-        )
-        assert run.returncode == 0, run.output[-3000:]
-        assert len(run.metrics) == 2
-        assert wait_all_dead(all_pids(run.processes())) == []
-        assert head.poll() is None  # the cluster outlives the run
-    finally:
-        head.terminate()
-        head.wait(60)
+    assert run.returncode == 0, run.output[-3000:]
+    assert len(run.metrics) == 2
+    assert wait_all_dead(all_pids(run.processes())) == []
+    assert ray_cluster.alive()  # the cluster outlives the run
 
 
 def test_synchronous_mode_is_on_policy_and_never_overlaps(tiny_model, tiny_task, tmp_path):

@@ -35,13 +35,6 @@ from tests.flag_helpers import tiny_train_flags
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _batch(seed: int) -> RolloutBatch:
     rng = random.Random(seed)
     groups = []
@@ -108,7 +101,7 @@ async def _release(part) -> bytes:
 
 
 def test_a_background_save_returns_before_its_write_and_moves_the_pointer_only_after(
-    local_ray, tiny_model, tiny_task, tmp_path
+    shared_ray, tiny_model, tiny_task, tmp_path
 ):
     """Run.save returns while the worker's write is blocked; the next step trains meanwhile; the pointer and the
     COMPLETE marker appear only once the write finished, and the checkpoint holds the weights of the step boundary,
@@ -155,7 +148,7 @@ def _saved_weights(cfg, folder) -> dict[str, torch.Tensor]:
     return actor.module.state_dict()
 
 
-def test_at_most_one_save_in_flight(local_ray, tiny_model, tiny_task, tmp_path):
+def test_at_most_one_save_in_flight(shared_ray, tiny_model, tiny_task, tmp_path):
     """While checkpoint 0 is still being written, the save of checkpoint 1 waits: it has copied nothing and written
     nothing; once 0 is written, 1 goes ahead and the pointer reaches it."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--save-interval", "1")
@@ -184,7 +177,7 @@ def test_at_most_one_save_in_flight(local_ray, tiny_model, tiny_task, tmp_path):
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save_naming_its_folder(
-    local_ray, tiny_model, tiny_task, tmp_path
+    shared_ray, tiny_model, tiny_task, tmp_path
 ):
     """The worker cannot write its weights (a folder stands where its shard file goes): the save itself returned,
     the next save raises naming the iteration folder, and the pointer never moved to it."""

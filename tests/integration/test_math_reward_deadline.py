@@ -75,15 +75,8 @@ def engine(tiny_model, tiny_task, tmp_path_factory):
         yield proc
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on(
-    local_ray, engine, tiny_model, tiny_task, tmp_path
+    shared_ray, engine, tiny_model, tiny_task, tmp_path
 ):
     ex = _executor(_cfg(tiny_model, tiny_task, tmp_path), engine.url)
     for rollout_id in range(2):  # the second rollout runs on a worker that replaced the killed one

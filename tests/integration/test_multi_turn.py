@@ -281,14 +281,7 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
 # -- through the rollout executor: --tools-path selects the multi-turn generate function ------------------------
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-def test_tools_path_selects_multi_turn_in_the_executor(local_ray, engine, model, qwen_tok, tmp_path):
+def test_tools_path_selects_multi_turn_in_the_executor(shared_ray, engine, model, qwen_tok, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": PROMPT, "label": "5"}) + "\n" for _ in range(2)))
     cfg = parse_args(["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(data),

@@ -16,13 +16,6 @@ from miles_async.utils.checkpoint import iteration_dir
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _cfg(tiny_model, tiny_task, tmp_path, *extra):
     train, held_out = tiny_task
     return parse_args(
@@ -66,7 +59,7 @@ def _executor(cfg, url):
     )
 
 
-def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny_model, tiny_task, tmp_path):
+def test_default_rollout_returns_a_batch_ref_and_metrics(shared_ray, engine, tiny_model, tiny_task, tmp_path):
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer")
     ex = _executor(cfg, engine.url)
     out = ray.get(ex.generate.remote(0))
@@ -93,7 +86,7 @@ def test_default_rollout_returns_a_batch_ref_and_metrics(local_ray, engine, tiny
     assert [r["rollout_id"] for r in log] == [0, 1] and len(log[0]["uids"]) == 3
 
 
-def test_every_plugin_point(local_ray, engine, tiny_model, tiny_task, tmp_path):
+def test_every_plugin_point(shared_ray, engine, tiny_model, tiny_task, tmp_path):
     cfg = _cfg(
         tiny_model,
         tiny_task,
@@ -115,7 +108,7 @@ def test_every_plugin_point(local_ray, engine, tiny_model, tiny_task, tmp_path):
     assert batch.rewards == [1.0] * 12  # and so did the custom reward, seeing its trace
 
 
-def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_task, tmp_path):
+def test_reward_error_policy_zero_counts(shared_ray, engine, tiny_model, tiny_task, tmp_path):
     cfg = _cfg(
         tiny_model,
         tiny_task,
@@ -131,7 +124,7 @@ def test_reward_error_policy_zero_counts(local_ray, engine, tiny_model, tiny_tas
 
 
 def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
-    local_ray, engine, tiny_model, tiny_task, tmp_path
+    shared_ray, engine, tiny_model, tiny_task, tmp_path
 ):
     """--fully-async: the producer generates on its own and ``drain`` takes its batches; ``generate`` would
     draw prompts beside it and is refused. Without it no producer runs, so ``drain`` is refused."""

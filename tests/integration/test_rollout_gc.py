@@ -20,6 +20,7 @@ import pytest
 from benchmarks.http_engine_doubles import serve
 from miles_async.inference.client import EngineClient, EngineError
 from miles_async.rollout.gc_policy import ROLLOUT_GC_THRESHOLDS
+from tests import ray_cluster
 from tests.conftest import ROOT
 
 IN_FLIGHT = 4096
@@ -36,7 +37,7 @@ SCRIPT = textwrap.dedent(
 
     work = Path(tempfile.mkdtemp())
     model, data, _ = tiny_setup(work, n_train={IN_FLIGHT} // 8)
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address=sys.argv[1], log_to_driver=False)  # the session's cluster (tests/ray_cluster.py)
     collections = {{0: 0, 1: 0, 2: 0}}
     gc.callbacks.append(lambda phase, info: phase == "stop" and collections.__setitem__(
         info["generation"], collections[info["generation"]] + 1))
@@ -64,8 +65,9 @@ SCRIPT = textwrap.dedent(
 def test_executor_keeps_full_collections_off_a_large_step():
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", SCRIPT, ray_cluster.address()],
+        cwd=ROOT, env={**env, **ray_cluster.join_env()}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     r = json.loads(line.removeprefix("RESULT "))
