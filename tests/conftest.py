@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models and task data built offline, once per session."""
+"""Shared fixtures (tiny random models and task data built offline, once per session), each test's time cap,
+CI's skip policy, and the engines' environments built before the tests that need them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests import ray_cluster
+from tests.budget import Budget, allowed_skips, skip_allowed
+from tests.engine_envs import ENGINES, prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,3 +30,61 @@ def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 
     return make_tiny_task_dataset(tmp_path_factory.mktemp("tiny_task"), n_train=64, n_eval=16, seed=0)
+
+
+# ---- the time budget and the skip policy (tests/budget.py, tests/budget.toml, tests/allowed_skips.toml) ----
+
+_BUDGET = Budget.load()
+_ALLOWED_SKIPS = allowed_skips()
+_CI = os.environ.get("CI") == "true"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its cap as a timeout (fixture set-up included) and the slow list's tests the `slow` mark."""
+    stale = _BUDGET.stale_entries()
+    if stale:
+        raise pytest.UsageError(f"tests/budget.toml names tests that do not exist: {stale}")
+    for item in items:
+        cap = _BUDGET.cap(item.nodeid)
+        item.add_marker(pytest.mark.timeout(cap.seconds))
+        if cap.slow:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """The engines the selected tests run get their environments now, outside every test's cap."""
+    engines = {e for e in ENGINES for item in session.items if item.get_closest_marker(e)}
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    prepare(engines, report=(lambda line: reporter.write_line(line)) if reporter else print)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skip is a failure unless the test is a GPU one or tests/allowed_skips.toml names it."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not (_CI and rep.skipped) or hasattr(rep, "wasxfail"):
+        return
+    if skip_allowed(item.nodeid, item.get_closest_marker("gpu") is not None, _ALLOWED_SKIPS):
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    rep.outcome = "failed"
+    rep.longrepr = (
+        f"skipped under CI=true ({reason}), which allows only GPU tests and those named in "
+        f"tests/allowed_skips.toml with the reason this machine may lack what they need"
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    ray_cluster.stop()  # the session's shared Ray cluster, if a test started it
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """This test process joined to the session's Ray cluster (tests/ray_cluster.py) for one module: a tenth of a
+    second, where a cluster of its own takes seconds to start and to stop."""
+    import ray
+
+    ray.init(address=ray_cluster.address(), logging_level="WARNING")
+    yield
+    ray.shutdown()
