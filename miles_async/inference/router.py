@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -220,7 +221,9 @@ class SGLangRouter:
     ):
         self.timeout = timeout
         self.engines = list(urls)
-        self.log_path = Path(tempfile.mkstemp(prefix="sglang_router_", suffix=".log")[1])
+        fd, log_path = tempfile.mkstemp(prefix="sglang_router_", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(log_path)
         args = ["--policy", policy, *(["--worker-urls", *urls] if urls else [])]
         self.proc, self.url = _launch_router(args, host, self.log_path, startup_timeout)
         logger.info("sglang_router at %s, its log in %s", self.url, self.log_path)
