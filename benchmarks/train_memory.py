@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -167,12 +166,6 @@ def _worker_main(a: argparse.Namespace) -> None:
 
 
 # -- the parent: configurations one at a time ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _available_gib() -> float:
     with open("/proc/meminfo") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
@@ -211,8 +204,12 @@ def run_config(
     tree: Path, flags: tuple[str, ...], world: int, steps: int, prompts: int, model: Path, data: Path
 ) -> list[dict]:
     """Every rank's result for one configuration, in fresh processes; raises with the ranks' output on failure."""
-    port = _free_port()
+    from tests.ports import AGENT_STORE_ENV, rendezvous_store
+
+    store = rendezvous_store(WORKER_TIMEOUT)  # the ranks' rendezvous, served until they are done
+    port = store.port
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env[AGENT_STORE_ENV] = "True"
     procs = []
     with tempfile.TemporaryDirectory() as logs:
         for rank in range(world):

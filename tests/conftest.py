@@ -32,6 +32,16 @@ def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     return make_tiny_task_dataset(tmp_path_factory.mktemp("tiny_task"), n_train=64, n_eval=16, seed=0)
 
 
+@pytest.fixture
+def refused_port():
+    """A 127.0.0.1 port that refuses connections for the test's length, and that no other process can take
+    (tests/ports.py)."""
+    from tests.ports import refused_port
+
+    with refused_port() as port:
+        yield port
+
+
 # ---- the time budget and the skip policy (tests/budget.py, tests/budget.toml, tests/allowed_skips.toml) ----
 
 _BUDGET = Budget.load()

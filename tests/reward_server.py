@@ -1,4 +1,5 @@
-"""A real reward server for the tests of --rm-url: an aiohttp app on a free port, in a thread of its own.
+"""A real reward server for the tests of --rm-url: an aiohttp app on a port the kernel picks (port 0; ``port`` and
+``url`` are set once it listens), in a thread of its own.
 
 It scores "answer equals label" -- the first integer of the response against the label -- as ``right`` or
 ``wrong`` (values no built-in reward gives, so a test can tell the server's rewards apart), and records what
@@ -12,19 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import threading
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 _INT = re.compile(r"-?\d+")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answer_equals_label(item: dict, right: float, wrong: float) -> float:
@@ -47,8 +41,8 @@ class RewardServer:
     max_in_flight: int = 0
 
     def __post_init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/reward"
+        self.port: int | None = None
+        self.url: str | None = None
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="reward-server")
@@ -71,7 +65,9 @@ class RewardServer:
         # A request still waiting out a long ``delay`` is cut off at exit instead of held for a minute.
         self._runner = web.AppRunner(app, shutdown_timeout=1.0)
         self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", 0).start())
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}/reward"
         self._started.set()
         self._loop.run_forever()
 

@@ -9,7 +9,13 @@ A server that listens beyond loopback requires the run's API key (``server_api_k
 it gets it in its environment (``$MILES_ASYNC_ENGINE_API_KEY``, and whatever variable the engine reads itself),
 on its command line only where the engine reads it from nowhere else (SGLang); a server beyond loopback without
 a key is refused before it starts. Its log gets the key masked (SGLang prints every server argument at
-start-up, its key among them)."""
+start-up, its key among them).
+
+A server takes the port ``pick_port`` gives it (``utils/ports.py``): by default a number free now, which another
+process may take before the server binds it, or one of the ports SGLang derives from it may be taken. So a server
+that exits before it is healthy, saying a port was taken, is started again on a fresh port (``start_again``: at
+most ``PORT_ATTEMPTS`` starts), and the engine's log and this process's say so; ``url`` then names the new port.
+The embedded engine needs none of this: it listens on a socket bound here (``embedded/launcher.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING
 import requests
 
 from miles_async.inference.auth import API_KEY_ENV, auth_headers, is_loopback, reveal
+from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
 
 if TYPE_CHECKING:
     from miles_async.config import EngineConfig  # an annotation only: config reads the engines' declarations
@@ -37,12 +43,6 @@ logger = logging.getLogger(__name__)
 
 class EngineStartError(RuntimeError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -77,11 +77,12 @@ class EngineProcess:
     def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None, model_path: str | None = None):
         self.cfg = cfg
         self.index = index
-        self.port = free_port(cfg.host)
-        self.url = f"http://{cfg.host}:{self.port}"
+        self.use_port(self.pick_port())
         self.model_path = model_path or cfg.model_path
         self.log_path = Path(log_dir) / f"engine_{index}.log" if log_dir else None
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where this start's output begins in the log
+        self._copier: threading.Thread | None = None  # copies a masked server's output to its log
         # Which --rollout-num-gpus-per-engine wide slice of the visible GPUs is this engine's: its index when
         # engines share the GPUs of one process, 0 when every visible GPU is its own (a placement bundle).
         self.gpu_slot = index
@@ -89,6 +90,18 @@ class EngineProcess:
     def command(self) -> list[str]:
         """The server's command line."""
         raise NotImplementedError
+
+    def pick_port(self) -> int:
+        """A port for the server's next start."""
+        return free_port(self.cfg.host)
+
+    def use_port(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://{self.cfg.host}:{port}"
+
+    def pass_fds(self) -> tuple[int, ...]:
+        """File descriptors the server inherits (a socket to listen on)."""
+        return ()
 
     def server_api_key(self) -> str | None:
         """The key this server requires: the run's, when it listens where other machines can reach it."""
@@ -125,18 +138,21 @@ class EngineProcess:
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_path.open("ab")
+            self._log_start = out.tell()
         masked = secret is not None and out is not subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE if masked else out,
             stderr=subprocess.STDOUT,
             env=env,
+            pass_fds=self.pass_fds(),
             preexec_fn=_die_with_parent,
         )
         if masked:
-            threading.Thread(
+            self._copier = threading.Thread(
                 target=_copy_masking, args=(self.proc.stdout, out, secret), name=f"engine-{self.index}-log", daemon=True
-            ).start()
+            )
+            self._copier.start()
 
     def __enter__(self) -> EngineProcess:
         """Start and wait until healthy (``cfg.startup_timeout``); stopped on leaving the block."""
@@ -152,31 +168,68 @@ class EngineProcess:
         self.stop()
 
     def wait_healthy(self, timeout: float) -> None:
-        """Poll /health, failing at once if the process exits instead."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
+        """Poll /health, failing at once if the process exits instead, unless it exited because a port was taken:
+        then start it again on a fresh port (each start gets ``timeout`` seconds)."""
+        attempt = 1
+        while not self._wait_healthy_once(timeout):
+            self._kill_group()  # what the server started may still hold ports, and its output
+            if self._copier is not None:
+                self._copier.join(5)
+            output = self.start_output()
+            if not start_again(attempt, output):
                 code = self.proc.returncode if self.proc else None
+                clashes = f" (a port was taken at each of its {attempt} starts)" if port_clash(output) else ""
                 raise EngineStartError(
-                    f"engine {self.index} exited with code {code} before becoming healthy; "
+                    f"engine {self.index} exited with code {code} before becoming healthy{clashes}; "
                     f"see {self.log_path}:\n{self.tail_log()}"
                 )
-            try:
-                if requests.get(self.url + "/health", headers=self.auth_headers(), timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise EngineStartError(
-            f"engine {self.index} at {self.url} not healthy after {timeout:.0f}s "
-            f"(--engine-startup-timeout); see {self.log_path}"
-        )
+            taken = self.port
+            self.use_port(self.pick_port())
+            attempt += 1
+            self._note(
+                f"engine {self.index}: a port was taken (port {taken}, or one the server derives from it: its output "
+                f"says the address is in use); starting it again on port {self.port} (start {attempt} of "
+                f"{PORT_ATTEMPTS})"
+            )
+            self.start()
+
+    def _wait_healthy_once(self, timeout: float) -> bool:
+        """True once /health answers 200; False if the process exits first."""
+        try:
+            return self.proc is not None and await_health(self.proc, self.url, timeout, self.auth_headers())
+        except TimeoutError:
+            self.stop()
+            raise EngineStartError(
+                f"engine {self.index} at {self.url} not healthy after {timeout:.0f}s "
+                f"(--engine-startup-timeout); see {self.log_path}"
+            ) from None
 
     def tail_log(self, n: int = 30) -> str:
         if not self.log_path or not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def start_output(self) -> str:
+        """What the server printed since its last start ("" without a log)."""
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as fh:
+            fh.seek(self._log_start)
+            return fh.read().decode(errors="replace")
+
+    def _note(self, message: str) -> None:
+        """A line in this process's log and in the engine's."""
+        logger.warning("%s", message)
+        if self.log_path:
+            with self.log_path.open("a") as fh:
+                fh.write(f"[miles-async launcher] {message}\n")
+
+    def _kill_group(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -193,6 +246,22 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
+
+
+def await_health(proc: subprocess.Popen, url: str, timeout: float, headers: dict[str, str] | None = None) -> bool:
+    """Poll ``url``/health: True once it answers 200, False as soon as ``proc`` exits instead; ``TimeoutError``
+    after ``timeout`` seconds of neither."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if requests.get(url + "/health", headers=headers, timeout=2).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f}s")
 
 
 def _copy_masking(src, dst, secret: str) -> None:

@@ -26,16 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient, EngineError
 from miles_async.inference.engines import make_client
-from miles_async.inference.launcher import free_port
+from miles_async.inference.launcher import await_health
+from miles_async.utils.ports import free_port, start_again
 
 logger = logging.getLogger(__name__)
 
@@ -199,9 +203,11 @@ class SGLangRouter:
     """SGLang's router (the ``sglang_router`` package, a Rust load balancer) behind the same interface.
 
     UNTESTED: ``sglang_router`` is not installed in this project's test environment. It is
-    launched as a child process with the engine URLs; engines are added and removed through
-    its ``/add_worker`` and ``/remove_worker`` endpoints; requests go to its ``/generate``.
-    Retries of failed requests are then the SGLang router's business, not ours.
+    launched as a child process with the engine URLs, its output in ``log_path``, and waited for until it answers
+    ``/health`` (``startup_timeout``); one that exits at start-up because its port was taken is started again on
+    a fresh port (``utils/ports.py``). Engines are added and removed through its ``/add_worker`` and
+    ``/remove_worker`` endpoints; requests go to its ``/generate``. Retries of failed requests are then the SGLang
+    router's business, not ours.
     """
 
     def __init__(
@@ -211,25 +217,16 @@ class SGLangRouter:
         host: str = "127.0.0.1",
         policy: str = "cache_aware",
         api_key: ApiKey | str | None = None,
+        startup_timeout: float = 60.0,
     ):
-        port = free_port(host)
-        self.url = f"http://{host}:{port}"
         self.timeout = timeout
         self.engines = list(urls)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                *(["--worker-urls", *urls] if urls else []),
-            ]
-        )
+        fd, log_path = tempfile.mkstemp(prefix="sglang_router_", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(log_path)
+        args = ["--policy", policy, *(["--worker-urls", *urls] if urls else [])]
+        self.proc, self.url = _launch_router(args, host, self.log_path, startup_timeout)
+        logger.info("sglang_router at %s, its log in %s", self.url, self.log_path)
         # The key reaches the router, not the engines behind it: engines that require one (placed on other
         # nodes) need sglang_router's own worker key too (untested, see above).
         self.client = EngineClient(self.url, timeout=timeout, api_key=api_key)
@@ -258,6 +255,33 @@ class SGLangRouter:
     async def close(self) -> None:
         await self.client.close()
         self.proc.terminate()
+
+
+def _launch_router(args: list[str], host: str, log_path: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """sglang_router on a free port, once it answers /health; started again on a fresh port while its port was
+    taken (``start_again``)."""
+    attempt = 1
+    while True:
+        port = free_port(host)
+        url = f"http://{host}:{port}"
+        with log_path.open("ab") as log:
+            begin = log.tell()
+            command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
+            proc = subprocess.Popen(command + args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            if await_health(proc, url, timeout):
+                return proc, url
+        except TimeoutError as e:
+            proc.kill()
+            raise RuntimeError(f"sglang_router: {e}; see {log_path}") from None
+        with log_path.open("rb") as log:
+            output = log.read()[begin:].decode(errors="replace")
+        if not start_again(attempt, output):
+            raise RuntimeError(
+                f"sglang_router exited with code {proc.returncode} at start-up; see {log_path}:\n{output[-3000:]}"
+            )
+        attempt += 1
+        logger.warning("sglang_router: port %d was taken; starting it again on a fresh port (start %d)", port, attempt)
 
 
 def sglang_router_available() -> bool:

@@ -40,6 +40,9 @@ class _Server:
         if self.own_gpus:
             self.proc.gpu_slot = 0
         self.proc.start()
+        return self._info()
+
+    def _info(self) -> dict:
         return {
             "url": self.proc.url,
             "pid": self.proc.proc.pid,
@@ -47,8 +50,11 @@ class _Server:
             "where": where("rollout", self.index, self.proc.proc.pid),
         }
 
-    async def wait_healthy(self, timeout: float) -> None:
+    async def wait_healthy(self, timeout: float) -> dict:
+        """Until the server answers; what the controller records about it then (a server started again because
+        its port was taken has a new port and pid)."""
         await asyncio.to_thread(self.proc.wait_healthy, timeout)
+        return self._info()
 
     async def state(self) -> tuple[bool, int | None]:
         """(alive, exit code)."""
@@ -94,6 +100,9 @@ class LocalEngine(_Server):
     async def start(self) -> None:
         self._started(await super().start())
 
+    async def wait_healthy(self, timeout: float) -> None:
+        self._started(await super().wait_healthy(timeout))
+
     async def close(self) -> None:
         """The server, for good."""
         await self.stop()
@@ -121,7 +130,7 @@ class PlacedEngine(LocalEngine):
         self._started(info)
 
     async def wait_healthy(self, timeout: float) -> None:
-        await self.host.wait_healthy.remote(timeout)
+        self._started(await self.host.wait_healthy.remote(timeout))
 
     async def state(self) -> tuple[bool, int | None]:
         try:

@@ -34,7 +34,6 @@ import requests
 import torch
 
 from miles_async.inference.auth import ApiKey, auth_headers
-from miles_async.inference.launcher import free_port
 from miles_async.weights.node import LOOPBACK, node_address
 from miles_async.weights.update import WeightUpdate
 
@@ -47,9 +46,17 @@ class WeightGroupError(RuntimeError):
     pass
 
 
-def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout: float):
-    """Host the rendezvous store and join the group as rank 0, keyed as SGLang's ``init_custom_process_group``
-    keys its side (the group name as the store prefix and as the group's name)."""
+def _host_store(host: str, world_size: int, timeout: float) -> torch.distributed.TCPStore:
+    """The group's rendezvous store, listening on a port the kernel picked (``.port``), so no other process can
+    take it between picking and binding; the engines are told that port."""
+    return torch.distributed.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+
+
+def _join_as_rank0(store: torch.distributed.TCPStore, world_size: int, backend: str, timeout: float):
+    """Join the group as rank 0 through ``store``, keyed as SGLang's ``init_custom_process_group`` keys its side
+    (the group name as the store prefix and as the group's name)."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -57,7 +64,6 @@ def _join_as_rank0(host: str, port: int, world_size: int, backend: str, timeout:
         _world,
     )
 
-    store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout))
     pg, _ = _new_process_group_helper(
         world_size,
         0,
@@ -137,12 +143,12 @@ class EngineWeightGroup:
         return result
 
     def connect(self) -> None:
-        port = free_port(self.master_address)
         world = 1 + len(self.urls) * self.ranks_per_engine
+        store = _host_store(self.master_address, world, self.timeout)
         bodies = [
             {
                 "master_address": self.master_address,
-                "master_port": port,
+                "master_port": store.port,
                 "rank_offset": 1 + i * self.ranks_per_engine,
                 "world_size": world,
                 "group_name": GROUP_NAME,
@@ -152,7 +158,7 @@ class EngineWeightGroup:
         ]
         t0 = time.perf_counter()
         answers = self._post_all("/init_weights_update_group", bodies)
-        join = self._pool.submit(_join_as_rank0, self.master_address, port, world, self.backend, self.timeout)
+        join = self._pool.submit(_join_as_rank0, store, world, self.backend, self.timeout)
         self.pg, self._store = self._race(join, answers, "/init_weights_update_group")
         logger.info(
             "weight group %s: %d ranks over %s in %.1fs", GROUP_NAME, world, self.backend, time.perf_counter() - t0

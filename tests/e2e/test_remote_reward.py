@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead, without_rm_type
-from tests.reward_server import RewardServer, free_port
+from tests.reward_server import RewardServer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,8 +51,8 @@ def test_rm_url_scores_every_sample_on_the_server(tiny_model, tiny_task, tmp_pat
     assert all(isinstance(body, list) for body in server.bodies)
 
 
-def test_an_unreachable_reward_server_fails_the_run_naming_the_url(tiny_model, tiny_task, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}/reward"  # nothing listens there
+def test_an_unreachable_reward_server_fails_the_run_naming_the_url(tiny_model, tiny_task, tmp_path, refused_port):
+    url = f"http://127.0.0.1:{refused_port}/reward"  # held by the test, never listening: connections refused
     args = [*tiny_args(tiny_model, tiny_task, tmp_path, "--num-rollout", "3"), "--rm-max-retries", "1"]
     args += ["--rm-url", url, "--rm-retry-backoff", "0.1"]
     run = run_train(without_rm_type(args), tmp_path)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from miles_async.arguments import parse_args
 from miles_async.backends.data_parallel import DataParallel, all_gather_dict, all_reduce_sum, shard
@@ -16,6 +14,7 @@ from miles_async.backends.fsdp.sharding import full_parameters
 from miles_async.rollout.batch import RolloutBatch, to_train_batch
 from miles_async.rollout.sample import Sample
 from tests.flag_helpers import tiny_train_flags
+from tests.ports import spawn_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,19 +53,13 @@ def _train(cfg, rank: int, world: int, port: int, out) -> None:
         torch.save({"state": state, "grad_norm": metrics["train/grad_norm"]}, out)
 
 
-def _worker(rank, cfg, world, port, out):
+def _worker(rank, world, port, cfg, out):
     _train(cfg, rank, world, port, out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dp_helpers(rank: int, port: int, out) -> None:
+def _dp_helpers(rank: int, world: int, port: int, out) -> None:
     """Four ranks as Megatron lays out TP 2 x DP 2: ranks 0 and 2 are one data-parallel group, 1 and 3 the other."""
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
     dp = DataParallel(rank // 2, 2, groups[rank % 2])
     result = {
@@ -80,14 +73,7 @@ def _dp_helpers(rank: int, port: int, out) -> None:
 
 def test_data_parallel_helpers_work_over_the_group_they_are_given(tmp_path):
     """Sums and gathers stay inside the given group (not the world), and its replicas split each step's samples."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_dp_helpers, args=(r, port, tmp_path)) for r in range(4)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(120)
-        assert proc.exitcode == 0
+    assert spawn_ranks(_dp_helpers, 4, tmp_path, timeout=120) == [0] * 4
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert [g["sum"] for g in got] == [4.0, 6.0, 4.0, 6.0]  # 1 + 3 and 2 + 4
     assert got[0]["gathered"] == got[2]["gathered"] == {0: [0.0], 2: [2.0]}
@@ -107,18 +93,8 @@ def test_two_gloo_workers_match_one(tiny_model, tiny_task, tmp_path):
     two = parse_args(common + ["--actor-num-gpus-per-node", "2", "--fsdp-cpu-offload"])
     assert two.train.cpu_offload
     assert two.cluster.num_train_workers == 2
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_worker, args=(0, one, 1, port, tmp_path / "single.pt"))
-    p.start()
-    p.join(240)
-    assert p.exitcode == 0
-    procs = [ctx.Process(target=_worker, args=(r, two, 2, port, tmp_path / "pair.pt")) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(240)
-        assert proc.exitcode == 0
+    assert spawn_ranks(_worker, 1, one, tmp_path / "single.pt", timeout=240) == [0]
+    assert spawn_ranks(_worker, 2, two, tmp_path / "pair.pt", timeout=240) == [0, 0]
     single, pair = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "pair.pt")
     # Adam's first step is scale-free, so the gradient itself is compared through its norm.
     assert pair["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)

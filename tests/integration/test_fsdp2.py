@@ -9,11 +9,9 @@ checked bit for bit, across a restart from a 2-worker checkpoint: tests/e2e/test
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from miles_async.arguments import parse_args
 from miles_async.backends.fsdp.actor import FSDPTrainActor
@@ -21,25 +19,13 @@ from miles_async.backends.fsdp.critic import FSDPCritic
 from miles_async.backends.fsdp.sharding import full_parameters, full_tensor, local_tensor
 from tests.flag_helpers import tiny_train_flags
 from tests.integration.test_data_parallel import _batch
+from tests.ports import spawn_ranks
 
 pytestmark = pytest.mark.timeout(400)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(target, world: int, *args) -> None:
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert spawn_ranks(target, world, *args, timeout=300) == [0] * world
 
 
 def _argv(model, task, out, *extra: str) -> list[str]:

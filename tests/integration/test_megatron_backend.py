@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.flag_helpers import tiny_train_flags
+from tests.ports import spawn_ranks
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
@@ -34,23 +33,8 @@ SMOLLM2 = (
 
 
 # -- helpers (run in the spawned processes) --------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(target, world: int, *args, timeout: float = 240) -> None:
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * world
+    assert spawn_ranks(target, world, *args, timeout=timeout) == [0] * world
 
 
 def _batch(seed: int = 0) -> RolloutBatch:

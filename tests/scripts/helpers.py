@@ -1,5 +1,6 @@
 """Shared helpers for the script tests: where things are, finding the lint tools, finding (and
-ending) every process a test started, by a marker in its environment, and a run of the Slurm script."""
+ending) every process a test started, by a marker in its environment, and a run of the Slurm script (started
+again on fresh ports when Ray could not bind one: ``Job``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from miles_async.utils.ports import PORT_ATTEMPTS, free_port, start_again
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = Path(__file__).resolve().parent / "stubs"
@@ -30,12 +32,6 @@ def tool(name: str) -> str:
     found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     assert found, f"{name} not found: pip install -r requirements-test.txt (it pins {name})"
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def marked_pids(marker: str) -> list[int]:
@@ -95,7 +91,11 @@ def short_tmp(prefix: str) -> Path:
 
 
 class Job:
-    """One run of the sbatch script, as Slurm would start it, with everything it spawns marked."""
+    """One run of the sbatch script, as Slurm would start it, with everything it spawns marked.
+
+    ``ray start`` takes its ports (``port``: the GCS's; the client server's) on its command line, and another
+    process on the machine may take one first: a job that fails during Ray's start-up saying a port was taken is
+    started again on fresh ports (``start_again``), and its log says so."""
 
     def __init__(self, nodes: list[str], **env: str):
         self.tmp = short_tmp("mst")
@@ -134,20 +134,49 @@ class Job:
             **env,
         }
         self.proc: subprocess.Popen | None = None
+        self._cmd: tuple[str, ...] = ()
+        self._attempt = 0
+        self._log_start = 0  # where this attempt's output begins in the log
 
     def start(self, *cmd: str) -> Job:
+        self._cmd = cmd
+        self._attempt = 1
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
         # Appended to, as Slurm's --open-mode=append does for a requeued job started again.
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             # Its own session, like a batch script; the marker finds what it leaves behind.
             self.proc = subprocess.Popen(
-                ["bash", str(SBATCH), *cmd],
+                ["bash", str(SBATCH), *self._cmd],
                 cwd=self.tmp,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        return self
+
+    def _started_again(self) -> bool:
+        """For a job that has exited: start it again on fresh ports if it failed in Ray's start-up because a port
+        was taken (and starts are left); whether it did."""
+        output = self.log_path.read_bytes()[self._log_start :].decode(errors="replace")
+        if self.proc.returncode == 0 or "Ray cluster ready" in output or not start_again(self._attempt, output):
+            return False
+        kill_marked(self.marker)  # what the failed attempt left, holding ports
+        taken = (self.port, self.env["RAY_CLIENT_SERVER_PORT"])
+        self.port = free_port()
+        self.env.update(RAY_PORT=str(self.port), RAY_CLIENT_SERVER_PORT=str(free_port()))
+        self._attempt += 1
+        with open(self.log_path, "a") as log:
+            log.write(
+                f"[tests] Ray could not bind a port (GCS {taken[0]}, client server {taken[1]}, or one of its own): "
+                f"starting the job again on {self.port} and {self.env['RAY_CLIENT_SERVER_PORT']} "
+                f"(start {self._attempt} of {PORT_ATTEMPTS})\n"
+            )
+        self._launch()
+        return True
 
     @property
     def log(self) -> str:
@@ -162,7 +191,7 @@ class Job:
         while time.monotonic() < deadline:
             if cond():
                 return
-            if self.proc.poll() is not None and not cond():
+            if self.proc.poll() is not None and not cond() and not self._started_again():
                 pytest.fail(f"job exited ({self.proc.returncode}) before {what}:\n{self.log}")
             time.sleep(0.3)
         pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.log}")
@@ -172,8 +201,12 @@ class Job:
         return json.loads(path.read_text()) if path.exists() else {}
 
     def wait_exit(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
         try:
-            return self.proc.wait(timeout)
+            while True:
+                rc = self.proc.wait(max(0.0, deadline - time.monotonic()))
+                if not self._started_again():
+                    return rc
         except subprocess.TimeoutExpired:
             pytest.fail(f"job still running after {timeout}s:\n{self.log}")
 

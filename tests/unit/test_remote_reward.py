@@ -19,7 +19,7 @@ from miles_async.rollout.rewards import RewardError, RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.rollout.sample import Sample, SampleStatus
 from tests.flag_helpers import minimal_flags
-from tests.reward_server import RewardServer, free_port
+from tests.reward_server import RewardServer
 
 # Rewards no built-in gives: a right answer scores RIGHT, so a test can tell the server's rewards apart.
 RIGHT, WRONG = 0.75, 0.25
@@ -144,8 +144,8 @@ def test_failed_requests_are_retried_and_the_rewards_are_right(failure):
     assert server.batch_sizes == [4]
 
 
-def test_an_unreachable_server_fails_naming_the_url_after_the_retries():
-    url = f"http://127.0.0.1:{free_port()}/reward"  # nothing listens there
+def test_an_unreachable_server_fails_naming_the_url_after_the_retries(refused_port):
+    url = f"http://127.0.0.1:{refused_port}/reward"  # held by the test, never listening: connections refused
     with pytest.raises(RemoteRewardError) as err:
         asyncio.run(score_all(remote_model(url, max_retries=2), samples(1)))
     message = str(err.value)

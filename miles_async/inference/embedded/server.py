@@ -2,9 +2,13 @@
 
 Run as::
 
-    python -m miles_async.inference.embedded.server --model-path DIR --port N \
+    python -m miles_async.inference.embedded.server --model-path DIR (--port N | --listen-fd FD) \
         [--host 127.0.0.1] [--dtype bfloat16|float32] [--max-running-requests 64] \
         [--num-threads T] [--seed S] [--weight-version V]
+
+``--port 0`` takes a port the kernel picks; the line ``serving ... on http://HOST:PORT`` says which, once it
+listens. ``--listen-fd`` listens on a socket its launcher bound and passed down (``EmbeddedEngineProcess``): the
+port is the launcher's before the server starts, so no other process can take it in between.
 
 Endpoints (JSON unless noted):
 
@@ -52,6 +56,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import uuid
 from typing import Any
@@ -504,7 +509,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Embedded CPU inference server (SGLang-native API subset)")
     ap.add_argument("--model-path", required=True, help="HF model folder (config + safetensors)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--port", type=int, help="port to listen on; 0: one the kernel picks (logged once listening)")
+    where.add_argument("--listen-fd", type=int, help="listen on this inherited socket, bound by the launcher")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill forward")
@@ -515,19 +522,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None) -> None:
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket ``--listen-fd`` names; a clear error when this process holds no socket there."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise SystemExit(f"--listen-fd {fd}: not a socket this server inherited ({e})") from e
+    if sock.type != socket.SOCK_STREAM:
+        raise SystemExit(f"--listen-fd {fd}: not a TCP socket")
+    return sock
+
+
+async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None, sock: socket.socket | None) -> None:
     app = build_app(engine, api_key)
     # handler_cancellation: a disconnected client cancels its handler, which
     # aborts its request instead of decoding for nobody.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    if sock is not None:
+        site: web.BaseSite = web.SockSite(runner, sock)
+    else:
+        site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     logger.info(
         "serving %s on http://%s:%d%s",
         args.model_path,
         args.host,
-        args.port,
+        runner.addresses[0][1],  # the port it got: --port 0's, or the launcher's socket's
         " (API key required)" if api_key else "",
     )
 
@@ -545,6 +566,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    sock = inherited_socket(args.listen_fd) if args.listen_fd is not None else None  # before the model loads
     api_key = os.environ.pop(API_KEY_ENV, None) or None
     logging.basicConfig(
         stream=sys.stderr,
@@ -573,7 +595,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     engine.start()
     try:
-        asyncio.run(_serve(args, engine, api_key))
+        asyncio.run(_serve(args, engine, api_key, sock))
     finally:
         engine.shutdown(5.0)
     logger.info("bye")

@@ -31,8 +31,9 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="package")
 def server(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One server for the package's tests; a test that changes its weights restores the base ones."""
-    srv = ServerProc(model_dirs["base"], tmp_path_factory.mktemp("logs") / "server.log")
+    """One server for the package's tests; a test that changes its weights restores the base ones. It runs with
+    --port 0: the tests reach it on the port its log line says it got."""
+    srv = ServerProc(model_dirs["base"], tmp_path_factory.mktemp("logs") / "server.log", port=0)
     try:
         srv.wait_healthy()
         yield srv

@@ -1,12 +1,12 @@
 """The embedded server under test: a tiny random Llama built here (no hub access), the real server as a subprocess
-on a free 127.0.0.1 port, and what the tests send it. Requests go through ``EmbeddedEngineClient``, so the client is
-exercised too."""
+listening on a 127.0.0.1 socket bound here (``--listen-fd``, as its launcher runs it), and what the tests send it.
+Requests go through ``EmbeddedEngineClient``, so the client is exercised too."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.utils.ports import bound_socket
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # Each decode step costs a little more (an engine double), so pause/abort land while a 200-token
@@ -68,15 +69,17 @@ def load_local(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The line the server logs once it listens, naming the port it got.
+SERVING = re.compile(r"serving \S+ on http://127\.0\.0\.1:(\d+)")
 
 
 class ServerProc:
-    def __init__(self, model_dir: Path, log_path: Path, extra: list[str] | None = None):
-        self.port = _free_port()
+    """``port`` None (the default): the server listens on a socket bound here; a number: ``--port`` (0: the kernel
+    picks, and ``port``/``url`` are what the server's log says once ``wait_healthy`` read it)."""
+
+    def __init__(self, model_dir: Path, log_path: Path, extra: list[str] | None = None, port: int | None = None):
+        sock = bound_socket("127.0.0.1") if port is None else None
+        self.port = sock.getsockname()[1] if sock else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
@@ -85,8 +88,7 @@ class ServerProc:
             "miles_async.inference.embedded.server",
             "--model-path",
             str(model_dir),
-            "--port",
-            str(self.port),
+            *(["--listen-fd", str(sock.fileno())] if sock else ["--port", str(port)]),
             "--dtype",
             "float32",
             "--num-threads",
@@ -100,7 +102,12 @@ class ServerProc:
         env = dict(os.environ, **fixed_step_cost_env(STEP_SECONDS))
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        fds = (sock.fileno(),) if sock else ()
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, pass_fds=fds
+        )
+        if sock:
+            sock.close()  # the server holds its own copy
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -114,7 +121,10 @@ class ServerProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if asyncio.run(probe()):
+            if self.port == 0 and (said := SERVING.search(self.log_path.read_text(errors="replace"))):
+                self.port = int(said[1])
+                self.url = f"http://127.0.0.1:{self.port}"
+            if self.port != 0 and asyncio.run(probe()):
                 return
             time.sleep(0.2)
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")

@@ -1,5 +1,6 @@
 """Controlling a running embedded server: pause (abort, in place), continue, abort by rid or all, flush the cache,
-the running-request cap, client timeouts, SIGTERM, a dead decode thread, and the engine class it runs."""
+the running-request cap, client timeouts, SIGTERM, a dead decode thread, the engine class it runs, and a bad
+--listen-fd. (--port 0: the package's server, conftest.py; --listen-fd: every other ServerProc.)"""
 
 from __future__ import annotations
 
@@ -158,6 +159,14 @@ def test_sigterm_exits_promptly(model_dirs: dict[str, Path], tmp_path: Path) -> 
     # The in-flight request got an answer (its partial output) rather than hanging.
     assert isinstance(inflight, dict), inflight
     assert inflight["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_a_bad_listen_fd_is_refused_naming_the_flag(model_dirs: dict[str, Path]) -> None:
+    from miles_async.inference.embedded.server import inherited_socket
+
+    with open(model_dirs["base"] / "config.json") as not_a_socket:
+        with pytest.raises(SystemExit, match=f"--listen-fd {not_a_socket.fileno()}: not a socket"):
+            inherited_socket(not_a_socket.fileno())
 
 
 @pytest.mark.timeout(120)
