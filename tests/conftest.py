@@ -54,9 +54,13 @@ def pytest_collection_modifyitems(config, items):
     stale = _BUDGET.stale_entries()
     if stale:
         raise pytest.UsageError(f"tests/budget.toml names tests that do not exist: {stale}")
+    # `--timeout N` on the command line (while debugging one test) replaces every cap; the slow marks stay.
+    given = config.getoption("timeout", None)
     for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            raise pytest.UsageError(f"{item.nodeid} sets its own timeout: its cap belongs in tests/budget.toml")
         cap = _BUDGET.cap(item.nodeid)
-        item.add_marker(pytest.mark.timeout(cap.seconds))
+        item.add_marker(pytest.mark.timeout(given if given is not None else cap.seconds))
         if cap.slow:
             item.add_marker(pytest.mark.slow)
 

@@ -11,8 +11,6 @@ import pytest
 
 from tests.e2e.runner import run_train, tiny_args, without_rm_type
 
-pytestmark = pytest.mark.timeout(600)
-
 LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2", "--lr", "1e-2"]
 
 

@@ -9,15 +9,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import requests
 
 from miles_async.control.state import PHASES
 from miles_async.utils.checkpoint import POINTER, iteration_dir
 from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead
 from tests.unit.test_control_state import parse_exposition
-
-pytestmark = pytest.mark.timeout(420)
 
 TOKEN = "e2e-token-5d1c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

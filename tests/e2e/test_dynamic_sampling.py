@@ -13,12 +13,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from miles_async.utils.checkpoint import iteration_dir
 from tests.e2e.runner import Run, all_pids, run_train, tiny_args, wait_all_dead, without_rm_type
-
-pytestmark = pytest.mark.timeout(600)
 
 BATCH, N_PROMPTS, N_ROLLOUT = 2, 12, 6
 FILTER = "tests.e2e.rewards:nonzero_std"

@@ -11,13 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
 from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead, without_rm_type
-
-pytestmark = pytest.mark.timeout(600)
 
 NUM_ROLLOUT = 8
 # Two engines; slow decoding (32 tokens at >= 50 ms a step: an engine double) so a rollout lasts seconds and

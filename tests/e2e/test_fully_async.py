@@ -17,8 +17,6 @@ from tests.e2e.runner import (
     without_rm_type,
 )
 
-pytestmark = pytest.mark.timeout(600)
-
 ASYNC = [
     "--fully-async",
     "--use-tis",

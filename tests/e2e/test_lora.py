@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 
 from tests.e2e.runner import run_train, tiny_args, without_rm_type
-
-pytestmark = pytest.mark.timeout(600)
 
 LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2"]
 LORA = ["--lora-rank", "8", "--lora-alpha", "32", "--lr", "1e-2"]

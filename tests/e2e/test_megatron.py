@@ -9,8 +9,6 @@ from tests.e2e.runner import run_train, tiny_args, without_rm_type
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
 
-pytestmark = pytest.mark.timeout(600)
-
 LEARN = [
     "--custom-rm-path",
     "tests.e2e.rewards:starts_with_digit",

@@ -13,8 +13,6 @@ import pytest
 from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead, without_rm_type
 from tests.reward_server import RewardServer
 
-pytestmark = pytest.mark.timeout(600)
-
 # Values no built-in reward gives: every reward the run trained on must have come from the server.
 RIGHT, WRONG = 0.75, 0.25
 

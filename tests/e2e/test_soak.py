@@ -13,8 +13,6 @@ import pytest
 from benchmarks.soak import Settings, soak
 from benchmarks.soak_checks import TARGETS, plan_runs
 
-pytestmark = pytest.mark.timeout(1500)  # two or more attempts of a ~35 s run; far longer on a loaded machine
-
 SEED = 0
 SETTINGS = Settings(attempt_timeout=420)
 

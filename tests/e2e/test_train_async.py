@@ -23,8 +23,6 @@ from tests.e2e.runner import (
     without_rm_type,
 )
 
-pytestmark = pytest.mark.timeout(600)
-
 LEARN = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit", "--rollout-max-response-len", "2", "--lr", "1e-2"]
 
 

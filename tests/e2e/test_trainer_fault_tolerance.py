@@ -24,8 +24,6 @@ from benchmarks.engine_doubles import fixed_step_cost_env
 from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead
 from tests.e2e.trainer_doubles import stall_env
 
-pytestmark = pytest.mark.timeout(600)
-
 TWO_WORKERS = ["--actor-num-gpus-per-node", "2"]
 # From the kill to the driver's exit: Ray reports the death within about a second, the driver's liveness watch
 # pings each worker every second, and taking the run down is bounded.

@@ -33,8 +33,6 @@ from miles_async.weights.update import WeightUpdate, route_for
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 # Generous: on a fresh machine the first test also waits for the engine's environment to be built (minutes).
-pytestmark = pytest.mark.timeout(1800)
-
 LONG = {"temperature": 0.0, "max_new_tokens": 480, "ignore_eos": True}  # the context is 512
 
 

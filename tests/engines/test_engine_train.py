@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import glob
 
-import pytest
-
 from tests.e2e.runner import all_pids, run_train, tiny_args, wait_all_dead
-
-pytestmark = pytest.mark.timeout(1800)  # with, on a fresh machine, the engine environment's build
 
 UPDATE_LOG_LINE = {"sglang": "update_weights_from_distributed", "vllm": "reload_hf_weights"}
 

@@ -17,8 +17,6 @@ from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn
 from miles_async.rollout.sample import Sample, SampleStatus
 from tests.multi_turn_helpers import make_scripted_model, tool_call_ids
 
-pytestmark = pytest.mark.timeout(1800)  # the first run may build SGLang's environment
-
 SEGMENT = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 

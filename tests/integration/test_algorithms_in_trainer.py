@@ -16,8 +16,6 @@ from miles_async.rollout.batch import RolloutBatch, to_train_batch
 from miles_async.rollout.sample import Sample
 from miles_async.weights.update import WeightUpdate
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _batch(seed: int = 0, version: int = 0) -> RolloutBatch:
     rng = random.Random(seed)

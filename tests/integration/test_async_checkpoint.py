@@ -32,8 +32,6 @@ from miles_async.run import Run
 from miles_async.utils.checkpoint import POINTER, CheckpointError, iteration_dir
 from tests.flag_helpers import tiny_train_flags
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _batch(seed: int) -> RolloutBatch:
     rng = random.Random(seed)

@@ -16,8 +16,6 @@ from miles_async.rollout.sample import Sample
 from tests.flag_helpers import tiny_train_flags
 from tests.ports import spawn_ranks
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _batch(seed: int = 0) -> RolloutBatch:
     rng = random.Random(seed)

@@ -34,8 +34,6 @@ from miles_async.ray.inference_controller import InferenceController
 from miles_async.weights.driver import weight_update
 from miles_async.weights.sender import WeightSender
 
-pytestmark = pytest.mark.timeout(300)
-
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4}
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "min_new_tokens": 200}
 WRONG = ApiKey("not-the-run-key")

@@ -18,8 +18,6 @@ from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.launcher import EngineProcess, EngineStartError
 from miles_async.utils.ports import PORT_ATTEMPTS
 
-pytestmark = pytest.mark.timeout(120)
-
 
 def _cfg(model_path: str) -> EngineConfig:
     return EngineConfig(

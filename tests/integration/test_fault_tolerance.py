@@ -27,8 +27,6 @@ from miles_async.weights.http import push_buckets
 from miles_async.weights.source import iter_buckets
 from miles_async.weights.update import WeightUpdate
 
-pytestmark = pytest.mark.timeout(300)
-
 
 class Handle:
     """``handle.method.remote(*args)`` -> awaitable, like a Ray actor handle, around a local object."""

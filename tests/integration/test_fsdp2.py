@@ -21,8 +21,6 @@ from tests.flag_helpers import tiny_train_flags
 from tests.integration.test_data_parallel import _batch
 from tests.ports import spawn_ranks
 
-pytestmark = pytest.mark.timeout(400)
-
 
 def _spawn(target, world: int, *args) -> None:
     assert spawn_ranks(target, world, *args, timeout=300) == [0] * world

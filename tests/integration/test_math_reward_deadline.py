@@ -18,8 +18,6 @@ from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import generate_sample
 from miles_async.rollout.rewards import MATH_VERIFY_DEADLINE_S
 
-pytestmark = pytest.mark.timeout(300)
-
 PATHOLOGICAL = "so the answer is $9^{9^{9}}$"
 
 

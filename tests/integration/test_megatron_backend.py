@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
 
-pytestmark = pytest.mark.timeout(300)
 
 SMOLLM2 = (
     Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))

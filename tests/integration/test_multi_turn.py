@@ -30,8 +30,6 @@ from miles_async.rollout.rollout import RolloutContext, generate_one
 from miles_async.rollout.sample import Sample, SampleStatus
 from tests.multi_turn_helpers import CHATML_TEMPLATE, make_scripted_model, tool_call_ids
 
-pytestmark = pytest.mark.timeout(240)
-
 H = "tests.multi_turn_helpers"
 PROMPT = "add 2 and 3"
 STEP_SECONDS = 0.04  # per decode step, so an abort-mode pause can land inside a turn

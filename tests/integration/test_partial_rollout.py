@@ -18,8 +18,6 @@ from miles_async.rollout.generate import GenerateContext, generate_sample
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.rollout.sample import Sample, SampleStatus
 
-pytestmark = pytest.mark.timeout(180)
-
 MAX_NEW = 200
 N_SAMPLES = 4
 # min_new_tokens = max_new_tokens bans EOS, so every sample must come back with exactly MAX_NEW tokens.

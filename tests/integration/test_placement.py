@@ -25,8 +25,6 @@ from miles_async.config.placement import worker_plan
 from miles_async.ray.inference_controller import InferenceController
 from miles_async.ray.placement import PlacementError, release, reserve, where
 
-pytestmark = pytest.mark.timeout(300)
-
 
 @pytest.fixture(scope="module")
 def gpu_ray():

@@ -13,8 +13,6 @@ from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.utils.checkpoint import iteration_dir
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _cfg(tiny_model, tiny_task, tmp_path, *extra):
     train, held_out = tiny_task

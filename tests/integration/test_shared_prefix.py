@@ -10,8 +10,6 @@ from miles_async.backends.fsdp.actor import FSDPTrainActor, response_logits
 from miles_async.backends.packing import collate
 from tests.integration.test_algorithms_in_trainer import _batch, _cfg
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _actor(cfg) -> FSDPTrainActor:
     torch.manual_seed(0)

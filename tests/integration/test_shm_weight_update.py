@@ -26,8 +26,6 @@ from miles_async.weights.staged import commit, stages
 from miles_async.weights.staging import PREFIX, SHM_DIR
 from miles_async.weights.update import SHARED_MEMORY, WeightUpdate, route_for
 
-pytestmark = pytest.mark.timeout(180)
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tiny_task, tmp_path_factory):

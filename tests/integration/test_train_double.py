@@ -16,8 +16,6 @@ from miles_async.backends.fsdp.critic import FSDPCritic
 from miles_async.ray.train_group import ACTOR_CLASS_ENV, worker_class
 from miles_async.utils.plugins import PluginError
 
-pytestmark = pytest.mark.timeout(120)
-
 
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):

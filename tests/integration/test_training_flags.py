@@ -18,8 +18,6 @@ import torch
 from tests.flag_helpers import tiny_train_flags
 from tests.integration.test_megatron_backend import _batch, _spawn
 
-pytestmark = pytest.mark.timeout(300)
-
 
 def _argv(model: Path, task: Path, out: Path, *extra: str) -> list[str]:
     """One optimizer step per rollout (the global batch is the whole rollout of 16 samples), no clipping."""

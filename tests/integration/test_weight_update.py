@@ -13,8 +13,6 @@ from miles_async.rollout.generate import encode_prompt
 from miles_async.weights.update import WeightUpdate
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
-pytestmark = pytest.mark.timeout(300)
-
 
 @pytest.fixture
 def cfg(tiny_model, tiny_task, tmp_path):

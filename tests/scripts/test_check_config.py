@@ -23,8 +23,6 @@ from tests.scripts.helpers import ROOT, STUBS
 from tests.scripts.test_launchers import _env, _run, _words
 from tests.unit.test_model_flags import _script_model_args
 
-pytestmark = pytest.mark.timeout(300)
-
 CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 QWEN3 = "scripts/run-qwen3-4B-async.sh"
 CPU = "scripts/run-smollm2-cpu-async.sh"

@@ -10,11 +10,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.scripts.helpers import ROOT
-
-pytestmark = pytest.mark.timeout(240)
 
 TINY = [
     "--num-rollout",

@@ -18,8 +18,6 @@ import pytest
 
 from tests.scripts.helpers import GOLDEN, ROOT, STUBS
 
-pytestmark = pytest.mark.timeout(60)
-
 # name -> (launcher, environment, extra arguments). Paths in the environment are fixed
 # strings (they need not exist for a dry run); the repository path is normalised to <repo>.
 CASES = {

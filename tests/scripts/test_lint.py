@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
 from tests.scripts.helpers import ROOT, STUBS, tool
-
-pytestmark = pytest.mark.timeout(120)
 
 
 def shell_scripts() -> list[str]:

@@ -11,8 +11,6 @@ import pytest
 
 from tests.scripts.helpers import ROOT
 
-pytestmark = pytest.mark.timeout(120)
-
 # From each model's config.json on its hub page; params = the safetensors total.
 PUBLISHED = {
     "qwen3-4B": dict(

@@ -20,8 +20,6 @@ import pytest
 from tests.scripts.helpers import ROOT
 from tests.scripts.test_launchers import _words
 
-pytestmark = pytest.mark.timeout(600)
-
 
 @pytest.fixture(scope="module")
 def fresh_quickstart(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:

@@ -31,7 +31,7 @@ from tests.e2e.runner import all_pids, wait_all_dead
 from tests.engine_envs import engine_python as _engine_python
 from tests.scripts.helpers import ROOT, Job, cmdline, marked_pids, wait_marked_gone
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.sglang]
+pytestmark = pytest.mark.sglang
 
 NODES = ["node1", "node2", "node3"]
 NODE_RESOURCE = "rehearsal_"  # each Ray node's resource "rehearsal_<Slurm node>" (the stub srun adds it)

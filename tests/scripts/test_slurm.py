@@ -10,11 +10,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.scripts.helpers import ROOT, SBATCH, cmdline, marked_pids, wait_marked_gone
-
-pytestmark = pytest.mark.timeout(240)
 
 FAKE_TRAIN = [sys.executable, str(ROOT / "tests" / "scripts" / "fake_train.py")]
 

@@ -8,12 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.scripts.helpers import ROOT
 from tests.scripts.test_launchers import _env, _run, _words
-
-pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = "examples/tool_calculator/run.sh"
 MODEL = ROOT / "tests" / "scripts" / "model_configs" / "SmolLM2-135M"

@@ -14,8 +14,6 @@ import pytest
 
 from tests.scripts.helpers import ROOT
 
-pytestmark = pytest.mark.timeout(300)
-
 # Standard-library names that first appeared in Python 3.11.
 PY311_NAMES = {"TaskGroup", "ExceptionGroup", "BaseExceptionGroup", "cancelling", "tomllib"}
 

@@ -18,7 +18,6 @@ from miles_async.inference.embedded.client import EmbeddedEngineClient
 from tests.integration.embedded.helpers import GREEDY, LONG, ServerProc, make_prompts, run, wait_running
 
 
-@pytest.mark.timeout(120)
 def test_pause_abort_then_continue(server: ServerProc) -> None:
     prompts = make_prompts(4)
 
@@ -45,7 +44,6 @@ def test_pause_abort_then_continue(server: ServerProc) -> None:
     assert len(late["output_ids"]) >= 1
 
 
-@pytest.mark.timeout(120)
 def test_abort_request_by_rid(server: ServerProc) -> None:
     async def body(c: EmbeddedEngineClient) -> tuple[dict, dict, dict]:
         task = asyncio.create_task(c.generate([1, 30, 31], LONG, rid="victim"))
@@ -65,7 +63,6 @@ def test_abort_request_by_rid(server: ServerProc) -> None:
     assert len(other["output_ids"]) == 60
 
 
-@pytest.mark.timeout(120)
 def test_flush_cache_mid_generation_keeps_greedy_output(server: ServerProc) -> None:
     """Flushing drops the KV cache; running rows are re-prefilled and must continue identically."""
     params = {"temperature": 0.0, "max_new_tokens": 120, "ignore_eos": True}
@@ -90,7 +87,6 @@ def test_flush_cache_mid_generation_keeps_greedy_output(server: ServerProc) -> N
     assert loads["after"]["prefill_batches"] - loads["before"]["prefill_batches"] >= 2
 
 
-@pytest.mark.timeout(120)
 def test_max_running_requests_and_abort_all(server: ServerProc) -> None:
     prompts = make_prompts(20)  # the server runs with --max-running-requests 16
 
@@ -111,7 +107,6 @@ def test_max_running_requests_and_abort_all(server: ServerProc) -> None:
     assert len(started) == 16  # the 4 queued ones never got a slot
 
 
-@pytest.mark.timeout(120)
 def test_client_timeout_raises_and_frees_slot(server: ServerProc) -> None:
     async def body(c: EmbeddedEngineClient) -> tuple[EngineError | None, dict]:
         err = None
@@ -133,7 +128,6 @@ def test_client_timeout_raises_and_frees_slot(server: ServerProc) -> None:
     assert load["num_running_reqs"] == 0
 
 
-@pytest.mark.timeout(120)
 def test_sigterm_exits_promptly(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     srv = ServerProc(model_dirs["base"], tmp_path / "sigterm.log")
     try:
@@ -169,7 +163,6 @@ def test_a_bad_listen_fd_is_refused_naming_the_flag(model_dirs: dict[str, Path])
             inherited_socket(not_a_socket.fileno())
 
 
-@pytest.mark.timeout(120)
 def test_dead_decode_thread_fails_requests(model_dirs: dict[str, Path]) -> None:
     """In-process: if the decode thread dies, pending and later requests get 500, health 500."""
     from aiohttp.test_utils import TestServer
@@ -204,7 +197,6 @@ def test_dead_decode_thread_fails_requests(model_dirs: dict[str, Path]) -> None:
         assert "simulated kernel failure" in str(r)
 
 
-@pytest.mark.timeout(120)
 def test_the_engine_class_is_a_plugin_point(model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """``$MILES_ASYNC_ENGINE_CLASS`` names the ``Engine`` subclass the server runs; anything else is refused naming
     the variable. The benchmarks' double makes every decode step cost what they set."""

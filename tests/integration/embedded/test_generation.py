@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 import torch
 
 from miles_async.inference.client import EngineError
@@ -14,7 +13,6 @@ from miles_async.inference.embedded.client import EmbeddedEngineClient
 from tests.integration.embedded.helpers import GREEDY, ServerProc, hf_greedy, load_local, make_prompts, run
 
 
-@pytest.mark.timeout(120)
 def test_health_model_info_and_generate(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     async def body(c: EmbeddedEngineClient) -> tuple[bool, dict, dict]:
         return (
@@ -42,7 +40,6 @@ def test_health_model_info_and_generate(server: ServerProc, model_dirs: dict[str
     assert res["text"] == ""  # no tokenizer in the folder
 
 
-@pytest.mark.timeout(120)
 def test_stop_token_included_and_min_new_tokens(server: ServerProc) -> None:
     prompt = [1, 9, 10, 11]
 
@@ -67,7 +64,6 @@ def test_stop_token_included_and_min_new_tokens(server: ServerProc) -> None:
     assert stop_at not in forced["output_ids"] and 2 not in forced["output_ids"]
 
 
-@pytest.mark.timeout(120)
 def test_greedy_alone_equals_batched(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     prompts = make_prompts(8)
     target = prompts[3]
@@ -99,7 +95,6 @@ def test_greedy_alone_equals_batched(server: ServerProc, model_dirs: dict[str, P
         assert res["output_ids"] == hf_greedy(ref, p, GREEDY["max_new_tokens"])
 
 
-@pytest.mark.timeout(120)
 def test_logprobs_match_hf_forward(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     prompts = make_prompts(5)
     params = [
@@ -139,7 +134,6 @@ def test_logprobs_match_hf_forward(server: ServerProc, model_dirs: dict[str, Pat
         assert torch.allclose(got, expected, atol=1e-4), (sp, got, expected)
 
 
-@pytest.mark.timeout(120)
 def test_identical_prompts_share_one_prefill(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     """A GRPO group sends one prompt n times: it is prefilled once, and every copy still decodes correctly."""
     prompt = make_prompts(6)[5]
@@ -165,7 +159,6 @@ def test_identical_prompts_share_one_prefill(server: ServerProc, model_dirs: dic
         assert torch.allclose(got, expected, atol=1e-4)
 
 
-@pytest.mark.timeout(120)
 def test_bad_requests_are_400(server: ServerProc) -> None:
     async def body(c: EmbeddedEngineClient) -> list[EngineError]:
         errors = []

@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from miles_async.inference.client import EngineError
@@ -25,7 +24,6 @@ from tests.integration.embedded.helpers import (
 )
 
 
-@pytest.mark.timeout(120)
 def test_pause_in_place_weight_update_continue(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     alt = make_model(seed=1).state_dict()
     names = [n for n in alt if n != "lm_head.weight"]
@@ -60,7 +58,6 @@ def test_pause_in_place_weight_update_continue(server: ServerProc, model_dirs: d
     assert res["meta_info"]["weight_version"] == v0 + 1
 
 
-@pytest.mark.timeout(120)
 def test_update_weights_from_disk_and_tensor(server: ServerProc, model_dirs: dict[str, Path]) -> None:
     prompt = [1, 20, 21, 22, 23]
     alt2 = make_model(seed=2).state_dict()
