@@ -12,10 +12,26 @@ from miles_async.config import ClusterConfig
 logger = logging.getLogger(__name__)
 
 
+# The run's own settings reach its workers through their environment (plugin classes, test doubles, log level):
+# the driver's MILES_ASYNC_* variables, but never a credential among them.
+_SETTING_PREFIX = "MILES_ASYNC_"
+_SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+
+
+def job_env(environ: dict[str, str]) -> dict[str, str]:
+    """Every worker's environment additions: offline tokenizers, and the driver's MILES_ASYNC_* settings without
+    its secrets. A cluster the run starts would pass its workers the driver's whole environment; one it joins
+    (--ray-address) passes them only this, so the same settings hold on both. Pure."""
+    settings = {
+        k: v for k, v in environ.items() if k.startswith(_SETTING_PREFIX) and not k.endswith(_SECRET_SUFFIXES)
+    }
+    return {**settings, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
-    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env = job_env(dict(os.environ))
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     else:
