@@ -22,9 +22,7 @@ def job_env(environ: dict[str, str]) -> dict[str, str]:
     """Every worker's environment additions: offline tokenizers, and the driver's MILES_ASYNC_* settings without
     its secrets. A cluster the run starts would pass its workers the driver's whole environment; one it joins
     (--ray-address) passes them only this, so the same settings hold on both. Pure."""
-    settings = {
-        k: v for k, v in environ.items() if k.startswith(_SETTING_PREFIX) and not k.endswith(_SECRET_SUFFIXES)
-    }
+    settings = {k: v for k, v in environ.items() if k.startswith(_SETTING_PREFIX) and not k.endswith(_SECRET_SUFFIXES)}
     return {**settings, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
