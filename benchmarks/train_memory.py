@@ -204,9 +204,10 @@ def run_config(
     tree: Path, flags: tuple[str, ...], world: int, steps: int, prompts: int, model: Path, data: Path
 ) -> list[dict]:
     """Every rank's result for one configuration, in fresh processes; raises with the ranks' output on failure."""
-    from tests.ports import AGENT_STORE_ENV, rendezvous_store
+    from miles_async.utils.ports import hosted_store
+    from tests.ports import AGENT_STORE_ENV
 
-    store = rendezvous_store(WORKER_TIMEOUT)  # the ranks' rendezvous, served until they are done
+    store = hosted_store("127.0.0.1", WORKER_TIMEOUT)  # the ranks' rendezvous, served until they are done
     port = store.port
     env = dict(os.environ, PYTHONPATH=str(tree), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env[AGENT_STORE_ENV] = "True"

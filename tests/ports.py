@@ -2,9 +2,10 @@
 
 - ``refused_port``: a port held bound but never listening, so connections to it are refused and no other
   process can take it while the test runs (the ``refused_port`` fixture in tests/conftest.py).
-- ``rendezvous_store``: a torch.distributed store this process hosts on a port the kernel picked, for workers
-  whose ``tcp://`` init then connects to it instead of binding that port themselves (``AGENT_STORE_ENV``);
-  ``spawn_ranks`` runs such workers in spawned processes (benchmarks/train_memory.py starts its own).
+- ``spawn_ranks``: workers in spawned processes that join a torch.distributed store this process serves on a port
+  the kernel picked (``miles_async.utils.ports.hosted_store``): the training workers as clients
+  (``join_process_group``), a ``tcp://`` init of their own through ``AGENT_STORE_ENV`` (benchmarks/train_memory.py
+  starts its own such workers).
 
 Our servers in tests bind port 0 themselves (tests/reward_server.py) or listen on a socket bound for them
 (``miles_async.utils.ports.bound_socket``; tests/integration/embedded/helpers.py).
@@ -16,13 +17,8 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
-from typing import TYPE_CHECKING
 
-from miles_async.utils.ports import bound_socket
-
-if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+from miles_async.utils.ports import bound_socket, hosted_store
 
 # torch's tcp:// rendezvous: with this set, every rank (rank 0 too) joins the store at the address as a client
 # (torch.distributed.rendezvous._create_c10d_store), instead of rank 0 binding the port itself.
@@ -36,26 +32,18 @@ def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def rendezvous_store(timeout: float) -> TCPStore:
-    """The workers' rendezvous store (a ``torch.distributed.TCPStore``; ``.port``), served while it is referenced.
-    Workers join it through ``tcp://127.0.0.1:<port>`` with ``AGENT_STORE_ENV`` set to ``True``."""
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-
-
 def _join_store(target: Callable, rank: int, world: int, port: int, *args) -> None:
     os.environ[AGENT_STORE_ENV] = "True"
     target(rank, world, port, *args)
 
 
 def spawn_ranks(target: Callable, world: int, *args, timeout: float = 240) -> list[int]:
-    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes, whose ``tcp://127.0.0.1:port``
-    init joins a store hosted here; their exit codes, once all exited or ``timeout`` seconds passed (those still
-    running then are killed: -9). ``target`` must be importable (a module-level function)."""
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes, whose process group at
+    ``127.0.0.1:port`` joins a store hosted here; their exit codes, once all exited or ``timeout`` seconds passed
+    (those still running then are killed: -9). ``target`` must be importable (a module-level function)."""
     import torch.multiprocessing as mp
 
-    store = rendezvous_store(timeout)
+    store = hosted_store("127.0.0.1", timeout)  # served until the ranks are done
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_join_store, args=(target, rank, world, store.port, *args)) for rank in range(world)]
     for p in procs:

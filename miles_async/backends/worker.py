@@ -14,6 +14,7 @@ import os
 import random
 import stat
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,9 +26,15 @@ from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
 from miles_async.backends.shared_prefix import pack_shared
 from miles_async.config import OptimizerConfig, TrainConfig
 from miles_async.utils.checkpoint import CheckpointError, load_tensors
+from miles_async.utils.ports import hosted_store
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from miles_async.rollout.batch import RolloutBatch
+
+# How long the ranks of a group wait for each other to join it: torch's own default, as its tcp:// rendezvous had.
+JOIN_TIMEOUT = 1800.0
 
 
 def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
@@ -48,6 +55,22 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
+
+
+def join_process_group(
+    backend: str, rank: int, world_size: int, master_addr: str, master_port: int, hosted: TCPStore | None = None
+) -> None:
+    """Join torch.distributed's default group through the rendezvous store at ``master_addr:master_port``: through
+    ``hosted`` when this process serves it (rank 0 of a train group, ``BaseWorker.address``), else as its client.
+    No rank binds that port itself: its host bound it before any rank was told the number."""
+    import torch.distributed as dist
+
+    store = hosted
+    if store is None:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=False, timeout=timedelta(seconds=JOIN_TIMEOUT)
+        )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def seed_everything(seed: int) -> None:
@@ -128,18 +151,18 @@ class BaseWorker:
         self.optimizer_steps = 0
         # A checkpoint copied at a step boundary by save(..., background=True), not yet written.
         self._unwritten: Callable[[], None] | None = None
+        # The process group's rendezvous, once this worker (rank 0) serves it (``address``).
+        self.rendezvous: TCPStore | None = None
 
     # -- Ray-facing ------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group's rendezvous."""
-        import socket
-
+        """This node's address and the port of the process group's rendezvous, which this worker (rank 0) serves
+        from now on: bound before any rank is told the number, so no other process can take it in between."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        host = ray.util.get_node_ip_address()
+        self.rendezvous = hosted_store(host, JOIN_TIMEOUT, self.world_size)
+        return host, self.rendezvous.port
 
     def pid(self) -> int:
         return os.getpid()

@@ -3,7 +3,8 @@
 A port number picked here and handed to another process can be taken by any process on the machine before that
 process binds it. So our own servers never take a number picked for them: they bind port 0 and say which port
 the kernel gave them, or listen on a socket their launcher bound and hands them (``bound_socket``), so the port is
-theirs before they start. Servers we start but do not write (SGLang, vLLM, SGLang's router, ``ray start``) take a
+theirs before they start; a torch.distributed rendezvous is a store its host serves on port 0 (``hosted_store``),
+which the ranks join as clients. Servers we start but do not write (SGLang, vLLM, SGLang's router, ``ray start``) take a
 port number on their command line, and open more ports derived from it; for them ``free_port`` picks one, and a
 start that fails because a port was taken is started again on a fresh one, a bounded number of times
 (``start_again``); any other failure is not.
@@ -16,6 +17,11 @@ from __future__ import annotations
 
 import re
 import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 PORT_ATTEMPTS = 3  # starts of a server, the first included, before a port clash fails it
 
@@ -58,6 +64,17 @@ def bound_socket(host: str = "127.0.0.1") -> socket.socket:
         s.close()
         raise
     return s
+
+
+def hosted_store(host: str, timeout: float, world_size: int | None = None) -> TCPStore:
+    """A ``torch.distributed.TCPStore`` this process serves, on every interface, on a port the kernel picked
+    (``.port``), while it is referenced: the ranks it is a rendezvous for are told that port once it is theirs,
+    and join as clients (``is_master=False``). ``host`` is where this process's own client reaches it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
 
 
 def _family(host: str) -> socket.AddressFamily:

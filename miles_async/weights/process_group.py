@@ -34,6 +34,7 @@ import requests
 import torch
 
 from miles_async.inference.auth import ApiKey, auth_headers
+from miles_async.utils.ports import hosted_store
 from miles_async.weights.node import LOOPBACK, node_address
 from miles_async.weights.update import WeightUpdate
 
@@ -44,14 +45,6 @@ GROUP_NAME = "miles_async_weights"
 
 class WeightGroupError(RuntimeError):
     pass
-
-
-def _host_store(host: str, world_size: int, timeout: float) -> torch.distributed.TCPStore:
-    """The group's rendezvous store, listening on a port the kernel picked (``.port``), so no other process can
-    take it between picking and binding; the engines are told that port."""
-    return torch.distributed.TCPStore(
-        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
-    )
 
 
 def _join_as_rank0(store: torch.distributed.TCPStore, world_size: int, backend: str, timeout: float):
@@ -144,7 +137,8 @@ class EngineWeightGroup:
 
     def connect(self) -> None:
         world = 1 + len(self.urls) * self.ranks_per_engine
-        store = _host_store(self.master_address, world, self.timeout)
+        # On a port the kernel picked, so no other process can take it before the engines are told it.
+        store = hosted_store(self.master_address, self.timeout, world)
         bodies = [
             {
                 "master_address": self.master_address,

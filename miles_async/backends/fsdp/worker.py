@@ -23,6 +23,7 @@ from miles_async.backends.fsdp.sharding import even_out, full_tensor, shard_mode
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.worker import (
     BaseWorker,
+    join_process_group,
     load_rng_state,
     lr_lambda,
     rng_state,
@@ -101,9 +102,7 @@ class TrainWorker(BaseWorker):
         # CPU tensors (offloaded shards, checkpoint planning) need gloo beside NCCL on GPUs.
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():  # a process running two workers (a test) joins one group once
-            dist.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
-            )
+            join_process_group(backend, self.rank, self.world_size, master_addr, master_port, self.rendezvous)
         self._checkpoint_group = dist.new_group(backend="gloo")
         self._setup()
 

@@ -107,7 +107,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        init_parallel(self.rank, self.world_size, self.par, master_addr, master_port, self.cfg.seed)
+        init_parallel(self.rank, self.world_size, self.par, master_addr, master_port, self.cfg.seed, self.rendezvous)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()

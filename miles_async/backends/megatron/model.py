@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from miles_async.config import TrainConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -211,23 +213,29 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
 
 
 def init_parallel(
-    rank: int, world_size: int, par: ParallelSizes, master_addr: str, master_port: int, seed: int
+    rank: int,
+    world_size: int,
+    par: ParallelSizes,
+    master_addr: str,
+    master_port: int,
+    seed: int,
+    hosted: TCPStore | None = None,
 ) -> None:
-    """torch.distributed (NCCL on GPUs, gloo on the CPU) and Megatron's parallel state."""
+    """torch.distributed (NCCL on GPUs, gloo on the CPU), joined through the rendezvous at ``master_addr:master_port``
+    (``hosted`` when this process serves it: ``join_process_group``), and Megatron's parallel state."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from miles_async.backends.megatron import cpu_compat
+    from miles_async.backends.worker import join_process_group
 
     cpu_compat.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(torch.cuda.current_device())
-        dist.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
-        )
+        join_process_group(backend, rank, world_size, master_addr, master_port, hosted)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp
