@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -104,10 +103,7 @@ def _worker(variant: str, model: str, data: str, steps: int, conn, tree: str | N
         from miles_async.backends.megatron.actor import MegatronTrainActor
 
         actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=steps)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        actor.init_process_group("127.0.0.1", port)
+        actor.init_process_group(*actor.address())  # the rendezvous it serves, as a train group's rank 0 does
     else:
         from miles_async.backends.fsdp.actor import FSDPTrainActor
 

@@ -23,7 +23,6 @@ import json
 import math
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -37,12 +36,6 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch() -> RolloutBatch:
@@ -164,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
     from miles_async.backends.megatron.model import ParallelSizes, init_parallel
+    from miles_async.utils.ports import hosted_store
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -174,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     llama = str(make_tiny_model(tmp / "llama", arch="llama"))
     qwen3 = str(make_tiny_model(tmp / "qwen3", arch="qwen3"))
     train, _ = make_tiny_task_dataset(tmp / "task", n_train=16, n_eval=4)
-    port = _port()
-    init_parallel(0, 1, ParallelSizes(), "127.0.0.1", port, seed=0)
+    store = hosted_store("127.0.0.1", timeout=300)  # the group's rendezvous, on a port no one can take first
+    init_parallel(0, 1, ParallelSizes(), "127.0.0.1", store.port, seed=0, hosted=store)
     results = [check_logits(m, device) for m in (llama, qwen3, *args.model)]
-    results.append(check_train_step(llama, str(train), str(tmp / "out"), port))
+    results.append(check_train_step(llama, str(train), str(tmp / "out"), store.port))
     shutil.rmtree(tmp, ignore_errors=True)
     for r in results:
         print(json.dumps(r), flush=True)
