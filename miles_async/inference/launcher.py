@@ -81,6 +81,8 @@ class EngineProcess:
         self.model_path = model_path or cfg.model_path
         self.log_path = Path(log_dir) / f"engine_{index}.log" if log_dir else None
         self.proc: subprocess.Popen | None = None
+        # Every server process this launcher started, one per start: a start again after a port clash adds one.
+        self.pids: list[int] = []
         self._log_start = 0  # where this start's output begins in the log
         self._copier: threading.Thread | None = None  # copies a masked server's output to its log
         # Which --rollout-num-gpus-per-engine wide slice of the visible GPUs is this engine's: its index when
@@ -148,6 +150,7 @@ class EngineProcess:
             pass_fds=self.pass_fds(),
             preexec_fn=_die_with_parent,
         )
+        self.pids.append(self.proc.pid)
         if masked:
             self._copier = threading.Thread(
                 target=_copy_masking, args=(self.proc.stdout, out, secret), name=f"engine-{self.index}-log", daemon=True

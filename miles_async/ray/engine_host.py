@@ -46,6 +46,7 @@ class _Server:
         return {
             "url": self.proc.url,
             "pid": self.proc.proc.pid,
+            "pids": list(self.proc.pids),
             "log_path": str(self.proc.log_path) if self.proc.log_path else None,
             "where": where("rollout", self.index, self.proc.proc.pid),
         }
@@ -93,9 +94,11 @@ class LocalEngine(_Server):
     def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None):
         super().__init__(cfg, index, log_dir, own_gpus=False)
         self.url, self.pid, self.log_path, self.where = "", None, None, {}
+        self.pids: list[int] = []  # the current server's processes: its first start's, then each start again's
 
     def _started(self, info: dict) -> None:
         self.url, self.pid, self.log_path, self.where = info["url"], info["pid"], info["log_path"], info["where"]
+        self.pids = info["pids"]
 
     async def start(self) -> None:
         self._started(await super().start())

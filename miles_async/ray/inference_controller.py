@@ -63,8 +63,9 @@ class InferenceController:
 
     async def start(self) -> list[str]:
         await asyncio.gather(*[e.start() for e in self.engines])
-        self.started_pids.extend(e.pid for e in self.engines)
+        self._record_started()
         await asyncio.gather(*[e.wait_healthy(self.cfg.startup_timeout) for e in self.engines])
+        self._record_started()
         self.clients = [
             make_client(self.cfg.backend, e.url, self.cfg.request_timeout, self.cfg.api_key) for e in self.engines
         ]
@@ -113,6 +114,11 @@ class InferenceController:
         """Every engine process ever started, restarted ones included."""
         return list(self.started_pids)
 
+    def _record_started(self) -> None:
+        """Adds the engines' server processes not yet recorded: a start's, and, once it is healthy, those of its
+        starts again after a port clash (``EngineProcess.wait_healthy``)."""
+        self.started_pids.extend(p for e in self.engines for p in e.pids if p not in self.started_pids)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -157,8 +163,9 @@ class InferenceController:
         self._busy_offset[i] += self._busy_last[i]
         self._busy_last[i] = 0.0
         await e.start()  # a new server (new port) on the same node and GPUs
-        self.started_pids.append(e.pid)
+        self._record_started()
         await e.wait_healthy(self.cfg.startup_timeout)
+        self._record_started()
         self.clients[i] = make_client(self.cfg.backend, e.url, self.cfg.request_timeout, self.cfg.api_key)
         await self._seed(i)
 

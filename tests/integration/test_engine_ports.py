@@ -4,8 +4,11 @@ the embedded engine listens on the socket its launcher bound, which no other pro
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import errno
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -14,8 +17,11 @@ import pytest
 import requests
 
 from miles_async.config import EngineConfig
+from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.inference.engines import ENGINES, EngineSpec
 from miles_async.inference.launcher import EngineProcess, EngineStartError
+from miles_async.ray.inference_controller import InferenceController
 from miles_async.utils.ports import PORT_ATTEMPTS
 
 
@@ -93,6 +99,39 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(root, taken, capl
     assert log.index("Address already in use") < log.index(f"starting it again on port {server.port}")
     assert f"a port was taken (port {taken}, or one the server derives from it" in log
     assert f"starting it again on port {server.port} (start 2 of {PORT_ATTEMPTS})" in caplog.text
+
+
+def _exited(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_controller_records_the_server_started_again(root, taken, monkeypatch):
+    """Every engine process the run started is recorded (processes.json's "engines_started", which the end-to-end
+    tests check none outlives the run): the server started again after a port clash too. The engine is
+    ``HttpServer`` registered as a --rollout-backend: SGLang and vLLM clash the same way, but start in 30-60 s."""
+
+    class Clashing(HttpServer):
+        def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None):
+            super().__init__(root, [taken])
+
+    monkeypatch.setitem(ENGINES, "http", EngineSpec("http", EmbeddedEngineClient, Clashing, weight_routes=()))
+    controller = InferenceController(dataclasses.replace(_cfg(str(root)), backend="http"), str(root / "logs"))
+
+    async def go() -> None:
+        try:
+            await controller.start()
+        finally:
+            await controller.dispose()
+
+    asyncio.run(go())
+    engine = controller.engines[0]
+    assert len(engine.pids) == 2 and engine.pids[-1] == engine.pid  # the clash's start, then the one that serves
+    assert controller.all_engine_pids() == engine.pids
+    assert all(_exited(pid) for pid in engine.pids)
 
 
 def test_a_port_taken_at_every_start_fails_saying_so(root, taken):
