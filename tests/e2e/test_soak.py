@@ -7,11 +7,13 @@ enough for a kill to land inside it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from benchmarks.soak import Settings, soak
 from benchmarks.soak_checks import TARGETS, plan_runs
+from tests import ray_cluster
 
 SEED = 0
 SETTINGS = Settings(attempt_timeout=420)
@@ -26,7 +28,9 @@ def test_the_fast_plan_kills_every_target_once_and_saves_midway():
 
 @pytest.mark.parametrize("run", range(len(TARGETS)))
 def test_a_killed_run_resumes_and_trains_every_prompt_once(run, tmp_path):
-    (r,) = soak(len(TARGETS), SEED, tmp_path, SETTINGS, only=[run])
+    # Each attempt joins the session's Ray cluster, as every other run in these tests (tests/ray_cluster.py).
+    on_shared_cluster = replace(SETTINGS, extra_args=("--ray-address", ray_cluster.address()))
+    (r,) = soak(len(TARGETS), SEED, tmp_path, on_shared_cluster, only=[run])
     failures = [
         *(["the kill never fired"] if r["kill"] is None else []),
         *(
