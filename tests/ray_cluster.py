@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 START_TIMEOUT_S = 120
@@ -33,7 +34,7 @@ _cluster: _Cluster | None = None
 
 
 class _Cluster:
-    def __init__(self) -> None:
+    def __init__(self, num_gpus: int = 0) -> None:
         # Ray's unix socket paths must stay under ~107 characters: a short folder of its own under /tmp.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="mrt", dir="/tmp"))
         self.env = {**os.environ, **join_env(), "RAY_USAGE_STATS_ENABLED": "0"}
@@ -43,7 +44,7 @@ class _Cluster:
                 "--port=0",
                 "--node-ip-address=127.0.0.1",
                 f"--num-cpus={os.cpu_count()}",
-                "--num-gpus=0",
+                f"--num-gpus={num_gpus}",
                 "--include-dashboard=false",
                 "--disable-usage-stats",
                 f"--temp-dir={self.temp_dir}",
@@ -113,6 +114,18 @@ def address() -> str:
             f"[tests] shared Ray cluster at {_cluster.address} in {time.monotonic() - started:.1f} s", file=sys.stderr
         )
     return _cluster.address
+
+
+@contextlib.contextmanager
+def separate(num_gpus: int) -> Iterator[str]:
+    """A cluster of its own for one test module, with logical GPUs (the shared one has none, as runs on a CPU see
+    no GPUs); yields its address. An external cluster, as the shared one: a process that ran a cluster in itself
+    (``ray.init(address="local")``) cannot join another one afterwards (Ray 2.60 cancels its actors)."""
+    cluster = _Cluster(num_gpus=num_gpus)
+    try:
+        yield cluster.address
+    finally:
+        cluster.stop()
 
 
 def alive() -> bool:

@@ -24,13 +24,15 @@ from miles_async.config import FaultToleranceConfig
 from miles_async.config.placement import worker_plan
 from miles_async.ray.inference_controller import InferenceController
 from miles_async.ray.placement import PlacementError, release, reserve, where
+from tests import ray_cluster
 
 
 @pytest.fixture(scope="module")
 def gpu_ray():
-    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    with ray_cluster.separate(num_gpus=3) as address:
+        ray.init(address=address, logging_level="WARNING")
+        yield
+        ray.shutdown()
 
 
 def _cfg(tiny_model, tiny_task, tmp_path, *extra: str):
