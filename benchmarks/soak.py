@@ -13,7 +13,8 @@ Per run it reports:
 - pointer: latest_checkpointed_iteration.txt never named a folder without COMPLETE or any part (polled every
   ``--poll`` seconds and right after the kill);
 - finished: the last attempt's metrics.jsonl reaches --num-rollout (or the kill came after the final checkpoint);
-- left running: no process of processes.json nor of the Ray session outlives an attempt (any found are reported,
+- left running: no process of processes.json nor of the Ray session it started (not a cluster it joined with
+  --ray-address) outlives an attempt (any found are reported,
   then killed so the soak goes on);
 - hang: an attempt that neither finished nor exited within ``--attempt-timeout`` is killed and fails the run.
 - crashed: an attempt that failed with no kill to explain it (a resume, or attempt 0 before its kill) fails the run,
@@ -152,12 +153,19 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
-def _leftovers(procs: dict | None, timeout: float = 45) -> list[str]:
+def _own_session(procs: dict | None, args: list[str]) -> str | None:
+    """The Ray session an attempt started, whose processes must end with it; None when it joined a cluster
+    (--ray-address), which outlives every attempt by design."""
+    return None if procs is None or "--ray-address" in args else procs["ray_session_dir"]
+
+
+def _leftovers(procs: dict | None, args: list[str], timeout: float = 45) -> list[str]:
     """What of the attempt still runs once it ended; killed after being recorded, so the next attempt starts clean."""
     if procs is None:
         return []
     left = [f"{pid} (processes.json)" for pid in wait_all_dead([procs["driver"], *all_pids(procs)], timeout)]
-    session = wait_session_gone(procs["ray_session_dir"], timeout)
+    session_dir = _own_session(procs, args)
+    session = wait_session_gone(session_dir, timeout) if session_dir else []
     _kill([int(x.split()[0]) for x in left] + [int(x.split(":")[0]) for x in session])
     return left + session
 
@@ -193,7 +201,8 @@ def run_attempt(
         if now > settings.attempt_timeout:
             attempt.hang = True
             procs = _processes(out_dir)
-            with_session = ray_session_processes(procs["ray_session_dir"]) if procs else []
+            session_dir = _own_session(procs, args)
+            with_session = ray_session_processes(session_dir) if session_dir else []
             _kill([proc.pid, *(all_pids(procs) if procs else []), *[int(x.split(":")[0]) for x in with_session]])
             break
         if plan is not None and attempt.kill is None:
@@ -225,7 +234,7 @@ def run_attempt(
     attempt.steps = _steps(out_dir)
     if proc.returncode not in (0, -signal.SIGKILL) and not attempt.hang:
         attempt.error = _last_error(out_dir / "train.log")
-    attempt.left_running = _leftovers(_processes(out_dir))
+    attempt.left_running = _leftovers(_processes(out_dir), args)
     return attempt
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 
 import ray
 
@@ -26,11 +28,35 @@ def job_env(environ: dict[str, str]) -> dict[str, str]:
     return {**settings, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
+# Ray's driver retries a GCS that does not answer for ever: a run given a dead --ray-address would hang silently.
+JOIN_TIMEOUT_S = 60.0
+
+
+def wait_reachable(address: str, timeout: float) -> None:
+    """Wait until the GCS at ``address`` (host:port) accepts connections, or raise naming --ray-address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto" or a client address ray:// : Ray resolves and reports those itself
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"--ray-address {address}: nothing accepted a connection there for {timeout:.0f} s ({e}); "
+                    "is that Ray cluster's head up?"
+                ) from e
+            time.sleep(1.0)
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     if ray.is_initialized():
         return
     env = job_env(dict(os.environ))
     if cfg.ray_address:
+        wait_reachable(cfg.ray_address, JOIN_TIMEOUT_S)
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     else:
         # address="local": always a fresh cluster of our own, even if another one runs on this machine.
