@@ -107,6 +107,11 @@ def _pids_with(marks: list[str]) -> list[int]:
 def address() -> str:
     """The session's cluster (started now if it is not yet running)."""
     global _cluster
+    if _cluster is not None and not alive():
+        # A test that killed it (a bug: it must end only what it started) must not fail every test after it.
+        print(f"[tests] the shared Ray cluster at {_cluster.address} is gone; starting another", file=sys.stderr)
+        _cluster.stop()
+        _cluster = None
     if _cluster is None:
         started = time.monotonic()
         _cluster = _Cluster()
