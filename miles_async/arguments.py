@@ -111,8 +111,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     _apply_yaml_config(parser, argv)
     ns, unknown = parser.parse_known_args(argv)
-    passthrough = _engine_passthrough(parser, unknown)
-    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
+    split_engine_flags(parser, ns, unknown)
     return build_config(ns)
 
 
@@ -140,6 +139,14 @@ def _apply_yaml_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
         defaults[dest] = value
     # YAML values become defaults, so anything given on the command line still wins.
     parser.set_defaults(**defaults)
+
+
+def split_engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, unknown: list[str]) -> None:
+    """``ns.sglang_args`` / ``ns.vllm_args``: what goes to each engine's server, from the words the parser did not
+    know and the list-valued engine flags it did."""
+    undeclared = _engine_passthrough(parser, unknown)
+    for name in engine.PASSTHROUGH_ENGINES:
+        setattr(ns, f"{name}_args", engine.passthrough_args(ns, name, undeclared[name]))
 
 
 def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> dict[str, tuple[str, ...]]:

@@ -57,7 +57,11 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         datasets=eval_datasets,
         n_samples_per_prompt=ns.n_samples_per_eval_prompt,
         sampling=SamplingConfig(
-            ns.eval_temperature, ns.eval_top_p, -1, ns.eval_max_response_len or ns.rollout_max_response_len
+            ns.eval_temperature,
+            ns.eval_top_p,
+            -1,
+            ns.eval_max_response_len or ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         skip_before_train=ns.skip_eval_before_train,
         max_in_flight=ns.max_in_flight_evals,

@@ -10,6 +10,7 @@ from miles_async.config.declare import (
     Check,
     When,
     at_least,
+    each,
     flag,
     given,
     group,
@@ -61,14 +62,18 @@ class SamplingConfig:
     top_p: float
     top_k: int
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS (--rollout-stop-token-ids)
 
     def to_sglang(self) -> dict:
-        return {
+        params = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
         }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,16 @@ GROUPS = (
         flag("--rollout-temperature", type=float, default=1.0, check=at_least(0)),
         flag("--rollout-top-p", type=float, default=1.0, check=within(0, 1, low_open=True)),
         flag("--rollout-top-k", type=int, default=-1),
+        flag(
+            "--rollout-stop-token-ids",
+            type=int,
+            nargs="+",
+            default=None,
+            check=each(at_least(0)),
+            metavar="ID",
+            help="token ids that end a response besides the tokenizer's EOS (kept in the response, as EOS is), "
+            "in rollouts and evals",
+        ),
         flag("--rollout-max-concurrent-requests", type=int, default=256, check=at_least(1)),
         flag(
             "--rollout-timeout",
@@ -406,7 +421,11 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             reward_key=ns.reward_key,
         ),
         sampling=SamplingConfig(
-            ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, ns.rollout_max_response_len
+            ns.rollout_temperature,
+            ns.rollout_top_p,
+            ns.rollout_top_k,
+            ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         tokenizer_path=ns.hf_checkpoint,
         rollout_batch_size=ns.rollout_batch_size,
