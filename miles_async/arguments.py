@@ -187,7 +187,7 @@ def _count_prompts(ns: argparse.Namespace) -> int:
     from miles_async.rollout.data_source import count_and_validate_prompts
     from miles_async.rollout.rewards import validate_reward_flags
 
-    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    validate_reward_flags(ns.custom_rm_path)
     if ns.tools_path is not None:
         from miles_async.rollout.tools import load_tools
 

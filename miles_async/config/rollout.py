@@ -20,6 +20,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
+from miles_async.rollout import reward_types
 
 
 def http_url() -> Check:
@@ -46,7 +47,16 @@ def when_given(name: str) -> When:
 
 
 REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
-RM_TYPES = ("math", "integer", "exact", "first_integer", REMOTE_RM_TYPE)
+
+
+def reward_type(name: str, v: str | None) -> str | None:
+    """A built-in reward type (``rollout/reward_types.py``), or Miles' remote_rm."""
+    if v is None or v == REMOTE_RM_TYPE:
+        return None
+    reason = reward_types.problem(v)
+    return None if reason is None else f"{name}: {reason}"
+
+
 PLUGIN_FLAGS = (
     "custom_generate_function_path",
     "rollout_function_path",
@@ -222,8 +232,11 @@ GROUPS = (
         flag(
             "--rm-type",
             default=None,
-            choices=RM_TYPES,
-            help=f"a built-in reward; {REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
+            check=reward_type,
+            help=f"a built-in reward type (Miles' reward hub's and the project's): {', '.join(reward_types.TYPES)}, "
+            f"each also as {reward_types.BOXED}<type> (scoring only the response's last \\boxed{{...}}); a sample "
+            f"whose metadata (--metadata-key) has {reward_types.RM_TYPE_KEY} is scored by that type instead. "
+            f"{REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
         ),
         flag(
             "--custom-rm-path",
@@ -294,10 +307,15 @@ GROUPS = (
             "--reward-key",
             default=None,
             effect_needs=When(
-                "--rm-url or --custom-rm-path",
-                lambda ns: ns.rm_url is not None or ns.custom_rm_path is not None,
+                "--rm-url, --custom-rm-path or --rm-type dapo",
+                lambda ns: (
+                    ns.rm_url is not None
+                    or ns.custom_rm_path is not None
+                    or (ns.rm_type or "").removeprefix(reward_types.BOXED) == "dapo"
+                ),
             ),
-            help="a reward returned as an object (by --rm-url or --custom-rm-path) is read from this key",
+            help="a reward returned as an object (by --rm-url, --custom-rm-path or --rm-type dapo) is read from "
+            f"this key (the built-in types' default: {reward_types.REWARD_KEY})",
         ),
         flag(
             "--reward-on-error",
