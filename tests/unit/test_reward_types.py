@@ -1,6 +1,6 @@
 """Miles' reward types (``--rm-type`` and a sample's metadata ``rm_type``), each against answers whose score is
-known: the scores Miles' reward hub gives them, except where the docstring of ``reward_types`` says math-verify
-decides differently."""
+known: the scores Miles' reward hub gives them (each checked against it), except the one case marked where
+math-verify decides differently, as the docstring of ``reward_types`` says."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ CHOICES = {"choices": ["London", "Berlin", "Rome", "Paris"]}
         ("math", "\\boxed{x^2+2x+1}", "(x+1)^2", {}, 1.0),
         ("math", "\\boxed{4}", "the answer is $\\boxed{4}$", {}, 1.0),  # a boxed label is unboxed
         ("math", "\\boxed{4}", "", {}, 0.0),
+        ("math", "\\boxed{\\text{Monday}}", "Monday", {}, 1.0),
+        ("math", "\\boxed{(1,2)}", "(1, 2)", {}, 1.0),
+        ("math", "\\boxed{4/2}", "2", {}, 1.0),  # math-verify's call; Miles' checker wants the integer written so
         # deepscaler: only the answer after the thinking counts, and a thought that never ends scores 0
         ("deepscaler", "<think>is it \\boxed{3}?</think> It is \\boxed{4}.", "4", {}, 1.0),
         ("deepscaler", "<think>it is \\boxed{4}</think> I am not sure.", "4", {}, 0.0),
@@ -40,6 +43,9 @@ CHOICES = {"choices": ["London", "Berlin", "Rome", "Paris"]}
         ("dapo", "Answer: $34$", "34", {}, 1.0),
         ("dapo", "answer: 33\nno wait.\nAnswer: 34", "34", {}, 1.0),
         ("dapo", "Answer: 33", "34", {}, -1.0),
+        ("dapo", "Answer: x = 34", "34", {}, 1.0),
+        ("dapo", "Answer: 34 degrees", "34", {}, 1.0),
+        ("dapo", "Answer: 1,000", "1000", {}, 1.0),
         ("dapo", "The answer is 34", "34", {}, -1.0),
         ("dapo", "Answer: 34\n" + "checking. " * 31, "34", {}, -1.0),  # the line lies before the last 300
         # f1: SQuAD's token F1
