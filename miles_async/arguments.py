@@ -195,7 +195,9 @@ def _count_prompts(ns: argparse.Namespace) -> int:
             load_tools(ns.tools_path)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
+    num_prompts = count_and_validate_prompts(
+        ns.prompt_data, ns.input_key, ns.label_key, "--prompt-data", ns.metadata_key
+    )
     require(
         num_prompts >= ns.rollout_batch_size,
         f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}",
@@ -210,7 +212,7 @@ def _eval_datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     values = ns.eval_prompt_data or []
     pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
     for name, path in pairs:
-        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
+        count_and_validate_prompts(path, ns.input_key, ns.label_key, f"--eval-prompt-data ({name})", ns.metadata_key)
     return pairs
 
 

@@ -18,6 +18,7 @@ class EvalConfig:
     max_in_flight: int
     input_key: str
     label_key: str
+    metadata_key: str | None = None
 
 
 def _pairs(name: str, values: list[str] | None) -> str | None:
@@ -67,4 +68,5 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         max_in_flight=ns.max_in_flight_evals,
         input_key=ns.input_key,
         label_key=ns.label_key,
+        metadata_key=ns.metadata_key,
     )

@@ -153,7 +153,12 @@ GROUPS = (
         flag("--prompt-data", default=None, check=given(), help="JSONL or Parquet prompt file"),
         flag("--input-key", default="prompt"),
         flag("--label-key", default="label"),
-        flag("--metadata-key", default=None),
+        flag(
+            "--metadata-key",
+            default="metadata",
+            help="the key of each record's metadata object (Miles' default), given to the reward (a reward type "
+            "named by its rm_type, choices and correct_letter for gpqa) in rollouts and evals",
+        ),
         flag("--apply-chat-template", action="store_true"),
         flag(
             "--rollout-max-prompt-len",

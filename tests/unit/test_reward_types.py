@@ -5,6 +5,7 @@ math-verify decides differently, as the docstring of ``reward_types`` says."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import RewardConfig
 from miles_async.rollout import reward_types
+from miles_async.rollout.data_source import DataError, load_prompts
 from miles_async.rollout.rewards import RewardError, RewardModel
 from miles_async.rollout.sample import Sample
 from tests.flag_helpers import minimal_flags
@@ -153,3 +155,27 @@ def test_miles_dapo_launcher_lines_take_effect_without_warnings(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="miles_async"):
         cfg = parse_args([*flags, "--num-rollout", "1", "--reward-key", "score"])
     assert cfg.rollout.reward.reward_key == "score" and caplog.records == []
+
+
+def test_a_records_metadata_rm_type_reaches_its_reward_through_the_data(tmp_path, reward_model):
+    """Miles' data shape: each record's "metadata" object (the default --metadata-key) names its type, and gpqa
+    reads its choices there too."""
+    data = tmp_path / "mixed.jsonl"
+    records = [
+        {"prompt": "q", "label": "34", "metadata": {"rm_type": "dapo"}},
+        {"prompt": "q", "label": "Paris", "metadata": {"rm_type": "gpqa", **CHOICES}},
+        {"prompt": "q", "label": "Paris"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records * 2))
+    cfg = parse_args([*minimal_flags(tmp_path, data=data), "--num-rollout", "1", "--rollout-batch-size", "2"])
+    items = load_prompts(cfg.rollout.data.path, "prompt", "label", cfg.rollout.data.metadata_key)
+    answers = ["Answer: 34", "The answer is D", "Paris"]
+    got = [asyncio.run(reward_model.score(_sample(a, it.label, it.metadata))) for a, it in zip(answers, items)]
+    assert got == [1.0, 1.0, 1.0]
+
+
+def test_metadata_that_is_not_an_object_is_refused_naming_the_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "q", "label": "1", "metadata": m}) + "\n" for m in ({}, "gpqa")))
+    with pytest.raises(DataError, match=f"^--prompt-data: {data}:2: 'metadata' \\(--metadata-key\\) must be an object"):
+        parse_args([*minimal_flags(tmp_path, data=data), "--num-rollout", "1", "--rollout-batch-size", "1"])
