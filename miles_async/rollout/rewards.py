@@ -184,3 +184,5 @@ class RewardModel:
     async def close(self) -> None:
         if self.remote is not None:
             await self.remote.close()
+        if self._pool is not None:
+            self._pool.close()
