@@ -41,13 +41,12 @@ import time
 from typing import Any
 
 from miles_async.config.tools import ToolsConfig
-from miles_async.rollout.generate import GenerateContext
+from miles_async.rollout.generate import GenerateContext, finish_status
 from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.rollout.sandbox import describe, probe
 from miles_async.rollout.tools import ToolCall, ToolRunner, ToolSession, load_tools, parse_tool_calls, tool_schema
 
 logger = logging.getLogger(__name__)
-_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 # Stands for the assistant's content when the template is rendered to find what surrounds a turn.
 _TURN_MARK = "\x00turn\x00"
 _DUMMY_USER = {"role": "user", "content": "?"}
@@ -143,7 +142,7 @@ def _append_model_tokens(sample: Sample, out: dict) -> SampleStatus:
     versions = meta.get("output_token_weight_versions")
     versions = list(versions) if versions else [int(meta.get("weight_version", 0))] * len(tokens)
     sample.append_output(tokens, logprobs, versions)  # extends the loss mask with 1s
-    return _FINISH.get(meta["finish_reason"]["type"], SampleStatus.FAILED)
+    return finish_status(meta)
 
 
 def _append_tool_tokens(sample: Sample, tokens: list[int]) -> None:
