@@ -3,7 +3,7 @@ that a weight update reached an engine (tests/integration/test_weight_update.py,
 
 from __future__ import annotations
 
-import pytest
+from tests.tolerance import StepBounds, assert_rejected, assert_within
 
 
 def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: int = 3):
@@ -38,12 +38,21 @@ def actor_trained_on(cfg, prompts: list[list[int]], outputs: list[dict], steps: 
     return actor
 
 
-def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[dict], abs_tol: float) -> None:
-    """The engine's log-probs of its own outputs equal the trainer's for the same tokens (temperature 1)."""
+def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[dict]) -> None:
+    """The engine's log-probs of its own outputs equal the trainer's for the same tokens (temperature 1), within
+    float32 rounding: the engine decodes token by token with a KV cache, the trainer runs whole sequences
+    (tests/tolerance.py). Negative control: the log-probs an engine that missed the update would give (the
+    weights before training) must not pass. (A shift by one token is no control here: the trained model repeats
+    one token at an almost constant log-prob.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 
-    for p, o in zip(prompts, outputs):
+    untrained = AutoModelForCausalLM.from_pretrained(actor.cfg.model_path, dtype=torch.float32).eval()
+    engine, trainer, stale = {}, {}, {}
+    for n, (p, o) in enumerate(zip(prompts, outputs)):
         batch = to_train_batch(
             [
                 [
@@ -59,5 +68,12 @@ def assert_engine_logprobs_match(actor, prompts: list[list[int]], outputs: list[
                 ]
             ]
         )
-        trainer_lp = actor._logprobs_of(actor.module, batch, [0], 1.0)[0]
-        assert trainer_lp == pytest.approx([x[0] for x in o["meta_info"]["output_token_logprobs"]], abs=abs_tol)
+        trainer[n] = actor._logprobs_of(actor.module, batch, [0], 1.0)[0]
+        engine[n] = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+        with torch.no_grad():
+            logits = untrained(torch.tensor([p + o["output_ids"]])).logits[0, len(p) - 1 : -1]
+        stale[n] = logits.log_softmax(-1).gather(-1, torch.tensor(o["output_ids"])[:, None])[:, 0].tolist()
+    rows = [p + o["output_ids"] for p, o in zip(prompts, outputs)]
+    tol = StepBounds.of(actor.cfg.model_path, rows).logprob
+    assert_within(engine, trainer, tol, "the engine's log-probs vs the trainer's")
+    assert_rejected(stale, trainer, tol, "log-probs under the weights before training")

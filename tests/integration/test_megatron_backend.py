@@ -17,18 +17,18 @@ import torch
 
 from tests.flag_helpers import tiny_train_flags
 from tests.ports import spawn_ranks
+from tests.tolerance import (
+    StepBounds,
+    assert_same_first_step,
+    forward_tolerance,
+    record_first_step,
+    transformer_depth,
+)
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
-
-
-SMOLLM2 = (
-    Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
-    / "models"
-    / "SmolLM2-135M-Instruct"
-)
 
 
 # -- helpers (run in the spawned processes) --------------------------------------------------
@@ -100,37 +100,41 @@ def _logits_worker(rank, world, port, models: list[str], out: str) -> None:
             "same_names": sorted(exported) == sorted(get.keys()),
             "round_trip_exact": all(torch.equal(t, get(k)) for k, t in exported.items()),
         }
+        # The negative control: the same forward with one misplaced row (the first MLP's output projection rolled
+        # by one row, as a conversion off by one would load it).
+        fc2 = model.decoder.layers[0].mlp.linear_fc2.weight
+        with torch.no_grad():
+            fc2.copy_(fc2.roll(1, 0))
+            broken = model(ids, torch.arange(17).expand(2, -1), None)[..., : arch.vocab_size]
+        result[path]["broken_diff"] = float((broken - ref).abs().max())
     Path(out).write_text(json.dumps(result))
+
+
+def _megatron_grads(actor) -> dict[str, torch.Tensor]:
+    """The step's gradient after the DP all-reduce and clipping (Megatron clips main_grad in place), in HF layout
+    gathered over TP."""
+    from miles_async.backends.megatron.convert import export_hf
+
+    tensors = export_hf(actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad)
+    return {k: v.clone() for k, v in tensors}
+
+
+def _record_megatron_step(actor) -> dict:
+    # The distributed optimizer keeps each rank's shard of the gradient only: no whole gradient to compare.
+    grads = None if actor.par.distributed_optimizer else lambda: _megatron_grads(actor)
+    return record_first_step(actor, actor.hf_state, grads)
 
 
 def _step_worker(rank, world, port, argv: list[str], out: str) -> None:
     from miles_async.arguments import parse_args
     from miles_async.backends.megatron.actor import MegatronTrainActor
-    from miles_async.backends.megatron.convert import export_hf
 
     actor = MegatronTrainActor(parse_args(argv).train, rank, world, total_optimizer_steps=10)
     actor.init_process_group("127.0.0.1", port)
-    grads: dict[str, torch.Tensor] = {}
-    step = actor.optimizer.step
-
-    def capture_then_step():
-        # The first step's gradient (after the DP all-reduce), in HF layout gathered over TP.
-        if not grads and not actor.par.distributed_optimizer:
-            grads.update(
-                {
-                    k: v.clone()
-                    for k, v in export_hf(
-                        actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad
-                    )
-                }
-            )
-        return step()
-
-    actor.optimizer.step = capture_then_step
-    metrics = actor.train(0, _batch())
-    weights = actor.hf_state()
+    first = _record_megatron_step(actor)
+    actor.train(0, _batch())
     if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads, "weights": weights}, out)
+        torch.save(first, out)
 
 
 def _save_and_resume(meg, cfg, rank: int, world: int, port: int, ckpt: str) -> dict:
@@ -169,12 +173,14 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
     from miles_async.arguments import parse_args
     from miles_async.backends.fsdp.actor import FSDPTrainActor
     from miles_async.backends.megatron.actor import MegatronTrainActor
+    from tests.integration.test_data_parallel import record_torch_step
 
     fsdp = FSDPTrainActor(parse_args(fsdp_argv).train, 0, 1, total_optimizer_steps=10)
     cfg = parse_args(meg_argv).train
     meg = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=10)
     meg.init_process_group("127.0.0.1", port)
     same_checksums = fsdp.weights_checksum("bfloat16") == meg.weights_checksum("bfloat16")
+    first = {"torch": record_torch_step(fsdp), "megatron": _record_megatron_step(meg)}
     fsdp_metrics = fsdp.train(0, _batch(0))
     meg_metrics = meg.train(0, _batch(0))
     meg.save_hf(ckpt + "/hf")
@@ -182,7 +188,10 @@ def _backend_worker(rank, world, port, fsdp_argv: list[str], meg_argv: list[str]
         {
             "fsdp": fsdp_metrics,
             "megatron": meg_metrics,
-            "fsdp_weights": fsdp.module.state_dict(),
+            "first": first,
+            # The bound assumes float32 matmuls: "high" or "medium" would let oneDNN compute them in bf16 on AMX.
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "same_checksums": same_checksums,
             **_save_and_resume(meg, cfg, 0, 1, port, ckpt),
         },
@@ -229,6 +238,17 @@ def _tiny_qwen2(path: Path) -> Path:
     return path
 
 
+def _assert_logits_agree(path: str, r: dict) -> None:
+    """Megatron's and transformers' float32 logits of 17 tokens: two orders of the same sums (tests/tolerance.py),
+    over terms taken as the largest logit in size (at least 1). Negative control: Megatron's logits with one
+    misplaced weight row are out of bounds."""
+    from transformers import AutoConfig
+
+    tol = forward_tolerance(transformer_depth(AutoConfig.from_pretrained(path), 17), max(1.0, r["ref_scale"]))
+    assert r["max_diff"] <= tol, (path, r, tol)
+    assert r["broken_diff"] > tol, (path, r, tol)
+
+
 def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
     """Llama (tied), Qwen3 (q/k norm) and Qwen2 (biases, untied): same fp32 logits; HF -> Megatron -> HF exact."""
     from miles_async.assets.tiny_model import make_tiny_model
@@ -243,29 +263,38 @@ def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
     for path in models:
         r = result[path]
         assert r["shape"] == r["ref_shape"], path
-        assert r["max_diff"] < 1e-5, (path, r)
+        _assert_logits_agree(path, r)
         assert r["same_names"] and r["round_trip_exact"], (path, r)
 
 
-def test_smollm2_logits_match_transformers(tmp_path):
-    if not SMOLLM2.is_dir():
-        pytest.skip(f"{SMOLLM2} is absent (python -m miles_async.assets.smollm2 builds it)")
-    _spawn(_logits_worker, 1, [str(SMOLLM2)], str(tmp_path / "out.json"), timeout=280)
-    r = json.loads((tmp_path / "out.json").read_text())[str(SMOLLM2)]
+def test_smollm2_logits_match_transformers(smollm2, tmp_path):
+    _spawn(_logits_worker, 1, [str(smollm2)], str(tmp_path / "out.json"), timeout=280)
+    r = json.loads((tmp_path / "out.json").read_text())[str(smollm2)]
     assert r["shape"] == [2, 17, 49152]
-    assert r["max_diff"] < 1e-3 * max(1.0, r["ref_scale"]), r
+    _assert_logits_agree(str(smollm2), r)
     assert r["same_names"] and r["round_trip_exact"], r
 
 
 def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_task, tmp_path):
-    """Same batch, same flags: the Megatron step has the torch backend's loss, entropy and gradient norm
+    """Same batch, same flags: the Megatron step has the torch backend's loss, entropy, gradients and weights
     (one shared loss implementation); a checkpoint saved with Megatron's dist_checkpointing resumes to the
-    same next step; --save-hf writes a folder transformers loads with the trained weights."""
+    same next step; --save-hf writes a folder transformers loads with the trained weights.
+
+    The two backends sum in different orders (fused QKV and gate/up matmuls, other attention and loss kernels),
+    and so does each CPU's float32 matmul (its SIMD width and blocking): the tolerances are the float32 rounding
+    bounds of tests/tolerance.py, which hold for any order, and the weights after the first Adam step are
+    compared within the range of the update over that rounding (a gradient below Adam's eps moves its weight by up
+    to lr * |rounding| / eps). Checked on an AVX2 CPU and with ATEN_CPU_CAPABILITY=default,
+    ONEDNN_MAX_CPU_ISA=SSE41 and MKL_CBWR=COMPATIBLE (other kernels, other orders). AMX, where the recorded
+    failure was, could not be run here: its tiles compute bf16 and int8, and a float32 matmul stays float32 there
+    (on AVX-512 kernels) unless the matmul precision lets oneDNN compute in bf16, which the test asserts is off.
+    The second step starts from weights that differ within that range, so the backends are compared at the
+    first; Megatron's own next steps are compared bit for bit by the resume."""
     train, _ = tiny_task
     # KL loss to a reference model and an entropy bonus, so every term of the shared loss is compared.
     extra = ["--use-kl-loss", "--kl-loss-coef", "0.5", "--ref-load", str(tiny_model), "--entropy-coef", "0.01"]
-    # Megatron lays out one row per sample: so does the torch backend here, so that the per-micro-batch means
-    # (train/loss) are over the same micro-batches.
+    # Megatron lays out one row per sample: so does the torch backend here, so that the per-micro-batch
+    # metrics are over the same micro-batches.
     fsdp_argv = _args(tiny_model, train, tmp_path)[:-2] + extra + ["--no-shared-prefix"]
     _spawn(
         _backend_worker,
@@ -276,24 +305,17 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
         str(tmp_path / "out.pt"),
     )
     r = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert r["matmul_precision"] == "highest"
     assert r["megatron"]["train/kl_loss"] > 0
     assert r["same_checksums"]  # --check-weight-update-equal: the stream the engines get, as the torch backend's
-    for key in (
-        "train/loss",
-        "train/pg_loss",
-        "train/entropy",
-        "train/kl_loss",
-        "train/approx_kl",
-        "train/clipfrac",
-        "train/grad_norm",
-        "train/advantage_abs_mean",
-        "train/optimizer_steps",
-        "train/lr",
-    ):
-        assert r["megatron"][key] == pytest.approx(r["fsdp"][key], rel=1e-4, abs=1e-6), key
-    fsdp_weights = r["fsdp_weights"]
-    for k, v in r["saved"].items():
-        torch.testing.assert_close(v, fsdp_weights[k], rtol=1e-3, atol=2e-4)
+    for key in ("train/advantage_abs_mean", "train/optimizer_steps", "train/lr"):
+        assert r["megatron"][key] == r["fsdp"][key], key
+    bounds = StepBounds.of(tiny_model, _batch(0).tokens, group_size=4)
+    torch_step, megatron_step = r["first"]["torch"], r["first"]["megatron"]
+    assert megatron_step["metrics"]["clipfrac"] == torch_step["metrics"]["clipfrac"]
+    metrics = ("loss", "pg_loss", "entropy", "kl_loss", "approx_kl", "ratio_mean")
+    margins = assert_same_first_step(torch_step, megatron_step, bounds, metrics)
+    print(f"megatron vs torch on {r['cpu_capability']}, largest |diff| / tolerance: {margins}")
     assert r["resumed_steps"] == 4
     _assert_resumed_exactly(r)
     assert (tmp_path / "ckpt" / "iter_0000000" / "actor" / "megatron" / ".metadata").is_file()
@@ -307,8 +329,10 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
 
 
 def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_path):
-    """TP 2 over gloo: same loss, gradients and step as TP 1; DP 2 with the distributed optimizer: same
-    loss and step. (Sequence parallelism needs Transformer Engine's norms, so it is not run on the CPU.)"""
+    """TP 2 over gloo: the first step's loss, gradients and weights are TP 1's; DP 2 with the distributed optimizer:
+    its gradient norm and weights. (Sequence parallelism needs Transformer Engine's norms, so it is not run on the
+    CPU.) Split matmuls and all-reduces sum in another order: the tolerances are tests/tolerance.py's float32
+    bounds, and the comparison stops at the first optimizer step (see there)."""
     train, _ = tiny_task
     base = _args(tiny_model, train, tmp_path)
     runs = {
@@ -321,20 +345,14 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
         _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"))
         out[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
     one = out["tp1"]
-    assert one["grads"] and any(g.abs().sum() > 0 for g in one["grads"].values())
-    for name in ("tp2", "dp2_distopt"):
-        r = out[name]
-        # Loss and entropy are logged from rank 0's own samples, which are the whole batch only under TP.
-        for key in ("train/loss", "train/grad_norm", "train/entropy") if name == "tp2" else ("train/grad_norm",):
-            assert r["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), (name, key)
-        if r["grads"]:
-            assert sorted(r["grads"]) == sorted(one["grads"])
-            for k, g in r["grads"].items():
-                torch.testing.assert_close(g, one["grads"][k], rtol=1e-4, atol=1e-6, msg=f"{name} {k}")
-        # Two Adam steps: a gradient element near 0 moves by up to lr whatever its rounding, hence atol.
-        for k, w in r["weights"].items():
-            torch.testing.assert_close(w, one["weights"][k], rtol=1e-3, atol=1e-4)
-    assert out["tp2"]["grads"]
+    assert any(g.abs().sum() > 0 for g in one["grads"].values())
+    assert out["tp2"]["grads"] is not None and out["dp2_distopt"]["grads"] is None
+    bounds = StepBounds.of(tiny_model, _batch(0).tokens, group_size=4)
+    # Loss and entropy are logged from rank 0's own samples, which are the whole batch only under TP.
+    metrics = {"tp2": ("loss", "pg_loss", "entropy"), "dp2_distopt": ()}
+    for name, keys in metrics.items():
+        margins = assert_same_first_step(one, out[name], bounds, keys)
+        print(f"{name} vs tp1, largest |diff| / tolerance: {margins}")
 
 
 def test_distributed_optimizer_over_two_data_parallel_ranks_resumes_exactly(tiny_model, tiny_task, tmp_path):

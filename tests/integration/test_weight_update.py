@@ -95,4 +95,4 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
     assert all(o["meta_info"]["weight_version"] == 3 for o in after)
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
     # The engine now computes what the trainer holds: its log-probs match the trainer's own.
-    assert_engine_logprobs_match(actor, prompts, after, 1e-3)
+    assert_engine_logprobs_match(actor, prompts, after)
