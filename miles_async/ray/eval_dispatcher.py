@@ -22,6 +22,13 @@ class EvalsFailed(RuntimeError):
     """More evals failed than --eval-failures-allowed; the message lists every failure."""
 
 
+def _describe(error: Exception) -> str:
+    """The error in one line of the summary: an actor's exception as raised there, not Ray's remote traceback."""
+    cause = getattr(error, "cause", None)  # ray.exceptions.RayTaskError: the exception the actor raised
+    error = cause if isinstance(cause, Exception) else error
+    return f"{type(error).__name__}: {error}"
+
+
 class EvalDispatcher:
     def __init__(
         self,
@@ -46,7 +53,7 @@ class EvalDispatcher:
             self._failed(rollout_id, f"took longer than {self.timeout:g} s (--rollout-timeout)")
             return
         except Exception as e:  # training goes on; the end of the run reports it (check)
-            self._failed(rollout_id, f"{type(e).__name__}: {e}")
+            self._failed(rollout_id, _describe(e))
             return
         self.on_result(rollout_id, metrics)
 
