@@ -19,6 +19,7 @@ class EvalConfig:
     input_key: str
     label_key: str
     metadata_key: str | None = None
+    failures_allowed: int = 0  # evals that may fail before the run exits non-zero
 
 
 def _pairs(name: str, values: list[str] | None) -> str | None:
@@ -49,6 +50,15 @@ GROUPS = (
         flag("--eval-max-response-len", type=int, default=None, check=at_least(1), effect_needs=EVALS),
         flag("--skip-eval-before-train", action="store_true", effect_needs=EVALS),
         flag("--max-in-flight-evals", type=int, default=1, check=at_least(1), effect_needs=EVALS),
+        flag(
+            "--eval-failures-allowed",
+            type=int,
+            default=0,
+            check=at_least(0),
+            effect_needs=EVALS,
+            help="evals that may fail (raise or time out) without failing the run; training goes on either way, "
+            "and the end of the run lists every failed eval and exits non-zero when more failed",
+        ),
     ),
 )
 
@@ -69,4 +79,5 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         input_key=ns.input_key,
         label_key=ns.label_key,
         metadata_key=ns.metadata_key,
+        failures_allowed=ns.eval_failures_allowed,
     )

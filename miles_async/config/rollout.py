@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
+from miles_async.algorithms import reward_types
+from miles_async.config.control import Secret
 from miles_async.config.declare import (
     Check,
     When,
@@ -20,7 +24,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
-from miles_async.rollout import reward_types
+from miles_async.utils.urls import redact_url
 
 
 def http_url() -> Check:
@@ -36,7 +40,7 @@ def http_url() -> Check:
                 return None
             except ValueError:
                 pass
-        return f"{name}: {v!r} is not an http(s) URL with a host (e.g. http://localhost:8000/reward)"
+        return f"{name}: {redact_url(v)!r} is not an http(s) URL with a host (e.g. http://localhost:8000/reward)"
 
     return check
 
@@ -46,11 +50,12 @@ def when_given(name: str) -> When:
     return When(name, lambda ns: getattr(ns, dest) is not None)
 
 
+RM_TOKEN_ENV = "MILES_ASYNC_RM_TOKEN"  # the reward server's bearer token, when --rm-token-file is not given
 REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
 
 
 def reward_type(name: str, v: str | None) -> str | None:
-    """A built-in reward type (``rollout/reward_types.py``), or Miles' remote_rm."""
+    """A built-in reward type (``algorithms/reward_types.py``), or Miles' remote_rm."""
     if v is None or v == REMOTE_RM_TYPE:
         return None
     reason = reward_types.problem(v)
@@ -106,6 +111,7 @@ class RemoteRewardConfig:
     timeout: float = 60.0  # seconds one request may take
     max_retries: int = 3
     retry_backoff: float = 1.0  # seconds before the first retry, doubling after
+    token: Secret | None = None  # sent as "Authorization: Bearer"; --rm-token-file or $MILES_ASYNC_RM_TOKEN
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,13 @@ GROUPS = (
             "--rm-batch-size > 1 or --group-rm the body is a list of those and the reply a list of rewards",
         ),
         flag(
+            "--rm-token-file",
+            default=None,
+            effect_needs=when_given("--rm-url"),
+            help=f"file holding the bearer token sent to --rm-url (else ${RM_TOKEN_ENV}; neither: no token). Never "
+            "a flag value, so it stays out of ps and logs",
+        ),
+        flag(
             "--rm-batch-size",
             type=int,
             default=1,
@@ -399,6 +412,25 @@ def validate(ns: argparse.Namespace) -> None:
             load_function(value, flag="--" + dest.replace("_", "-"))
 
 
+def rm_token(ns: argparse.Namespace) -> Secret | None:
+    """The reward server's bearer token: --rm-token-file's content, else $MILES_ASYNC_RM_TOKEN, else None."""
+    if ns.rm_token_file is not None:
+        path = Path(ns.rm_token_file)
+        require(path.is_file(), f"--rm-token-file: file not found: {path}")
+        value = path.read_text().strip()
+        require(bool(value), f"--rm-token-file: {path} is empty")
+    else:
+        value = os.environ.get(RM_TOKEN_ENV, "").strip()
+        if not value:
+            return None
+    require(
+        "@" not in urlsplit(ns.rm_url).netloc,
+        f"--rm-url {redact_url(ns.rm_url)} holds credentials and a bearer token is given too "
+        f"(--rm-token-file or ${RM_TOKEN_ENV}): give one of them",
+    )
+    return Secret(value)
+
+
 def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | None:
     """None when no flag of dynamic sampling is given: each rollout then draws exactly --rollout-batch-size."""
     path = ZERO_VARIANCE_FILTER if ns.zero_variance_filter else ns.dynamic_sampling_filter_path
@@ -437,6 +469,7 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
                 ns.rm_timeout,
                 ns.rm_max_retries,
                 ns.rm_retry_backoff,
+                rm_token(ns),
             )
             if ns.rm_url is not None
             else None,

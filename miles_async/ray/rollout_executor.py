@@ -277,6 +277,8 @@ class RolloutExecutor:
             await self.producer.stop()
         await self.router.close()
         await self.reward.close()
+        if self.ctx.generate_ctx.tools is not None:
+            self.ctx.generate_ctx.tools.close()  # kills the workers of samples still in flight
 
     def pid(self) -> int:
         return os.getpid()

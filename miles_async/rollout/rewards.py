@@ -28,8 +28,8 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 
+from miles_async.algorithms import reward_types
 from miles_async.config import RewardConfig
-from miles_async.rollout import reward_types
 from miles_async.rollout.remote_reward import RemoteRewardClient, extract_reward
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.verifier_pool import VerifierPool, VerifierTimeout
@@ -137,3 +137,5 @@ class RewardModel:
     async def close(self) -> None:
         if self.remote is not None:
             await self.remote.close()
+        if self._pool is not None:
+            self._pool.close()

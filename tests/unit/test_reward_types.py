@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
+from miles_async.algorithms import reward_types
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import RewardConfig
-from miles_async.rollout import reward_types
 from miles_async.rollout.data_source import DataError, load_prompts
 from miles_async.rollout.rewards import RewardError, RewardModel
 from miles_async.rollout.sample import Sample
