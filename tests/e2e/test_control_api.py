@@ -13,7 +13,7 @@ import requests
 
 from miles_async.control.state import PHASES
 from miles_async.utils.checkpoint import POINTER, iteration_dir
-from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead
+from tests.e2e.runner import ENGINE_AUTH, Run, all_pids, start_train, tiny_args, wait_all_dead
 from tests.unit.test_control_state import parse_exposition
 
 TOKEN = "e2e-token-5d1c"
@@ -109,13 +109,13 @@ def test_the_control_api_watches_saves_pauses_and_stops_a_run(tiny_model, tiny_t
         held = api.wait_status(
             lambda s: s["phase"] in ("generating", "paused") and s["phase_seconds"] > 2, "the loop to wait", 60
         )
-        engine = requests.get(engines["engines"][0]["url"] + "/get_load", timeout=30).json()
+        engine = requests.get(engines["engines"][0]["url"] + "/get_load", headers=ENGINE_AUTH, timeout=30).json()
         time.sleep(3)
         still = api.status()
         assert (still["step"], still["phase"], still["paused"]) == (held["step"], held["phase"], True)
         assert api.metrics()["miles_async_paused"] == {"": 1.0}
         # The engine itself is paused and did no forward pass meanwhile.
-        engine_after = requests.get(engines["engines"][0]["url"] + "/get_load", timeout=30).json()
+        engine_after = requests.get(engines["engines"][0]["url"] + "/get_load", headers=ENGINE_AUTH, timeout=30).json()
         assert engine["paused"] and engine_after["paused"]
         assert engine_after["busy_seconds"] == engine["busy_seconds"]
         assert api.post("/resume").json() == {"paused": False}
