@@ -28,7 +28,7 @@ class Api:
         return requests.get(self.url + path, headers=AUTH, timeout=30)
 
     def post(self, path: str) -> requests.Response:
-        return requests.post(self.url + path, headers=AUTH, timeout=30)
+        return requests.post(self.url + path, headers=AUTH, json={}, timeout=30)
 
     def status(self) -> dict:
         r = self.get("/status")
@@ -77,7 +77,7 @@ def test_the_control_api_watches_saves_pauses_and_stops_a_run(tiny_model, tiny_t
     reader = _drain(proc, output)
     try:
         info = _wait_api_file(tmp_path / "api.json", proc, output)
-        assert info["token"] is True and info["url"] == f"http://127.0.0.1:{info['port']}"
+        assert info["token_file"] is None and info["url"] == f"http://127.0.0.1:{info['port']}"  # the user's token
         api = Api(info["url"], proc, output)
 
         # Every endpoint needs the token.
