@@ -4,6 +4,8 @@ CI's skip policy, and the engines' environments built before the tests that need
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,35 @@ def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 
     return make_tiny_task_dataset(tmp_path_factory.mktemp("tiny_task"), n_train=64, n_eval=16, seed=0)
+
+
+@pytest.fixture(scope="session")
+def quickstart_from_an_empty_cache(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """README command 1's asset steps (``quickstart.sh --dry-run``) on an empty cache, as a fresh machine runs
+    them: the SmolLM2 wheel downloaded and converted, the data written (only the venv reused). Once per session:
+    its converted SmolLM2 serves every test of the real model."""
+    cache = tmp_path_factory.mktemp("empty_cache")
+    assert not any(cache.iterdir())
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT")}
+    env.update(MILES_ASYNC_CACHE=str(cache), MILES_ASYNC_VENV=sys.prefix, OUT=str(cache / "run"))
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"],
+        env=env,
+        cwd=cache,
+        capture_output=True,
+        text=True,
+        timeout=560,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return cache, proc
+
+
+@pytest.fixture(scope="session")
+def smollm2(quickstart_from_an_empty_cache) -> Path:
+    """The real SmolLM2-135M-Instruct, converted from its wheel this session."""
+    from miles_async.assets import smollm2 as assets
+
+    return assets.model_dir(quickstart_from_an_empty_cache[0])
 
 
 @pytest.fixture

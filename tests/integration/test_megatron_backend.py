@@ -31,13 +31,6 @@ if TYPE_CHECKING:
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -r requirements-megatron.txt)")
 
 
-SMOLLM2 = (
-    Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
-    / "models"
-    / "SmolLM2-135M-Instruct"
-)
-
-
 # -- helpers (run in the spawned processes) --------------------------------------------------
 def _spawn(target, world: int, *args, timeout: float = 240) -> None:
     assert spawn_ranks(target, world, *args, timeout=timeout) == [0] * world
@@ -274,13 +267,11 @@ def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
         assert r["same_names"] and r["round_trip_exact"], (path, r)
 
 
-def test_smollm2_logits_match_transformers(tmp_path):
-    if not SMOLLM2.is_dir():
-        pytest.skip(f"{SMOLLM2} is absent (python -m miles_async.assets.smollm2 builds it)")
-    _spawn(_logits_worker, 1, [str(SMOLLM2)], str(tmp_path / "out.json"), timeout=280)
-    r = json.loads((tmp_path / "out.json").read_text())[str(SMOLLM2)]
+def test_smollm2_logits_match_transformers(smollm2, tmp_path):
+    _spawn(_logits_worker, 1, [str(smollm2)], str(tmp_path / "out.json"), timeout=280)
+    r = json.loads((tmp_path / "out.json").read_text())[str(smollm2)]
     assert r["shape"] == [2, 17, 49152]
-    _assert_logits_agree(str(SMOLLM2), r)
+    _assert_logits_agree(str(smollm2), r)
     assert r["same_names"] and r["round_trip_exact"], r
 
 

@@ -142,3 +142,23 @@ def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
     one_step_off = _executor(_cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer"), engine.url)
     with pytest.raises(ray.exceptions.RayTaskError, match="drain\\(\\) needs --fully-async"):
         ray.get(one_step_off.drain.remote(0), timeout=60)
+
+
+def test_a_fully_async_filter_that_keeps_nothing_fails_naming_it(shared_ray, engine, tiny_model, tiny_task, tmp_path):
+    """Every reward 0 under --zero-variance-filter: each group is dropped, and after a full pass over the 64 prompts
+    the producer stops, naming the filter, long before --rollout-timeout. (The one-step-off loop's refusal, and a
+    fully-async producer's error ending the run, are end-to-end tests: tests/e2e/test_dynamic_sampling.py,
+    test_fully_async.py::test_producer_failure_surfaces_fast.)"""
+    cfg = _cfg(
+        tiny_model, tiny_task, tmp_path, "--custom-rm-path", "tests.e2e.rewards:always_zero",
+        "--zero-variance-filter", "--fully-async", "--rollout-timeout", "600",
+    )  # fmt: skip
+    ex = _executor(cfg, engine.url)
+    try:
+        with pytest.raises(
+            ray.exceptions.RayTaskError,
+            match=r"--zero-variance-filter dropped \d+ groups in a row, at least a full pass over the 64 prompts",
+        ):
+            ray.get(ex.drain.remote(0), timeout=120)
+    finally:
+        ray.get(ex.dispose.remote(), timeout=60)

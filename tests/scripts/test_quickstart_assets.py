@@ -10,39 +10,16 @@ that the model folder and the data are real.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from tests.scripts.helpers import ROOT
 from tests.scripts.test_launchers import _words
 
 
-@pytest.fixture(scope="module")
-def fresh_quickstart(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    cache = tmp_path_factory.mktemp("empty_cache")
-    assert not any(cache.iterdir())
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT")}
-    env.update(MILES_ASYNC_CACHE=str(cache), MILES_ASYNC_VENV=sys.prefix, OUT=str(cache / "run"))
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"],
-        env=env,
-        cwd=cache,
-        capture_output=True,
-        text=True,
-        timeout=560,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return cache, proc
-
-
-def test_quickstart_prepares_its_assets_from_an_empty_cache(fresh_quickstart) -> None:
+def test_quickstart_prepares_its_assets_from_an_empty_cache(quickstart_from_an_empty_cache) -> None:
     from miles_async.arguments import parse_args
 
-    cache, proc = fresh_quickstart
+    cache, proc = quickstart_from_an_empty_cache
     # Command 1 failed here once: pip's download log went to stdout and became the model path.
     assert "Looking in indexes" not in proc.stdout and "Downloading" not in proc.stdout
     words = _words(proc.stdout)
@@ -55,13 +32,13 @@ def test_quickstart_prepares_its_assets_from_an_empty_cache(fresh_quickstart) ->
     assert Path(words[words.index("--prompt-data") + 1]).is_file()
 
 
-def test_converted_smollm2_answers_like_smollm2(fresh_quickstart) -> None:
+def test_converted_smollm2_answers_like_smollm2(quickstart_from_an_empty_cache) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from miles_async.assets import smollm2
 
-    cache, _ = fresh_quickstart
+    cache, _ = quickstart_from_an_empty_cache
     path = smollm2.model_dir(cache)
     assert smollm2.is_complete(path)
     assert not list(path.glob("*.gguf")) and not (path / ".gguf").exists()
