@@ -66,7 +66,7 @@ import uuid
 from typing import Any
 
 import torch
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from miles_async.inference.auth import authorized, is_exempt, read_key_file
 from miles_async.inference.embedded.engine import Engine
@@ -499,8 +499,7 @@ def _require_key(key: str) -> Any:
 async def _body_rules(request: web.Request, handler: Any) -> web.StreamResponse:
     """A POST body of the route's type and within its size, a JSON one parsed here: a refusal (415, 413, 400)
     before any handler runs, so a refused request changes nothing."""
-    # A POST without a body but with a declared type is checked too: a cross-site form declares its own.
-    if request.method != "POST" or not (request.body_exists or hdrs.CONTENT_TYPE in request.headers):
+    if request.method != "POST" or not request.body_exists:
         return await handler(request)
     raw = request.path in RAW_BODY_ROUTES
     expected = RAW_TYPE if raw else "application/json"
