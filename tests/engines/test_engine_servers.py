@@ -102,7 +102,7 @@ def run(coro):
 def _tree(pid: int) -> list[int]:
     """``pid`` and every live process below it (SGLang's scheduler and detokenizer, vLLM's engine core)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
