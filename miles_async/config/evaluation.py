@@ -18,6 +18,7 @@ class EvalConfig:
     max_in_flight: int
     input_key: str
     label_key: str
+    metadata_key: str | None = None
 
 
 def _pairs(name: str, values: list[str] | None) -> str | None:
@@ -57,10 +58,15 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         datasets=eval_datasets,
         n_samples_per_prompt=ns.n_samples_per_eval_prompt,
         sampling=SamplingConfig(
-            ns.eval_temperature, ns.eval_top_p, -1, ns.eval_max_response_len or ns.rollout_max_response_len
+            ns.eval_temperature,
+            ns.eval_top_p,
+            -1,
+            ns.eval_max_response_len or ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         skip_before_train=ns.skip_eval_before_train,
         max_in_flight=ns.max_in_flight_evals,
         input_key=ns.input_key,
         label_key=ns.label_key,
+        metadata_key=ns.metadata_key,
     )

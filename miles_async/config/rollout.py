@@ -10,6 +10,7 @@ from miles_async.config.declare import (
     Check,
     When,
     at_least,
+    each,
     flag,
     given,
     group,
@@ -19,6 +20,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
+from miles_async.rollout import reward_types
 
 
 def http_url() -> Check:
@@ -45,7 +47,16 @@ def when_given(name: str) -> When:
 
 
 REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
-RM_TYPES = ("math", "integer", "exact", "first_integer", REMOTE_RM_TYPE)
+
+
+def reward_type(name: str, v: str | None) -> str | None:
+    """A built-in reward type (``rollout/reward_types.py``), or Miles' remote_rm."""
+    if v is None or v == REMOTE_RM_TYPE:
+        return None
+    reason = reward_types.problem(v)
+    return None if reason is None else f"{name}: {reason}"
+
+
 PLUGIN_FLAGS = (
     "custom_generate_function_path",
     "rollout_function_path",
@@ -61,14 +72,18 @@ class SamplingConfig:
     top_p: float
     top_k: int
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS (--rollout-stop-token-ids)
 
     def to_sglang(self) -> dict:
-        return {
+        params = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
         }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
 
 
 @dataclass(frozen=True)
@@ -138,7 +153,12 @@ GROUPS = (
         flag("--prompt-data", default=None, check=given(), help="JSONL or Parquet prompt file"),
         flag("--input-key", default="prompt"),
         flag("--label-key", default="label"),
-        flag("--metadata-key", default=None),
+        flag(
+            "--metadata-key",
+            default="metadata",
+            help="the key of each record's metadata object (Miles' default), given to the reward (a reward type "
+            "named by its rm_type, choices and correct_letter for gpqa) in rollouts and evals",
+        ),
         flag("--apply-chat-template", action="store_true"),
         flag(
             "--rollout-max-prompt-len",
@@ -178,6 +198,16 @@ GROUPS = (
         flag("--rollout-temperature", type=float, default=1.0, check=at_least(0)),
         flag("--rollout-top-p", type=float, default=1.0, check=within(0, 1, low_open=True)),
         flag("--rollout-top-k", type=int, default=-1),
+        flag(
+            "--rollout-stop-token-ids",
+            type=int,
+            nargs="+",
+            default=None,
+            check=each(at_least(0)),
+            metavar="ID",
+            help="token ids that end a response besides the tokenizer's EOS (kept in the response, as EOS is), "
+            "in rollouts and evals",
+        ),
         flag("--rollout-max-concurrent-requests", type=int, default=256, check=at_least(1)),
         flag(
             "--rollout-timeout",
@@ -207,8 +237,11 @@ GROUPS = (
         flag(
             "--rm-type",
             default=None,
-            choices=RM_TYPES,
-            help=f"a built-in reward; {REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
+            check=reward_type,
+            help=f"a built-in reward type (Miles' reward hub's and the project's): {', '.join(reward_types.TYPES)}, "
+            f"each also as {reward_types.BOXED}<type> (scoring only the response's last \\boxed{{...}}); a sample "
+            f"whose metadata (--metadata-key) has {reward_types.RM_TYPE_KEY} is scored by that type instead. "
+            f"{REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
         ),
         flag(
             "--custom-rm-path",
@@ -279,10 +312,15 @@ GROUPS = (
             "--reward-key",
             default=None,
             effect_needs=When(
-                "--rm-url or --custom-rm-path",
-                lambda ns: ns.rm_url is not None or ns.custom_rm_path is not None,
+                "--rm-url, --custom-rm-path or --rm-type dapo",
+                lambda ns: (
+                    ns.rm_url is not None
+                    or ns.custom_rm_path is not None
+                    or (ns.rm_type or "").removeprefix(reward_types.BOXED) == "dapo"
+                ),
             ),
-            help="a reward returned as an object (by --rm-url or --custom-rm-path) is read from this key",
+            help="a reward returned as an object (by --rm-url, --custom-rm-path or --rm-type dapo) is read from "
+            f"this key (the built-in types' default: {reward_types.REWARD_KEY})",
         ),
         flag(
             "--reward-on-error",
@@ -406,7 +444,11 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             reward_key=ns.reward_key,
         ),
         sampling=SamplingConfig(
-            ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, ns.rollout_max_response_len
+            ns.rollout_temperature,
+            ns.rollout_top_p,
+            ns.rollout_top_k,
+            ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         tokenizer_path=ns.hf_checkpoint,
         rollout_batch_size=ns.rollout_batch_size,

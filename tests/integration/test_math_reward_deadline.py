@@ -18,7 +18,7 @@ from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import generate_sample
 from miles_async.rollout.rewards import MATH_VERIFY_DEADLINE_S
 
-PATHOLOGICAL = "so the answer is $9^{9^{9}}$"
+PATHOLOGICAL = "so the answer is $\\boxed{9^{9^{9}}}$"
 
 
 async def answers(ctx, sample, sampling_params):

@@ -46,6 +46,26 @@ def test_sglang_flags_pass_through(tmp_path):
     assert parse_args(_args(tmp_path)).engine.sglang_args == ()
 
 
+def test_list_valued_sglang_flags_reach_the_server_typed_and_checked(tmp_path):
+    """--sglang-cuda-graph-bs (Miles' spelling of SGLang's --cuda-graph-bs-decode) takes all its values (an
+    undeclared --sglang-<flag> takes one), each an int and positive, and reaches SGLang's command line after the
+    undeclared ones; the embedded engine refuses it."""
+    from miles_async.arguments import ConfigError
+
+    sglang = ["--rollout-backend", "sglang", "--sglang-python", "/venv/bin/python"]
+    given = ["--sglang-cuda-graph-bs", "1", "2", "16", "--sglang-max-total-tokens", "64"]
+    cfg = parse_args(_args(tmp_path, *sglang, *given, "--sglang-cuda-graph-bs-prefill", "4", "8"))
+    server = ["--max-total-tokens", "64", "--cuda-graph-bs-decode", "1", "2", "16", "--cuda-graph-bs-prefill", "4", "8"]
+    assert cfg.engine.sglang_args == tuple(server)
+    assert make_engine_process(cfg.engine, 0, None).command()[-len(server) :] == server
+    with pytest.raises(ConfigError, match="^--sglang-cuda-graph-bs-decode must be positive"):
+        parse_args(_args(tmp_path, *sglang, "--sglang-cuda-graph-bs", "1", "0"))
+    with pytest.raises(SystemExit):
+        parse_args(_args(tmp_path, *sglang, "--sglang-cuda-graph-bs", "1", "two"))
+    with pytest.raises(ConfigError, match="^--sglang-cuda-graph-bs-decode 1 2 is not supported by the embedded"):
+        parse_args(_args(tmp_path, "--sglang-cuda-graph-bs", "1", "2"))
+
+
 def test_unknown_flags_still_fail(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(_args(tmp_path, "--no-such-flag", "1"))

@@ -12,7 +12,7 @@ import pytest
 from examples.tool_calculator import data, reward, tools
 from miles_async.rollout.batch import rollout_metrics, tool_call_frac
 from miles_async.rollout.multi_turn import tool_messages, tool_segment_text
-from miles_async.rollout.rewards import integer_reward
+from miles_async.rollout.reward_types import integer_reward
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.tools import ToolRunner, load_tools, parse_tool_calls
 from tests.multi_turn_helpers import CHATML_TEMPLATE, build_tokenizer
@@ -99,7 +99,7 @@ def test_reward_ignores_the_number_in_the_tool_response(chatml):
         response = _response(chatml, [call, final], ["9396"])
         sample = Sample(prompt="q", uid="u", group_index=0, index=0, label="9396", response=response)
         if not final.startswith("<tool_call>"):
-            assert integer_reward(sample) == 1.0  # the whole response's last integer is the tool's
+            assert integer_reward(response, "9396") == 1.0  # the whole response's last integer is the tool's
         assert reward.final_answer_reward(sample) == 0.0, response
 
 
