@@ -61,7 +61,7 @@ class EngineConfig:
     use_gpu: bool = False
     weight_update_dir: str | None = None
     weight_update_method: str = "tensor"  # "tensor", "disk" or "distributed" (--weight-update-method, resolved)
-    # The key an engine listening beyond loopback requires and every client sends (inference/auth.py): the
+    # The key every engine requires, on loopback too, and every client sends (inference/auth.py): the
     # run's own random one, or $MILES_ASYNC_ENGINE_API_KEY. Masked wherever the config is printed or dumped.
     api_key: ApiKey | None = None
 
@@ -312,7 +312,6 @@ def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConf
         use_gpu=use_gpu,
         weight_update_dir=ns.weight_update_dir,
         weight_update_method=resolve_weight_update_method(ns),
-        # Always one: whether an engine leaves loopback is only known once Ray places it (a cluster with GPUs
-        # puts each on its bundle's node, listening on that node's address).
+        # Always one: every engine requires it, on loopback too (docs/security.md).
         api_key=api_key_from_env() or new_api_key(),
     )

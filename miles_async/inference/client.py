@@ -261,7 +261,7 @@ class EngineClient:
     def _refused(self) -> str:
         what = "the API key it was sent was refused" if self._headers else "no API key was sent"
         return (
-            f"the engine requires an API key and {what} (engines listening beyond loopback need the run's key, "
+            f"the engine requires an API key and {what} (every engine requires the run's key, "
             f"EngineConfig.api_key; ${API_KEY_ENV} sets it)"
         )
 

@@ -20,9 +20,10 @@ import requests
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.arguments import parse_args
 from miles_async.config import EngineConfig, SandboxConfig, ToolsConfig
+from miles_async.inference.auth import auth_headers, new_api_key
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
-from miles_async.inference.router import Router
+from miles_async.inference.router import make_router
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import GenerateContext, encode_prompt
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn, prompt_with_tools
@@ -37,6 +38,9 @@ NO_SANDBOX = SandboxConfig(mode="none")  # what these test is not the sandbox (t
 STEP_SECONDS = 0.04  # per decode step, so an abort-mode pause can land inside a turn
 # The tool turn the Qwen-like template adds after a turn ending in <|im_end|>, for a result R.
 QWEN_SEGMENT = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+KEY = new_api_key()  # the engine's key, which every call below sends
 
 
 class SlowEngine(EmbeddedEngineProcess):
@@ -67,6 +71,7 @@ def engine(model, tmp_path_factory):
         startup_timeout=120.0,
         request_timeout=60.0,
         seed=0,
+        api_key=KEY,
     )
     proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
     proc.start()
@@ -116,7 +121,7 @@ def _params(budget: int = 200) -> dict:
 
 def _generate(url, tok, box, sample, params) -> Sample:
     async def go():
-        router = Router([url], timeout=60.0)
+        router = make_router([url], 60.0, api_key=KEY)
         try:
             return await generate_multi_turn(GenerateContext(router, tok, box), sample, params)
         finally:
@@ -235,11 +240,13 @@ def test_the_budget_covers_all_turns(engine, qwen_tok, toolbox):
 async def _pause_inside_turn_two(url: str, model: str, prompt_len: int, first_turns: int) -> int:
     """Once the engine is 2 tokens into the second turn, pause it in abort mode, load ``model`` as the next
     weight version and resume; returns that version."""
-    client = EmbeddedEngineClient(url, timeout=60.0)
+    client = EmbeddedEngineClient(url, timeout=60.0, api_key=KEY)
     try:
         load = {}
         for _ in range(4000):
-            load = await asyncio.to_thread(lambda: requests.get(url + "/get_load", timeout=10).json())
+            load = await asyncio.to_thread(
+                lambda: requests.get(url + "/get_load", headers=auth_headers(KEY), timeout=10).json()
+            )
             if load["num_running_reqs"] == 1 and load["num_tokens"] >= prompt_len + first_turns + 2:
                 break
             await asyncio.sleep(0.005)
@@ -261,7 +268,7 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
     before, _ = _expected(qwen_tok, ["5"], last_turn=False)
 
     async def go():
-        router = Router([engine.url], timeout=60.0)
+        router = make_router([engine.url], 60.0, api_key=KEY)
         try:
             ctx = RolloutContext(
                 data_source=None,
@@ -283,7 +290,7 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
         finally:
             await router.close()
 
-    old = (requests.get(engine.url + "/get_model_info", timeout=10).json())["weight_version"]
+    old = (requests.get(engine.url + "/get_model_info", headers=auth_headers(KEY), timeout=10).json())["weight_version"]
     s, new = asyncio.run(go())
     # Resumed where it was cut: the same conversation, to the token, as without the pause.
     tokens, mask = _expected(qwen_tok, ["5", "5"])
@@ -311,7 +318,8 @@ def test_tools_path_selects_multi_turn_in_the_executor(shared_ray, engine, model
                       "--rm-type", "integer", "--output-dir", str(tmp_path),
                       "--tools-path", f"{H}.TOOLS", "--max-turns", "2"])  # fmt: skip
     ex = ray.remote(RolloutExecutor).remote(
-        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [engine.url], None, None, str(tmp_path),
+        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0, api_key=KEY), [engine.url], None, None,
+        str(tmp_path),
         tools=cfg.tools,
     )  # fmt: skip
     batch = ray.get(ray.get(ex.generate.remote(0))["data"][0])

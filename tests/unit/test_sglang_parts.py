@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from miles_async.arguments import parse_args
 from miles_async.inference.client import normalize_meta
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.engines import make_engine_process
+from miles_async.inference.launcher import ROOT
 from miles_async.inference.sglang.launcher import CPU_SHIMS, SGLangEngineProcess
 from tests.flag_helpers import minimal_flags
 
@@ -97,7 +99,7 @@ def test_launch_command(tmp_path):
     proc = make_engine_process(replace(cfg, use_gpu=False), 1, None)
     assert isinstance(proc, SGLangEngineProcess)
     cmd = proc.command()
-    assert cmd[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/venv/bin/python", "-m", "miles_async.inference.sglang.serve"]  # sglang.launch_server
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--port"] == str(proc.port) and flags["--dtype"] == "float32" and flags["--weight-version"] == "0"
     assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
@@ -105,6 +107,7 @@ def test_launch_command(tmp_path):
     assert cmd.count("--max-total-tokens") == 1 and flags["--max-total-tokens"] == "4096"  # the user's wins
     env = proc.env()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and str(CPU_SHIMS) in env["PYTHONPATH"]
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT)  # serve.py runs from the checkout
 
     gpu = SGLangEngineProcess(replace(cfg, use_gpu=True, num_gpus_per_engine=2), 1, None).command()
     flags = dict(zip(gpu, gpu[1:]))
