@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -237,6 +238,19 @@ def test_the_budget_covers_all_turns(engine, qwen_tok, toolbox):
     _check_aligned(s)
 
 
+async def _engine_idle(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = await asyncio.to_thread(
+            lambda: requests.get(url + "/get_load", headers=auth_headers(KEY), timeout=10).json()
+        )
+        if load["num_running_reqs"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine is still busy after {timeout} s: {load}")
+        await asyncio.sleep(0.05)
+
+
 async def _pause_inside_turn_two(url: str, model: str, prompt_len: int, first_turns: int) -> int:
     """Once the engine is 2 tokens into the second turn, pause it in abort mode, load ``model`` as the next
     weight version and resume; returns that version."""
@@ -281,6 +295,9 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
                 semaphore=asyncio.Semaphore(1),
                 partial_rollout=True,
             )
+            # An earlier test's aborted request may still be decoding on this module's engine; its tokens would
+            # count as this sample's below, and the pause would land in turn one (seen under a loaded machine).
+            await _engine_idle(engine.url)
             sample = _sample(qwen_tok)
             # The first call renders the prompt with the tools; measure it the same way.
             prompt_len = len(prompt_with_tools(qwen_tok, PROMPT, box.schemas))
