@@ -104,9 +104,9 @@ def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path
     assert_logits_and_round_trip(models, tmp_path / "out.json")
 
 
-def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str) -> None:
-    """One training step, recorded; then its checkpoint (no optimizer state) and the gathered HF export, the
-    stream the engines get."""
+def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str | None) -> None:
+    """One training step, recorded, and the gathered HF export, the stream the engines get; with ``ckpt`` the
+    step's checkpoint (no optimizer state) and its --save-hf folder too."""
     from miles_async.arguments import parse_args
     from miles_async.backends.megatron.actor import MegatronTrainActor
 
@@ -114,7 +114,9 @@ def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str) -> Non
     actor.init_process_group("127.0.0.1", port)
     first = _record_megatron_step(actor)
     actor.train(0, _batch())
-    actor.save(ckpt, 0, save_optimizer=False)
+    if ckpt is not None:
+        actor.save(ckpt, 0, save_optimizer=False)
+        actor.save_hf(ckpt + "/hf")
     exported = actor.hf_state()
     layout = (actor.tp, actor.experts.ep, actor.experts.etp, actor.dp.size)
     local_experts = len(actor.module.decoder.layers[0].mlp.experts.local_experts)
@@ -152,9 +154,12 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     design. Negative control: the EP run's experts of one rank exchanged with the other's (a misplaced expert
     shard) fail the comparison, in the weights and in the gradients.
 
-    Then the weights the engines get: each layout's export (gathered over TP, expert TP and EP) equals, bit for
+    Then the weights the engines get: TP 2 x EP 2's export (gathered over TP, expert TP and EP) equals, bit for
     bit, that layout's own checkpoint of the step loaded into one rank without parallelism and converted to HF
-    names (which gathers nothing)."""
+    names (which gathers nothing); and --save-hf writes a folder transformers loads with those weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     train, _ = tiny_task
     _assert_routing_is_not_near_a_tie(tiny_moe, _batch(0).tokens)
     base = _args(tiny_moe, train, tmp_path, "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall")
@@ -167,7 +172,8 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     }  # fmt: skip
     out = {}
     for name, (world, argv) in runs.items():
-        _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"), str(tmp_path / name))
+        ckpt = str(tmp_path / name) if name == "tp2_ep2" else None
+        _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"), ckpt)
         out[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
     # (TP, EP, expert TP, DP) and each rank's experts of 4
     assert [(out[n]["layout"], out[n]["local_experts"]) for n in runs] == [
@@ -187,14 +193,19 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     ep2 = out["ep2"]
     assert_rejected(_swap_experts(ep2["after"], 0, 2), one["after"], weight_tol, "weights with experts misplaced")
     assert_rejected(_swap_experts(ep2["grads"], 1, 3), one["grads"], grad_tol, "gradients with experts misplaced")
-    # The engines' stream from each layout, gathered over TP, ETP and EP, is the layout's own checkpoint loaded
-    # into one rank, bit for bit.
-    for name in ("ep2", "tp2_ep2"):
-        _spawn(_reference_worker, 1, base, str(tmp_path / name), str(tmp_path / f"{name}_ref.pt"))
-        reference = torch.load(tmp_path / f"{name}_ref.pt", weights_only=False)
-        exported = out[name]["exported"]
-        assert exported.keys() == reference.keys()
-        for k, v in reference.items():
-            assert torch.equal(exported[k], v), (name, k)
-        assert not torch.equal(reference["model.layers.0.mlp.experts.2.down_proj.weight"], one["before"][
-            "model.layers.0.mlp.experts.2.down_proj.weight"])  # fmt: skip
+    # The engines' stream from TP 2 x EP 2, gathered over TP, ETP and EP, is the layout's own checkpoint loaded
+    # into one rank, bit for bit (EP 2 alone gathers a subset of that).
+    _spawn(_reference_worker, 1, base, str(tmp_path / "tp2_ep2"), str(tmp_path / "reference.pt"))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    exported = out["tp2_ep2"]["exported"]
+    assert exported.keys() == reference.keys()
+    for k, v in reference.items():
+        assert torch.equal(exported[k], v), k
+    down = "model.layers.0.mlp.experts.2.down_proj.weight"
+    assert not torch.equal(reference[down], one["before"][down])  # the step's weights, not the initial ones
+    # --save-hf: a folder transformers loads (into its fused experts) with these weights, as its own save of the
+    # loaded model shows.
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "tp2_ep2" / "hf", dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "resaved")
+    resaved = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert resaved.keys() == reference.keys() and all(torch.equal(resaved[k], v) for k, v in reference.items())
