@@ -145,7 +145,7 @@ def _step_worker(rank, world, port, argv: list[str], out: str) -> None:
     first = _record_megatron_step(actor)
     actor.train(0, _batch())
     if rank == 0:
-        torch.save(first, out)
+        torch.save({**first, "sequence_parallel": actor.module.config.sequence_parallel}, out)
 
 
 def _save_and_resume(meg, cfg, rank: int, world: int, port: int, ckpt: str) -> dict:
@@ -354,15 +354,19 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
 
 
 def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_path):
-    """TP 2 over gloo: the first step's loss, gradients and weights are TP 1's; DP 2 with the distributed optimizer:
-    its gradient norm and weights. (Sequence parallelism needs Transformer Engine's norms, so it is not run on the
-    CPU.) Split matmuls and all-reduces sum in another order: the tolerances are tests/tolerance.py's float32
-    bounds, and the comparison stops at the first optimizer step (see there)."""
+    """TP 2 over gloo, also with sequence parallelism (the local spec's torch norms, their gradients all-reduced
+    over TP): the first step's loss, gradients and weights are TP 1's; DP 2 with the distributed optimizer: its
+    gradient norm and weights. Split matmuls and all-reduces sum in another order: the tolerances are
+    tests/tolerance.py's float32 bounds, and the comparison stops at the first optimizer step (see there)."""
     train, _ = tiny_task
     base = _args(tiny_model, train, tmp_path)
     runs = {
         "tp1": (1, base),
         "tp2": (2, base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"]),
+        "tp2_sp": (
+            2,
+            base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ),
         "dp2_distopt": (2, base + ["--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"]),
     }
     out = {}
@@ -372,9 +376,10 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
     one = out["tp1"]
     assert any(g.abs().sum() > 0 for g in one["grads"].values())
     assert out["tp2"]["grads"] is not None and out["dp2_distopt"]["grads"] is None
+    assert out["tp2_sp"]["sequence_parallel"] and not out["tp2"]["sequence_parallel"]
     bounds = StepBounds.of(tiny_model, _batch(0).tokens, group_size=4)
     # Loss and entropy are logged from rank 0's own samples, which are the whole batch only under TP.
-    metrics = {"tp2": ("loss", "pg_loss", "entropy"), "dp2_distopt": ()}
+    metrics = {"tp2": ("loss", "pg_loss", "entropy"), "tp2_sp": ("loss", "pg_loss", "entropy"), "dp2_distopt": ()}
     for name, keys in metrics.items():
         margins = assert_same_first_step(one, out[name], bounds, keys)
         print(f"{name} vs tp1, largest |diff| / tolerance: {margins}")
