@@ -407,7 +407,7 @@ def test_gpu_check_script_runs_its_checks_on_the_cpu():
     proc = subprocess.run(["bash", script, "--allow-cpu"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     checks = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert [c["check"] for c in checks] == ["logits", "logits", "train_step"] and all(c["ok"] for c in checks)
+    assert [c["check"] for c in checks] == ["logits", "logits", "logits", "train_step"] and all(c["ok"] for c in checks)
     assert proc.stdout.strip().endswith("OK")
     if not torch.cuda.is_available():
         refused = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
