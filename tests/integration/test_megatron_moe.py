@@ -18,8 +18,10 @@ import torch
 from tests.integration.test_megatron_backend import (
     TINY_QWEN2,
     _args,
+    _assert_resumed_exactly,
     _batch,
     _record_megatron_step,
+    _save_and_resume,
     _spawn,
     assert_logits_and_round_trip,
     save_with_biases,
@@ -104,24 +106,29 @@ def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path
     assert_logits_and_round_trip(models, tmp_path / "out.json")
 
 
-def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str | None) -> None:
+def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str | None, resume: bool = False) -> None:
     """One training step, recorded, and the gathered HF export, the stream the engines get; with ``ckpt`` the
-    step's checkpoint (no optimizer state) and its --save-hf folder too."""
+    step's checkpoint (no optimizer state) and its --save-hf folder too, with ``resume`` a checkpoint with the
+    optimizer resumed by a fresh actor (``_save_and_resume``)."""
     from miles_async.arguments import parse_args
     from miles_async.backends.megatron.actor import MegatronTrainActor
 
-    actor = MegatronTrainActor(parse_args(argv).train, rank, world, total_optimizer_steps=10)
+    cfg = parse_args(argv).train
+    actor = MegatronTrainActor(cfg, rank, world, total_optimizer_steps=10)
     actor.init_process_group("127.0.0.1", port)
     first = _record_megatron_step(actor)
     actor.train(0, _batch())
-    if ckpt is not None:
+    if ckpt is not None and not resume:
         actor.save(ckpt, 0, save_optimizer=False)
         actor.save_hf(ckpt + "/hf")
     exported = actor.hf_state()
     layout = (actor.tp, actor.experts.ep, actor.experts.etp, actor.dp.size)
     local_experts = len(actor.module.decoder.layers[0].mlp.experts.local_experts)
+    resumed = _save_and_resume(actor, cfg, rank, world, port, ckpt) if resume else None
     if rank == 0:
-        torch.save({**first, "exported": exported, "layout": layout, "local_experts": local_experts}, out)
+        torch.save(
+            {**first, "exported": exported, "layout": layout, "local_experts": local_experts, "resumed": resumed}, out
+        )
 
 
 def _reference_worker(rank, world, port, argv: list[str], ckpt: str, out: str) -> None:
@@ -152,7 +159,8 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     and the experts' token exchange sum in other orders). --moe-aux-loss-coeff 0, as Miles' launchers give it: EP
     ranks come out of data parallelism, so a per-rank load-balancing loss differs from the unparallel one by
     design. Negative control: the EP run's experts of one rank exchanged with the other's (a misplaced expert
-    shard) fail the comparison, in the weights and in the gradients.
+    shard) fail the comparison, in the weights and in the gradients. EP 2's checkpoint (Megatron's distributed
+    checkpointing, optimizer included) resumes to the same next step, to the bit.
 
     Then the weights the engines get: TP 2 x EP 2's export (gathered over TP, expert TP and EP) equals, bit for
     bit, that layout's own checkpoint of the step loaded into one rank without parallelism and converted to HF
@@ -172,8 +180,8 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     }  # fmt: skip
     out = {}
     for name, (world, argv) in runs.items():
-        ckpt = str(tmp_path / name) if name == "tp2_ep2" else None
-        _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"), ckpt)
+        ckpt = str(tmp_path / name) if name != "one" else None
+        _spawn(_step_worker, world, argv, str(tmp_path / f"{name}.pt"), ckpt, name == "ep2")
         out[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
     # (TP, EP, expert TP, DP) and each rank's experts of 4
     assert [(out[n]["layout"], out[n]["local_experts"]) for n in runs] == [
@@ -193,6 +201,7 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     ep2 = out["ep2"]
     assert_rejected(_swap_experts(ep2["after"], 0, 2), one["after"], weight_tol, "weights with experts misplaced")
     assert_rejected(_swap_experts(ep2["grads"], 1, 3), one["grads"], grad_tol, "gradients with experts misplaced")
+    _assert_resumed_exactly(ep2["resumed"])
     # The engines' stream from TP 2 x EP 2, gathered over TP, ETP and EP, is the layout's own checkpoint loaded
     # into one rank, bit for bit (EP 2 alone gathers a subset of that).
     _spawn(_reference_worker, 1, base, str(tmp_path / "tp2_ep2"), str(tmp_path / "reference.pt"))
