@@ -14,7 +14,7 @@ from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import Config
 from miles_async.control import Control, control_api
 from miles_async.control.signals import StopSignals
-from miles_async.ray.eval_dispatcher import EvalDispatcher
+from miles_async.ray.eval_dispatcher import EvalDispatcher, EvalsFailed
 from miles_async.ray.trainer_recovery import TrainerDied, TrainerFailed
 from miles_async.run import Run
 from miles_async.utils.misc import should_run_periodic_action
@@ -24,7 +24,13 @@ logger = logging.getLogger("train_async")
 
 
 async def train(
-    cfg: Config, run: Run, tracker: Tracker, start_rollout_id: int, control: Control, signals: StopSignals
+    cfg: Config,
+    run: Run,
+    tracker: Tracker,
+    evals: EvalDispatcher,
+    start_rollout_id: int,
+    control: Control,
+    signals: StopSignals,
 ) -> None:
     """Rollouts ``start_rollout_id`` (--load's next, or after a trainer restart the restored checkpoint's next)
     to --num-rollout."""
@@ -32,12 +38,6 @@ async def train(
     # Always push weights first, so the engines serve exactly what the trainer holds.
     await run.update_weights(weight_version=start_rollout_id)
 
-    evals = EvalDispatcher(
-        run.evaluate,
-        lambda step, m: tracker.log(step, m, kind="eval"),
-        cfg.eval.max_in_flight,
-        timeout=cfg.rollout.timeout,
-    )
     if loop.eval_interval is not None and start_rollout_id == 0 and not cfg.eval.skip_before_train:
         await evals.dispatch(0)
         if loop.synchronous:
@@ -161,6 +161,14 @@ async def main(cfg: Config) -> None:
     loop, signals = asyncio.get_running_loop(), StopSignals()
     signals.install(loop, asyncio.current_task())
     tracker = Tracker(cfg)
+    # One for the whole run, trainer restarts included: its failures are the run's (EvalDispatcher.check).
+    evals = EvalDispatcher(
+        run.evaluate,
+        lambda step, m: tracker.log(step, m, kind="eval"),
+        cfg.eval.max_in_flight,
+        timeout=cfg.rollout.timeout,
+        failures_allowed=cfg.eval.failures_allowed,
+    )
     try:
         async with run, control_api(cfg, run) as control:
             start, death = cfg.loop.start_rollout_id, None
@@ -172,7 +180,7 @@ async def main(cfg: Config) -> None:
                         # trainers and the rollout side are back at the last checkpoint (a worker that dies
                         # while they are rebuilt is one more death).
                         start, death = await run.recover_trainers(death), None
-                    await run.watch_trainers(train(cfg, run, tracker, start, control, signals))
+                    await run.watch_trainers(train(cfg, run, tracker, evals, start, control, signals))
                     break
                 except TrainerDied as e:
                     death = e
@@ -191,6 +199,9 @@ async def main(cfg: Config) -> None:
         + (f" hf: {cfg.checkpoint.save_hf}" if cfg.checkpoint.save_hf else ""),
         flush=True,
     )
+    evals.check()  # more failed than allowed: cli prints the list and exits 1
+    if evals.failures:
+        logger.warning("%s", evals.summary())
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -216,6 +227,9 @@ def cli(argv: list[str] | None = None) -> int:
         return 130
     except TrainerFailed as e:  # the worker is named; a traceback of the driver would only hide it
         print(f"error: {e}; all workers and engines were stopped", file=sys.stderr)
+        return 1
+    except EvalsFailed as e:  # the run finished; its failed evals are listed, one per line
+        print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if ray.is_initialized():

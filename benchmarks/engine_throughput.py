@@ -33,6 +33,7 @@ from benchmarks.common import (
     table,
     torch_threads,
 )
+from miles_async.inference.auth import auth_headers
 
 LEVELS = (1, 8, 32, 64)
 GROUP = 8
@@ -43,18 +44,18 @@ def _sampling(max_new: int) -> dict:
     return {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new, "min_new_tokens": max_new}
 
 
-def _engine_stats(url: str) -> dict:
-    return requests.get(url + "/get_load", timeout=30).json()
+def _engine_stats(url: str, key) -> dict:
+    return requests.get(url + "/get_load", headers=auth_headers(key), timeout=30).json()
 
 
-def engine_run(url: str, prompts: list[list[int]], concurrency: int, max_new: int) -> tuple[int, float]:
+def engine_run(url: str, key, prompts: list[list[int]], concurrency: int, max_new: int) -> tuple[int, float]:
     """(generated tokens, seconds) for ``prompts`` kept ``concurrency`` in flight."""
     from miles_async.inference.client import EngineClient
 
     async def go() -> tuple[int, float]:
         next_index = 0
         tokens = 0
-        async with EngineClient(url, timeout=1200) as client:
+        async with EngineClient(url, timeout=1200, api_key=key) as client:
 
             async def worker() -> None:
                 nonlocal next_index, tokens
@@ -132,7 +133,7 @@ def run(quick: bool, out_dir: Path) -> dict:
             cfg = engine_config(model_path, data, dtype, THREADS, max_running=max(LEVELS), out_dir=Path(tmp))
             with running_engine(cfg, Path(tmp) / f"logs_{dtype}") as eng:
                 # First calls pay for lazy init and allocator growth on both sides; keep them out.
-                engine_run(eng.url, prompts[:8], 8, 4)
+                engine_run(eng.url, eng.cfg.api_key, prompts[:8], 8, 4)
                 hf_run(model, prompts[:8], 8, 4, pad_id)
                 for rep in range(reps):
                     for mix in ("distinct", "grpo"):
@@ -145,9 +146,9 @@ def run(quick: bool, out_dir: Path) -> dict:
                             for side in order:
                                 extra = {}
                                 if side == "engine":
-                                    before = _engine_stats(eng.url)
-                                    n_tok, secs = engine_run(eng.url, reqs, c, max_new)
-                                    after = _engine_stats(eng.url)
+                                    before = _engine_stats(eng.url, eng.cfg.api_key)
+                                    n_tok, secs = engine_run(eng.url, eng.cfg.api_key, reqs, c, max_new)
+                                    after = _engine_stats(eng.url, eng.cfg.api_key)
                                     # How the engine batched the work: with every request arriving at once,
                                     # prefill batches stay few and decode steps ~ max_new per wave.
                                     extra = {

@@ -6,7 +6,7 @@
 ``benchmarks/trl_peer.py`` derives every setting from the quickstart launcher
 (scripts/run-smollm2-cpu-async.sh) and passes it here; the defaults below are the quickstart's own.
 PYTHONPATH must hold the repository root: the reward is the project's ``integer_reward``
-(miles_async/rollout/rewards.py, whose imports the TRL environment pins).
+(miles_async/algorithms/reward_types.py, which imports only the standard library at the top).
 
 Settings as ours: 8 prompts x 8 completions per step, one optimizer step per generation batch
 (num_iterations=1, so PPO's ratio is 1 and clipping at epsilon=0.2 never binds, as in our
@@ -208,10 +208,9 @@ def read_records(path: Path) -> list[dict]:
 
 
 def score(response: str, label: Any) -> float:
-    from miles_async.rollout.rewards import integer_reward
-    from miles_async.rollout.sample import Sample
+    from miles_async.algorithms.reward_types import integer_reward
 
-    return integer_reward(Sample(uid="", group_index=0, index=0, prompt="", label=label, response=response))
+    return integer_reward(response, label)
 
 
 def integer_reward_func(completions: list, label: list, **_: Any) -> list[float]:

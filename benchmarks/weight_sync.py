@@ -50,28 +50,28 @@ THREADS = 1
 TIMEOUT = 600.0
 
 
-def _engine_version(url: str) -> int:
+def _engine_version(url: str, key) -> int:
     from miles_async.inference.client import EngineClient
 
     async def go() -> int:
-        async with EngineClient(url, timeout=60) as c:
+        async with EngineClient(url, timeout=60, api_key=key) as c:
             return int((await c.model_info())["weight_version"])
 
     return asyncio.run(go())
 
 
-def _load_from_disk(url: str, folder: Path, version: int) -> dict:
+def _load_from_disk(url: str, key, folder: Path, version: int) -> dict:
     from miles_async.inference.client import EngineClient
 
     async def go() -> dict:
-        async with EngineClient(url, timeout=TIMEOUT) as c:
+        async with EngineClient(url, timeout=TIMEOUT, api_key=key) as c:
             return await c.update_weights_from_disk(str(folder), version)
 
     return asyncio.run(go())
 
 
-def _check_version(url: str, expected: int, route: str) -> None:
-    got = _engine_version(url)
+def _check_version(url: str, key, expected: int, route: str) -> None:
+    got = _engine_version(url, key)
     if got != expected:
         raise RuntimeError(f"after a {route} push the engine reports weight_version {got}, expected {expected}")
 
@@ -123,7 +123,11 @@ def run(quick: bool, out_dir: Path) -> dict:
                 t0 = time.perf_counter()
                 sent = asyncio.run(
                     push_buckets(
-                        iter_buckets(model.named_parameters(), torch_dtype, bucket_bytes), [eng.url], version, TIMEOUT
+                        iter_buckets(model.named_parameters(), torch_dtype, bucket_bytes),
+                        [eng.url],
+                        version,
+                        TIMEOUT,
+                        api_key=eng.cfg.api_key,
                     )
                 )
                 secs = time.perf_counter() - t0
@@ -144,6 +148,7 @@ def run(quick: bool, out_dir: Path) -> dict:
                         TIMEOUT,
                         "embedded",
                         staging[bucket_bytes],
+                        api_key=eng.cfg.api_key,
                     )
                 )
                 secs = time.perf_counter() - t0
@@ -155,7 +160,7 @@ def run(quick: bool, out_dir: Path) -> dict:
                 """Seconds from pause_generation to continue_generation returning, ``during`` run in between."""
 
                 async def go() -> float:
-                    async with EmbeddedEngineClient(eng.url, timeout=TIMEOUT) as c:
+                    async with EmbeddedEngineClient(eng.url, timeout=TIMEOUT, api_key=eng.cfg.api_key) as c:
                         t0 = time.perf_counter()
                         await c.pause("in_place")
                         try:
@@ -169,7 +174,11 @@ def run(quick: bool, out_dir: Path) -> dict:
             def pause_http(version: int) -> float:
                 return paused(
                     lambda: push_buckets(
-                        iter_buckets(model.named_parameters(), torch_dtype, BUCKETS[-1]), [eng.url], version, TIMEOUT
+                        iter_buckets(model.named_parameters(), torch_dtype, BUCKETS[-1]),
+                        [eng.url],
+                        version,
+                        TIMEOUT,
+                        api_key=eng.cfg.api_key,
                     )
                 )
 
@@ -183,10 +192,11 @@ def run(quick: bool, out_dir: Path) -> dict:
                         TIMEOUT,
                         "embedded",
                         staging[BUCKETS[-1]],
+                        eng.cfg.api_key,
                     )
                 )
                 staged = time.perf_counter() - t0
-                return staged, paused(lambda: commit([eng.url], version, TIMEOUT, "embedded", True))
+                return staged, paused(lambda: commit([eng.url], version, TIMEOUT, "embedded", True, eng.cfg.api_key))
 
             # The engine holds the sent dtype even where bf16 decoding would be emulated (a CPU without bf16
             # arithmetic makes the embedded engine serve float32): only weight transfer is timed here.
@@ -197,11 +207,11 @@ def run(quick: bool, out_dir: Path) -> dict:
                 memcopy()
                 version += 1
                 push(BUCKETS[-1], version)
-                _check_version(eng.url, version, "warm-up")
+                _check_version(eng.url, eng.cfg.api_key, version, "warm-up")
                 for bb in BUCKETS:
                     version += 1
                     shm_push(bb, version)
-                    _check_version(eng.url, version, "warm-up shm")
+                    _check_version(eng.url, eng.cfg.api_key, version, "warm-up shm")
                 for rep in range(reps):
 
                     def record(route: str, secs: float, **extra) -> None:
@@ -213,30 +223,30 @@ def run(quick: bool, out_dir: Path) -> dict:
                         version += 1
                         route = f"tensor@{bb // MIB}MiB"
                         record(route, push(bb, version), serialize_s=round(serialize_only(bb), 4))
-                        _check_version(eng.url, version, route)
+                        _check_version(eng.url, eng.cfg.api_key, version, route)
                     for bb in BUCKETS:
                         version += 1
                         route = f"shm@{bb // MIB}MiB"
                         record(route, shm_push(bb, version))
-                        _check_version(eng.url, version, route)
+                        _check_version(eng.url, eng.cfg.api_key, version, route)
                     version += 1
                     record("pause:tensor", pause_http(version))
-                    _check_version(eng.url, version, "pause:tensor")
+                    _check_version(eng.url, eng.cfg.api_key, version, "pause:tensor")
                     version += 1
                     staged, pause_s = pause_shm_staged(version)
                     record("pause:shm staged", pause_s, stage_s=round(staged, 4))
-                    _check_version(eng.url, version, "pause:shm staged")
+                    _check_version(eng.url, eng.cfg.api_key, version, "pause:shm staged")
                     version += 1
                     folder = tmp / f"ckpt_{dtype}_{rep}"
                     t0 = time.perf_counter()
                     model.save_pretrained(folder)
                     saved = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    resp = _load_from_disk(eng.url, folder, version)
+                    resp = _load_from_disk(eng.url, eng.cfg.api_key, folder, version)
                     loaded = time.perf_counter() - t0
                     if not resp.get("success"):
                         raise RuntimeError(f"update_weights_from_disk failed: {resp}")
-                    _check_version(eng.url, version, "disk")
+                    _check_version(eng.url, eng.cfg.api_key, version, "disk")
                     record("disk", saved + loaded, save_s=round(saved, 4), load_s=round(loaded, 4))
                     shutil.rmtree(folder)
             for buf in staging.values():

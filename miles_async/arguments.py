@@ -113,8 +113,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     _apply_yaml_config(parser, argv)
     ns, unknown = parser.parse_known_args(argv)
-    passthrough = _engine_passthrough(parser, unknown)
-    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
+    split_engine_flags(parser, ns, unknown)
     return build_config(ns)
 
 
@@ -142,6 +141,14 @@ def _apply_yaml_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
         defaults[dest] = value
     # YAML values become defaults, so anything given on the command line still wins.
     parser.set_defaults(**defaults)
+
+
+def split_engine_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace, unknown: list[str]) -> None:
+    """``ns.sglang_args`` / ``ns.vllm_args``: what goes to each engine's server, from the words the parser did not
+    know and the list-valued engine flags it did."""
+    undeclared = _engine_passthrough(parser, unknown)
+    for name in engine.PASSTHROUGH_ENGINES:
+        setattr(ns, f"{name}_args", engine.passthrough_args(ns, name, undeclared[name]))
 
 
 def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> dict[str, tuple[str, ...]]:
@@ -182,7 +189,7 @@ def _count_prompts(ns: argparse.Namespace) -> int:
     from miles_async.rollout.data_source import count_and_validate_prompts
     from miles_async.rollout.rewards import validate_reward_flags
 
-    validate_reward_flags(ns.rm_type, ns.custom_rm_path)
+    validate_reward_flags(ns.custom_rm_path)
     if ns.tools_path is not None:
         from miles_async.rollout.tools import load_tools
 
@@ -190,7 +197,9 @@ def _count_prompts(ns: argparse.Namespace) -> int:
             load_tools(ns.tools_path)
         except ValueError as e:
             raise ConfigError(str(e)) from e
-    num_prompts = count_and_validate_prompts(ns.prompt_data, ns.input_key, ns.label_key, flag="--prompt-data")
+    num_prompts = count_and_validate_prompts(
+        ns.prompt_data, ns.input_key, ns.label_key, "--prompt-data", ns.metadata_key
+    )
     require(
         num_prompts >= ns.rollout_batch_size,
         f"--prompt-data has {num_prompts} prompts, fewer than --rollout-batch-size {ns.rollout_batch_size}",
@@ -205,7 +214,7 @@ def _eval_datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     values = ns.eval_prompt_data or []
     pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
     for name, path in pairs:
-        count_and_validate_prompts(path, ns.input_key, ns.label_key, flag=f"--eval-prompt-data ({name})")
+        count_and_validate_prompts(path, ns.input_key, ns.label_key, f"--eval-prompt-data ({name})", ns.metadata_key)
     return pairs
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -56,6 +57,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles_async.arguments import parse_args
+    from miles_async.inference.auth import new_api_key
     from miles_async.inference.engines import make_client, make_engine_process
     from miles_async.weights import shared_memory
     from miles_async.weights.http import push_buckets
@@ -78,7 +80,12 @@ def main() -> None:
     params = list(model.named_parameters())
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
 
+    key = new_api_key()  # every engine's here, which each call sends
+
     def cfg(backend: str):
+        return dataclasses.replace(engine_cfg(backend), api_key=key)
+
+    def engine_cfg(backend: str):
         return parse_args(
             [
                 "--use-tis",
@@ -105,7 +112,7 @@ def main() -> None:
 
     def call(url: str, fn, backend: str = "embedded"):
         async def go():
-            async with make_client(backend, url, 600) as c:
+            async with make_client(backend, url, 600, key) as c:
                 return await fn(c)
 
         return asyncio.run(go())
@@ -130,7 +137,8 @@ def main() -> None:
         for _ in range(args.reps):
             version += 1
             t0 = time.perf_counter()
-            asyncio.run(push_buckets(iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600))
+            buckets = iter_buckets(params, dtype, 512 * 1024**2)
+            asyncio.run(push_buckets(buckets, [engine.url], version, 600, api_key=key))
             results.setdefault("embedded tensor", []).append(time.perf_counter() - t0)
             assert call(engine.url, lambda c: c.model_info())["weight_version"] == version
 
@@ -149,7 +157,7 @@ def main() -> None:
         from miles_async.weights.process_group import EngineWeightGroup
 
         nonlocal version
-        group = EngineWeightGroup([url], 1, "gloo", "127.0.0.1", 600)
+        group = EngineWeightGroup([url], 1, "gloo", "127.0.0.1", 600, key)
         for rep in range(args.reps + 1):  # the first push also sets the group up: reported on its own
             version += 1
             t0 = time.perf_counter()
@@ -194,7 +202,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     asyncio.run(
                         shared_memory.push_buckets(
-                            iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600
+                            iter_buckets(params, dtype, 512 * 1024**2), [engine.url], version, 600, api_key=key
                         )
                     )
                     results.setdefault("sglang tensor (shared memory)", []).append(time.perf_counter() - t0)

@@ -49,7 +49,7 @@ ROLLOUT_ARGS=(
   --label-key label
   --apply-chat-template
   --rollout-shuffle
-  --rm-type math
+  --rm-type deepscaler
   --num-rollout 3000
   --rollout-batch-size 32
   --n-samples-per-prompt 8

@@ -6,7 +6,8 @@ It scores "answer equals label" -- the first integer of the response against the
 it saw: the size of every request (1 for Miles' single-object body), the most requests it held at once, and
 how many it got. ``fail_first`` requests are answered 503 and ``drop_first`` lose their connection before
 any reply; every request waits ``delay`` seconds first (a ``delay`` past the client's timeout is a server
-that hangs).
+that hangs). ``refuse_with`` answers every request with that status and a body that echoes its path and query;
+``redirect_to`` answers every request with a 307 to that URL. Each request's Authorization header is recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class RewardServer:
     drop_first: int = 0
     delay: float = 0.0
     reward_key: str | None = None  # answer {reward_key: reward} instead of a bare number
+    refuse_with: int | None = None
+    redirect_to: str | None = None
+    authorizations: list = field(default_factory=list)  # per request: its Authorization header, or None
     batch_sizes: list[int] = field(default_factory=list)  # per answered request; 1 for a single object
     bodies: list = field(default_factory=list)
     requests: int = 0
@@ -78,6 +82,11 @@ class RewardServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
         number = self.requests
+        self.authorizations.append(request.headers.get("Authorization"))
+        if self.redirect_to is not None:
+            return web.Response(status=307, headers={"Location": self.redirect_to})
+        if self.refuse_with is not None:
+            return web.Response(status=self.refuse_with, text=f"no access for {request.path_qs}")
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -29,7 +29,7 @@ from miles_async.config.rollout import (
     RolloutConfig,
     SamplingConfig,
 )
-from miles_async.config.tools import ToolsConfig
+from miles_async.config.tools import SandboxConfig, ToolsConfig
 from miles_async.config.tracking import TrackingConfig
 from miles_async.config.train import OptimizerConfig, TrainConfig
 
@@ -52,6 +52,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "SandboxConfig",
     "ToolsConfig",
     "TrackingConfig",
     "TrainConfig",

@@ -65,6 +65,7 @@ GROUPS = (
         _switch("--no-offload-train", OFFLOAD),
         _switch("--offload-rollout", OFFLOAD),
         _switch("--no-offload-rollout", OFFLOAD),
+        _value("--offload-rollout-level", OFFLOAD, nargs="+"),
     ),
     group(
         "accepted from Miles, slime and Megatron-LM launchers (no effect here)",

@@ -149,6 +149,15 @@ def within(low: float, high: float, low_open: bool = False) -> Check:
     return check
 
 
+def each(check: Check) -> Check:
+    """``check`` on every value of a list-valued (``nargs``) flag; the first problem is reported."""
+
+    def run(name: str, values: Any) -> str | None:
+        return next((p for p in (check(name, v) for v in values or ()) if p is not None), None)
+
+    return run
+
+
 @dataclass(frozen=True)
 class OnMachine:
     """A check only the machine that runs the job can answer (an installed package): ``check_values`` hands its

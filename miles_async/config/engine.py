@@ -9,6 +9,7 @@ from miles_async.config.capabilities import resolve_weight_update_method
 from miles_async.config.declare import (
     When,
     at_least,
+    each,
     flag,
     group,
     importable,
@@ -60,7 +61,7 @@ class EngineConfig:
     use_gpu: bool = False
     weight_update_dir: str | None = None
     weight_update_method: str = "tensor"  # "tensor", "disk" or "distributed" (--weight-update-method, resolved)
-    # The key an engine listening beyond loopback requires and every client sends (inference/auth.py): the
+    # The key every engine requires, on loopback too, and every client sends (inference/auth.py): the
     # run's own random one, or $MILES_ASYNC_ENGINE_API_KEY. Masked wherever the config is printed or dumped.
     api_key: ApiKey | None = None
 
@@ -87,6 +88,35 @@ class Passthrough:
 
 
 PASSTHROUGH = {f"--{engine}-*": Passthrough(engine) for engine in PASSTHROUGH_ENGINES}
+
+# The engine servers' flags that take several values (nargs "+") and that Miles' launchers pass. An undeclared
+# --<engine>-<flag> takes at most one value; these are declared so that every value is parsed, typed and checked
+# here, and they reach the server like the others (``passthrough_args``), under their first name.
+LIST_PASSTHROUGH = (
+    # The SGLang Miles pins calls the decode batch sizes --cuda-graph-bs (its launchers pass 1 2 4 8 $(seq 16 8
+    # 256)); the SGLang installed here (0.5.23) splits it into -decode and -prefill and refuses the old spelling
+    # as ambiguous.
+    flag(
+        "--sglang-cuda-graph-bs-decode",
+        "--sglang-cuda-graph-bs",
+        type=int,
+        nargs="+",
+        default=None,
+        check=each(positive()),
+        metavar="BS",
+        help="SGLang's --cuda-graph-bs-decode: the decode batch sizes it captures CUDA graphs for "
+        "(--sglang-cuda-graph-bs is Miles' spelling)",
+    ),
+    flag(
+        "--sglang-cuda-graph-bs-prefill",
+        type=int,
+        nargs="+",
+        default=None,
+        check=each(positive()),
+        metavar="BS",
+        help="SGLang's --cuda-graph-bs-prefill: the prefill batch sizes it captures CUDA graphs for",
+    ),
+)
 
 FAULT_TOLERANCE = when_flag("--use-fault-tolerance")
 EMBEDDED = when_value("--rollout-backend", "embedded")
@@ -214,8 +244,21 @@ GROUPS = (
             help="builtin: least outstanding requests (with --use-fault-tolerance: retries on engine "
             "failure); sglang: SGLang's own router, needs sglang-router (untested)",
         ),
+        *LIST_PASSTHROUGH,
     ),
 )
+
+
+def passthrough_args(ns: argparse.Namespace, engine: str, undeclared: tuple[str, ...]) -> tuple[str, ...]:
+    """What goes to ``engine``'s server: the undeclared ``--<engine>-<flag> [value]`` words as ``--<flag> [value]``,
+    then each list-valued flag declared here as ``--<flag> V1 V2 ...``."""
+    prefix = f"--{engine}-"
+    declared: list[str] = []
+    for f in LIST_PASSTHROUGH:
+        values = getattr(ns, f.dest)
+        if f.name.startswith(prefix) and values is not None:
+            declared += ["--" + f.name[len(prefix) :], *map(str, values)]
+    return (*undeclared, *declared)
 
 
 def validate(ns: argparse.Namespace) -> None:
@@ -269,7 +312,6 @@ def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConf
         use_gpu=use_gpu,
         weight_update_dir=ns.weight_update_dir,
         weight_update_method=resolve_weight_update_method(ns),
-        # Always one: whether an engine leaves loopback is only known once Ray places it (a cluster with GPUs
-        # puts each on its bundle's node, listening on that node's address).
+        # Always one: every engine requires it, on loopback too (docs/security.md).
         api_key=api_key_from_env() or new_api_key(),
     )

@@ -18,6 +18,8 @@ class EvalConfig:
     max_in_flight: int
     input_key: str
     label_key: str
+    metadata_key: str | None = None
+    failures_allowed: int = 0  # evals that may fail before the run exits non-zero
 
 
 def _pairs(name: str, values: list[str] | None) -> str | None:
@@ -48,6 +50,15 @@ GROUPS = (
         flag("--eval-max-response-len", type=int, default=None, check=at_least(1), effect_needs=EVALS),
         flag("--skip-eval-before-train", action="store_true", effect_needs=EVALS),
         flag("--max-in-flight-evals", type=int, default=1, check=at_least(1), effect_needs=EVALS),
+        flag(
+            "--eval-failures-allowed",
+            type=int,
+            default=0,
+            check=at_least(0),
+            effect_needs=EVALS,
+            help="evals that may fail (raise or time out) without failing the run; training goes on either way, "
+            "and the end of the run lists every failed eval and exits non-zero when more failed",
+        ),
     ),
 )
 
@@ -57,10 +68,16 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         datasets=eval_datasets,
         n_samples_per_prompt=ns.n_samples_per_eval_prompt,
         sampling=SamplingConfig(
-            ns.eval_temperature, ns.eval_top_p, -1, ns.eval_max_response_len or ns.rollout_max_response_len
+            ns.eval_temperature,
+            ns.eval_top_p,
+            -1,
+            ns.eval_max_response_len or ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         skip_before_train=ns.skip_eval_before_train,
         max_in_flight=ns.max_in_flight_evals,
         input_key=ns.input_key,
         label_key=ns.label_key,
+        metadata_key=ns.metadata_key,
+        failures_allowed=ns.eval_failures_allowed,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import yaml
 
@@ -17,6 +18,7 @@ from miles_async.config import Config
 from miles_async.config.declare import flag, group
 from miles_async.config.machine import Machine
 from miles_async.config.placement import worker_plan
+from miles_async.utils.urls import redact_url
 
 GROUPS = (
     group(
@@ -33,9 +35,20 @@ GROUPS = (
 )
 
 
+def _redacted(value: Any) -> Any:
+    """``value`` with every http(s) URL in it redacted (a --rm-url's user, password or query may be a secret)."""
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return redact_url(value)
+    return value
+
+
 def render(cfg: Config) -> str:
     """The report --check-config prints: configuration, worker plan, warnings, verdict."""
-    plain = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    plain = _redacted(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
     plain.pop("warnings", None)
     plan = worker_plan(cfg)
     gpus = Machine.cuda_devices()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
+from miles_async.algorithms import reward_types
+from miles_async.config.control import Secret
 from miles_async.config.declare import (
     Check,
     When,
     at_least,
+    each,
     flag,
     given,
     group,
@@ -19,6 +24,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
+from miles_async.utils.urls import redact_url
 
 
 def http_url() -> Check:
@@ -34,7 +40,7 @@ def http_url() -> Check:
                 return None
             except ValueError:
                 pass
-        return f"{name}: {v!r} is not an http(s) URL with a host (e.g. http://localhost:8000/reward)"
+        return f"{name}: {redact_url(v)!r} is not an http(s) URL with a host (e.g. http://localhost:8000/reward)"
 
     return check
 
@@ -44,8 +50,18 @@ def when_given(name: str) -> When:
     return When(name, lambda ns: getattr(ns, dest) is not None)
 
 
+RM_TOKEN_ENV = "MILES_ASYNC_RM_TOKEN"  # the reward server's bearer token, when --rm-token-file is not given
 REMOTE_RM_TYPE = "remote_rm"  # Miles/slime's spelling for "score with the server at --rm-url"
-RM_TYPES = ("math", "integer", "exact", "first_integer", REMOTE_RM_TYPE)
+
+
+def reward_type(name: str, v: str | None) -> str | None:
+    """A built-in reward type (``algorithms/reward_types.py``), or Miles' remote_rm."""
+    if v is None or v == REMOTE_RM_TYPE:
+        return None
+    reason = reward_types.problem(v)
+    return None if reason is None else f"{name}: {reason}"
+
+
 PLUGIN_FLAGS = (
     "custom_generate_function_path",
     "rollout_function_path",
@@ -61,14 +77,18 @@ class SamplingConfig:
     top_p: float
     top_k: int
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS (--rollout-stop-token-ids)
 
     def to_sglang(self) -> dict:
-        return {
+        params = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
         }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,7 @@ class RemoteRewardConfig:
     timeout: float = 60.0  # seconds one request may take
     max_retries: int = 3
     retry_backoff: float = 1.0  # seconds before the first retry, doubling after
+    token: Secret | None = None  # sent as "Authorization: Bearer"; --rm-token-file or $MILES_ASYNC_RM_TOKEN
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,12 @@ GROUPS = (
         flag("--prompt-data", default=None, check=given(), help="JSONL or Parquet prompt file"),
         flag("--input-key", default="prompt"),
         flag("--label-key", default="label"),
-        flag("--metadata-key", default=None),
+        flag(
+            "--metadata-key",
+            default="metadata",
+            help="the key of each record's metadata object (Miles' default), given to the reward (a reward type "
+            "named by its rm_type, choices and correct_letter for gpqa) in rollouts and evals",
+        ),
         flag("--apply-chat-template", action="store_true"),
         flag(
             "--rollout-max-prompt-len",
@@ -178,6 +204,16 @@ GROUPS = (
         flag("--rollout-temperature", type=float, default=1.0, check=at_least(0)),
         flag("--rollout-top-p", type=float, default=1.0, check=within(0, 1, low_open=True)),
         flag("--rollout-top-k", type=int, default=-1),
+        flag(
+            "--rollout-stop-token-ids",
+            type=int,
+            nargs="+",
+            default=None,
+            check=each(at_least(0)),
+            metavar="ID",
+            help="token ids that end a response besides the tokenizer's EOS (kept in the response, as EOS is), "
+            "in rollouts and evals",
+        ),
         flag("--rollout-max-concurrent-requests", type=int, default=256, check=at_least(1)),
         flag(
             "--rollout-timeout",
@@ -207,8 +243,11 @@ GROUPS = (
         flag(
             "--rm-type",
             default=None,
-            choices=RM_TYPES,
-            help=f"a built-in reward; {REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
+            check=reward_type,
+            help=f"a built-in reward type (Miles' reward hub's and the project's): {', '.join(reward_types.TYPES)}, "
+            f"each also as {reward_types.BOXED}<type> (scoring only the response's last \\boxed{{...}}); a sample "
+            f"whose metadata (--metadata-key) has {reward_types.RM_TYPE_KEY} is scored by that type instead. "
+            f"{REMOTE_RM_TYPE} (Miles' spelling) scores with the server at --rm-url",
         ),
         flag(
             "--custom-rm-path",
@@ -223,6 +262,13 @@ GROUPS = (
             help="a reward server (Miles' remote_rm request shape): POSTs {prompt, response, label, metadata} "
             "per sample and reads back the reward (a number, or an object with --reward-key); with "
             "--rm-batch-size > 1 or --group-rm the body is a list of those and the reply a list of rewards",
+        ),
+        flag(
+            "--rm-token-file",
+            default=None,
+            effect_needs=when_given("--rm-url"),
+            help=f"file holding the bearer token sent to --rm-url (else ${RM_TOKEN_ENV}; neither: no token). Never "
+            "a flag value, so it stays out of ps and logs",
         ),
         flag(
             "--rm-batch-size",
@@ -279,10 +325,15 @@ GROUPS = (
             "--reward-key",
             default=None,
             effect_needs=When(
-                "--rm-url or --custom-rm-path",
-                lambda ns: ns.rm_url is not None or ns.custom_rm_path is not None,
+                "--rm-url, --custom-rm-path or --rm-type dapo",
+                lambda ns: (
+                    ns.rm_url is not None
+                    or ns.custom_rm_path is not None
+                    or (ns.rm_type or "").removeprefix(reward_types.BOXED) == "dapo"
+                ),
             ),
-            help="a reward returned as an object (by --rm-url or --custom-rm-path) is read from this key",
+            help="a reward returned as an object (by --rm-url, --custom-rm-path or --rm-type dapo) is read from "
+            f"this key (the built-in types' default: {reward_types.REWARD_KEY})",
         ),
         flag(
             "--reward-on-error",
@@ -361,6 +412,25 @@ def validate(ns: argparse.Namespace) -> None:
             load_function(value, flag="--" + dest.replace("_", "-"))
 
 
+def rm_token(ns: argparse.Namespace) -> Secret | None:
+    """The reward server's bearer token: --rm-token-file's content, else $MILES_ASYNC_RM_TOKEN, else None."""
+    if ns.rm_token_file is not None:
+        path = Path(ns.rm_token_file)
+        require(path.is_file(), f"--rm-token-file: file not found: {path}")
+        value = path.read_text().strip()
+        require(bool(value), f"--rm-token-file: {path} is empty")
+    else:
+        value = os.environ.get(RM_TOKEN_ENV, "").strip()
+        if not value:
+            return None
+    require(
+        "@" not in urlsplit(ns.rm_url).netloc,
+        f"--rm-url {redact_url(ns.rm_url)} holds credentials and a bearer token is given too "
+        f"(--rm-token-file or ${RM_TOKEN_ENV}): give one of them",
+    )
+    return Secret(value)
+
+
 def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | None:
     """None when no flag of dynamic sampling is given: each rollout then draws exactly --rollout-batch-size."""
     path = ZERO_VARIANCE_FILTER if ns.zero_variance_filter else ns.dynamic_sampling_filter_path
@@ -399,6 +469,7 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
                 ns.rm_timeout,
                 ns.rm_max_retries,
                 ns.rm_retry_backoff,
+                rm_token(ns),
             )
             if ns.rm_url is not None
             else None,
@@ -406,7 +477,11 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             reward_key=ns.reward_key,
         ),
         sampling=SamplingConfig(
-            ns.rollout_temperature, ns.rollout_top_p, ns.rollout_top_k, ns.rollout_max_response_len
+            ns.rollout_temperature,
+            ns.rollout_top_p,
+            ns.rollout_top_k,
+            ns.rollout_max_response_len,
+            tuple(ns.rollout_stop_token_ids or ()),
         ),
         tokenizer_path=ns.hf_checkpoint,
         rollout_batch_size=ns.rollout_batch_size,

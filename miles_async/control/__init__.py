@@ -34,15 +34,7 @@ async def control_api(cfg: Config, run: Any) -> AsyncIterator[Control]:
     if api is None or not api.enabled:
         yield control
         return
-    server = ControlServer(
-        control,
-        api.host,
-        api.port,
-        api.token.value if api.token is not None else None,
-        cfg.tracking.output_dir,
-        cfg.checkpoint.save,
-        cfg.loop.num_rollout,
-    )
+    server = ControlServer(control, api, cfg.tracking.output_dir, cfg.checkpoint.save, cfg.loop.num_rollout)
     await server.start()
     try:
         yield control

@@ -28,7 +28,8 @@ HELP = {
     "step_seconds": "wall seconds of the last step",
     "tokens_per_second": "response tokens of the last step's rollout per second of that step",
     "buffer_groups": "groups buffered when the last batch was asked for (--fully-async)",
-    "keep_rate": "share of finished groups kept by the zero-variance filter, since the start (--fully-async)",
+    "keep_rate": "groups the dynamic-sampling filter kept over all it judged since the run began, the steps before "
+    "a --load included (1 without a filter)",
     "staleness_mean": "mean staleness, in weight versions, of the last batch's samples (--fully-async)",
     "staleness_max": "largest staleness, in weight versions, of the last batch's samples (--fully-async)",
     "engines_serving": "inference engines serving (in the router)",

@@ -48,6 +48,29 @@ class EngineError(RuntimeError):
         super().__init__(f"{prefix}: {message}")
 
 
+# How a generation may end, in SGLang's meta_info.finish_reason.type (vLLM's answers are mapped to these).
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineProtocolError(RuntimeError):
+    """An engine answered in a shape the rollout code does not know (not retried: another engine of the same
+    kind would answer the same)."""
+
+
+def check_finish_reason(out: Any, url: str) -> dict[str, Any]:
+    """``out`` (a /generate answer, SGLang-shaped) if its finish reason is one of ``FINISH_REASONS``; else
+    ``EngineProtocolError`` naming the reason and the engine, instead of a sample silently marked failed."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    if kind not in FINISH_REASONS:
+        raise EngineProtocolError(
+            f"the engine at {url} ended a generation with an unknown finish reason {reason!r} "
+            f"(expected a type of {', '.join(FINISH_REASONS)})"
+        )
+    return out
+
+
 class EngineClient:
     """Async client for one inference server.
 
@@ -154,7 +177,7 @@ class EngineClient:
         out = await self._request("POST", "/generate", json_body=body, timeout=timeout)
         if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
             normalize_meta(out["meta_info"], len(out.get("output_ids") or []))
-        return out
+        return check_finish_reason(out, self.base_url)
 
     async def health(self, timeout: float | None = None) -> bool:
         """True iff GET /health answers 200 within ``timeout`` (default: min(timeout, 10 s)); never raises."""
@@ -238,7 +261,7 @@ class EngineClient:
     def _refused(self) -> str:
         what = "the API key it was sent was refused" if self._headers else "no API key was sent"
         return (
-            f"the engine requires an API key and {what} (engines listening beyond loopback need the run's key, "
+            f"the engine requires an API key and {what} (every engine requires the run's key, "
             f"EngineConfig.api_key; ${API_KEY_ENV} sets it)"
         )
 

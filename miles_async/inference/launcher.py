@@ -5,11 +5,12 @@
 starts it in its own process group that dies with its parent, waits until ``/health`` answers
 (or the process exits, or the timeout passes) and stops it.
 
-A server that listens beyond loopback requires the run's API key (``server_api_key``; ``inference/auth.py``):
-it gets it in its environment (``$MILES_ASYNC_ENGINE_API_KEY``, and whatever variable the engine reads itself),
-on its command line only where the engine reads it from nowhere else (SGLang); a server beyond loopback without
-a key is refused before it starts. Its log gets the key masked (SGLang prints every server argument at
-start-up, its key among them).
+Every server requires the run's API key (``server_api_key``; ``inference/auth.py``), on loopback too: at each
+start the launcher writes it to a file only this user may read (``key_path``, removed when the server stops) and
+the server finds that file in ``$MILES_ASYNC_ENGINE_API_KEY_FILE``; the key itself is on no command line and in
+no environment. A server without a key is refused before it starts. The server's environment is this process's
+without its credentials (``utils/credentials.py``). Its log gets the key masked (SGLang prints every server
+argument at start-up, its key among them).
 
 A server takes the port ``pick_port`` gives it (``utils/ports.py``): by default a number free now, which another
 process may take before the server binds it, or one of the ports SGLang derives from it may be taken. So a server
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING
 
 import requests
 
-from miles_async.inference.auth import API_KEY_ENV, auth_headers, is_loopback, reveal
+from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, auth_headers, reveal
+from miles_async.utils.credentials import private_file, without_secrets
 from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ class EngineProcess:
         self.pids: list[int] = []
         self._log_start = 0  # where this start's output begins in the log
         self._copier: threading.Thread | None = None  # copies a masked server's output to its log
+        self.key_path: Path | None = None  # the 0600 file holding the key, while a server runs
         # Which --rollout-num-gpus-per-engine wide slice of the visible GPUs is this engine's: its index when
         # engines share the GPUs of one process, 0 when every visible GPU is its own (a placement bundle).
         self.gpu_slot = index
@@ -105,27 +108,23 @@ class EngineProcess:
         """File descriptors the server inherits (a socket to listen on)."""
         return ()
 
-    def server_api_key(self) -> str | None:
-        """The key this server requires: the run's, when it listens where other machines can reach it."""
-        if is_loopback(self.cfg.host):
-            return None
+    def server_api_key(self) -> str:
+        """The key this server requires: the run's, wherever it listens."""
         if self.cfg.api_key is None:
             raise EngineStartError(
-                f"engine {self.index} would listen on {self.cfg.host}, reachable from other machines, without an "
-                f"API key (EngineConfig.api_key; ${API_KEY_ENV} sets one)"
+                f"engine {self.index} would answer anyone on {self.cfg.host} without an API key "
+                f"(EngineConfig.api_key; ${API_KEY_ENV} sets one)"
             )
         return reveal(self.cfg.api_key)
 
     def env(self) -> dict:
-        """The server's environment: this one's, offline, with ``--rollout-num-threads`` CPU threads, and the key
-        it requires in ``$MILES_ASYNC_ENGINE_API_KEY`` (unset when it requires none)."""
-        env = dict(
-            os.environ, OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-        )
-        env.pop(API_KEY_ENV, None)
-        key = self.server_api_key()
-        if key is not None:
-            env[API_KEY_ENV] = key
+        """The server's environment: this one's without its credentials, offline, with ``--rollout-num-threads``
+        CPU threads, and the path of the key file in ``$MILES_ASYNC_ENGINE_API_KEY_FILE`` once it is written."""
+        env = without_secrets(os.environ)
+        env.update(OMP_NUM_THREADS=str(self.cfg.num_threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop(KEY_FILE_ENV, None)
+        if self.key_path is not None:
+            env[KEY_FILE_ENV] = str(self.key_path)
         return env
 
     def auth_headers(self) -> dict[str, str]:
@@ -133,15 +132,17 @@ class EngineProcess:
         return auth_headers(self.cfg.api_key)
 
     def start(self) -> None:
-        env = self.env()
         secret = self.server_api_key()
+        self._remove_key_file()
+        self.key_path = private_file(secret, prefix=f"miles-async-engine-{self.index}-key-")
+        env = self.env()
         if not self.log_path:
             out = subprocess.DEVNULL
         else:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_path.open("ab")
             self._log_start = out.tell()
-        masked = secret is not None and out is not subprocess.DEVNULL
+        masked = out is not subprocess.DEVNULL
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE if masked else out,
@@ -237,7 +238,13 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _remove_key_file(self) -> None:
+        if self.key_path is not None:
+            self.key_path.unlink(missing_ok=True)
+            self.key_path = None
+
     def stop(self, grace: float = 5.0) -> None:
+        self._remove_key_file()
         if self.proc is None or self.proc.poll() is not None:
             return
         try:

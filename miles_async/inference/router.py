@@ -39,6 +39,7 @@ from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient, EngineError
 from miles_async.inference.engines import make_client
 from miles_async.inference.launcher import await_health
+from miles_async.utils.credentials import without_secrets
 from miles_async.utils.ports import free_port, start_again
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,8 @@ class SGLangRouter:
         args = ["--policy", policy, *(["--worker-urls", *urls] if urls else [])]
         self.proc, self.url = _launch_router(args, host, self.log_path, startup_timeout)
         logger.info("sglang_router at %s, its log in %s", self.url, self.log_path)
-        # The key reaches the router, not the engines behind it: engines that require one (placed on other
-        # nodes) need sglang_router's own worker key too (untested, see above).
+        # The key reaches the router, not the engines behind it, which every one requires: sglang_router must be
+        # given it as its own worker key too (untested, see above; docs/security.md).
         self.client = EngineClient(self.url, timeout=timeout, api_key=api_key)
         self.fatal: str | None = None
         self.retries = 0
@@ -267,7 +268,9 @@ def _launch_router(args: list[str], host: str, log_path: Path, timeout: float) -
         with log_path.open("ab") as log:
             begin = log.tell()
             command = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port)]
-            proc = subprocess.Popen(command + args, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command + args, stdout=log, stderr=subprocess.STDOUT, env=without_secrets(os.environ)
+            )
         try:
             if await_health(proc, url, timeout):
                 return proc, url

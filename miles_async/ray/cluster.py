@@ -10,6 +10,7 @@ import time
 import ray
 
 from miles_async.config import ClusterConfig
+from miles_async.utils.credentials import is_secret_name, secrets_withheld
 
 logger = logging.getLogger(__name__)
 
@@ -17,14 +18,13 @@ logger = logging.getLogger(__name__)
 # The run's own settings reach its workers through their environment (plugin classes, test doubles, log level):
 # the driver's MILES_ASYNC_* variables, but never a credential among them.
 _SETTING_PREFIX = "MILES_ASYNC_"
-_SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
 
 
 def job_env(environ: dict[str, str]) -> dict[str, str]:
     """Every worker's environment additions: offline tokenizers, and the driver's MILES_ASYNC_* settings without
     its secrets. A cluster the run starts would pass its workers the driver's whole environment; one it joins
     (--ray-address) passes them only this, so the same settings hold on both. Pure."""
-    settings = {k: v for k, v in environ.items() if k.startswith(_SETTING_PREFIX) and not k.endswith(_SECRET_SUFFIXES)}
+    settings = {k: v for k, v in environ.items() if k.startswith(_SETTING_PREFIX) and not is_secret_name(k)}
     return {**settings, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
@@ -59,17 +59,21 @@ def init_ray(cfg: ClusterConfig) -> None:
         wait_reachable(cfg.ray_address, JOIN_TIMEOUT_S)
         ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, logging_level=logging.WARNING)
     else:
-        # address="local": always a fresh cluster of our own, even if another one runs on this machine.
-        ray.init(
-            address="local",
-            num_cpus=os.cpu_count(),
-            include_dashboard=False,
-            runtime_env={"env_vars": env},
-            # Ray would start a worker per CPU for tasks the run never sends (its actors each get their own, for
-            # their runtime_env): a second of CPU each, and they hold Ray's start-up slots the actors then wait for.
-            _system_config={"prestart_worker_first_driver": False},
-            logging_level=logging.WARNING,
-        )
+        # address="local": always a fresh cluster of our own, even if another one runs on this machine. Its
+        # processes (GCS, raylet, and the workers the raylet starts) copy this process's environment: they start
+        # without its credentials, which only the driver uses (wandb, the control API).
+        with secrets_withheld():
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                runtime_env={"env_vars": env},
+                # Ray would start a worker per CPU for tasks the run never sends (its actors each get their own, for
+                # their runtime_env): a second of CPU each, and they hold Ray's start-up slots the actors then wait
+                # for.
+                _system_config={"prestart_worker_first_driver": False},
+                logging_level=logging.WARNING,
+            )
 
 
 def actor_options(num_threads: int) -> dict:

@@ -161,7 +161,9 @@ class RolloutExecutor:
                     raise ValueError("--load: the checkpoint was not written by a --fully-async run")
                 self.producer.load_state_dict(loaded["fully_async"])
         self.eval_datasets = {
-            name: load_prompts(path, eval_cfg.input_key, eval_cfg.label_key, flag=f"--eval-prompt-data ({name})")
+            name: load_prompts(
+                path, eval_cfg.input_key, eval_cfg.label_key, eval_cfg.metadata_key, f"--eval-prompt-data ({name})"
+            )
             for name, path in eval_cfg.datasets
         }
         # This actor's process holds every sample in flight: keep full collections off the per-sample path.
@@ -275,6 +277,8 @@ class RolloutExecutor:
             await self.producer.stop()
         await self.router.close()
         await self.reward.close()
+        if self.ctx.generate_ctx.tools is not None:
+            self.ctx.generate_ctx.tools.close()  # kills the workers of samples still in flight
 
     def pid(self) -> int:
         return os.getpid()

@@ -75,15 +75,22 @@ def load_prompts(
         if uid in seen:
             raise DataError(f"{flag}: {path}:{line_no}: duplicate uid '{uid}'")
         seen.add(uid)
-        metadata = rec.get(metadata_key, {}) if metadata_key else {}
+        metadata = rec.get(metadata_key) if metadata_key else None
+        if metadata is not None and not isinstance(metadata, dict):
+            raise DataError(
+                f"{flag}: {path}:{line_no}: '{metadata_key}' (--metadata-key) must be an object, got "
+                f"{type(metadata).__name__}"
+            )
         items.append(PromptItem(uid, rec[input_key], rec.get(label_key) if label_key else None, metadata or {}))
     if not items:
         raise DataError(f"{flag}: {path} holds no prompts")
     return items
 
 
-def count_and_validate_prompts(path: str, input_key: str, label_key: str | None, flag: str) -> int:
-    return len(load_prompts(path, input_key, label_key, flag=flag))
+def count_and_validate_prompts(
+    path: str, input_key: str, label_key: str | None, flag: str, metadata_key: str | None = None
+) -> int:
+    return len(load_prompts(path, input_key, label_key, metadata_key, flag))
 
 
 class DataSource:

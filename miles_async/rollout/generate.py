@@ -23,6 +23,16 @@ GenerateFn = Callable[["GenerateContext", Sample, dict], Awaitable[Sample]]
 _FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
+def finish_status(meta: dict) -> SampleStatus:
+    """The status a generation's ``meta_info.finish_reason`` gives; an unknown reason is an error, never a sample
+    silently marked failed (the engine clients name the engine that sent one: ``check_finish_reason``)."""
+    reason = meta.get("finish_reason")
+    status = _FINISH.get(reason.get("type")) if isinstance(reason, dict) else None
+    if status is None:
+        raise ValueError(f"unknown finish reason {reason!r} (expected a type of {', '.join(_FINISH)})")
+    return status
+
+
 @dataclass
 class GenerateContext:
     router: Router
@@ -59,7 +69,7 @@ def apply_engine_output(sample: Sample, out: dict, append: bool = False) -> Samp
     else:
         sample.response_tokens, sample.response = tokens, text
         sample.rollout_logprobs, sample.weight_versions = logprobs, versions
-    sample.status = _FINISH.get(meta["finish_reason"]["type"], SampleStatus.FAILED)
+    sample.status = finish_status(meta)
     return sample
 
 

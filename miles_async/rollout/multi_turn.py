@@ -1,10 +1,11 @@
 """Multi-turn generation with tool calls: the generate function ``--tools-path`` selects.
 
 How a sample is generated: the model writes an assistant turn; if the turn calls tools (``<tool_call>{"name":
-..., "arguments": {...}}</tool_call>``, the Qwen / Hermes format), each call runs in a worker process
-(``rollout.tools``) and the results are appended as the chat template's tool message; the model then writes the
-next turn, until a turn calls no tool (COMPLETED), ``--max-turns`` turns were written and the last still calls a
-tool (TRUNCATED), or the token budget is spent (TRUNCATED).
+..., "arguments": {...}}</tool_call>``, the Qwen / Hermes format), each call runs in the sample's own sandboxed
+worker process (``rollout.tools``; killed when this call of the generate function returns) and the results are
+appended as the chat template's tool message; the model then writes the next turn, until a turn calls no tool
+(COMPLETED), ``--max-turns`` turns were written and the last still calls a tool (TRUNCATED), or the token budget
+is spent (TRUNCATED).
 
 Token ids are built incrementally: every model token in the response is exactly one the engine sampled, never a
 re-tokenization of the conversation. Only the new tool segment is tokenized: the text the chat template adds
@@ -34,37 +35,45 @@ the last masked one) and ``turns``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from typing import Any
 
 from miles_async.config.tools import ToolsConfig
-from miles_async.rollout.generate import GenerateContext
+from miles_async.rollout.generate import GenerateContext, finish_status
 from miles_async.rollout.sample import Sample, SampleStatus
-from miles_async.rollout.tools import ToolCall, ToolRunner, load_tools, parse_tool_calls, tool_schema
+from miles_async.rollout.sandbox import describe, probe
+from miles_async.rollout.tools import ToolCall, ToolRunner, ToolSession, load_tools, parse_tool_calls, tool_schema
 
-_FINISH = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+logger = logging.getLogger(__name__)
 # Stands for the assistant's content when the template is rendered to find what surrounds a turn.
 _TURN_MARK = "\x00turn\x00"
 _DUMMY_USER = {"role": "user", "content": "?"}
 
 
 class Toolbox:
-    """The tools of one rollout process: the registry, its schemas and the worker pool that runs calls."""
+    """The tools of one rollout process: the registry, its schemas and the runner that gives each sample a
+    worker. Made at the rollout process's start, where it fails if the machine lacks the sandbox asked for."""
 
     def __init__(self, cfg: ToolsConfig):
         self.cfg = cfg
         self.tools = load_tools(cfg.path)
         self.schemas = [tool_schema(name, fn) for name, fn in self.tools.items()]
-        self.runner = ToolRunner(cfg.path, cfg.timeout, cfg.max_output_chars, cfg.workers)
+        probe(cfg.sandbox)
+        logger.info("tool sandbox (--tool-sandbox) %s", describe(cfg.sandbox))
+        self.runner = ToolRunner(cfg.path, cfg.timeout, cfg.max_output_chars, cfg.workers, cfg.sandbox)
 
-    async def run(self, call: ToolCall) -> str:
+    def session(self) -> ToolSession:
+        return self.runner.session()
+
+    async def run(self, session: ToolSession, call: ToolCall) -> str:
         """The call's result, or an error message for the model; a tool's failure never raises here."""
         if call.error is not None:
             return f"error: {call.error}"
         if call.name not in self.tools:
             return f"error: unknown tool '{call.name}'; the tools are: {', '.join(sorted(self.tools))}"
-        return await self.runner.call(call.name, call.arguments)
+        return await session.call(call.name, call.arguments)
 
     def close(self) -> None:
         self.runner.close()
@@ -133,7 +142,7 @@ def _append_model_tokens(sample: Sample, out: dict) -> SampleStatus:
     versions = meta.get("output_token_weight_versions")
     versions = list(versions) if versions else [int(meta.get("weight_version", 0))] * len(tokens)
     sample.append_output(tokens, logprobs, versions)  # extends the loss mask with 1s
-    return _FINISH.get(meta["finish_reason"]["type"], SampleStatus.FAILED)
+    return finish_status(meta)
 
 
 def _append_tool_tokens(sample: Sample, tokens: list[int]) -> None:
@@ -165,6 +174,16 @@ async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_par
     budget = int(sampling_params["max_new_tokens"])
     if sample.status != SampleStatus.ABORTED or sample.loss_mask is None:
         _start(ctx, sample, box)
+    session = box.session()
+    try:
+        return await _turns(ctx, sample, sampling_params, box, session, budget)
+    finally:
+        await session.aclose()
+
+
+async def _turns(
+    ctx: GenerateContext, sample: Sample, sampling_params: dict, box: Toolbox, session: ToolSession, budget: int
+) -> Sample:
     tool_role = has_tool_role(ctx.tokenizer)
     while True:
         left = budget - sample.response_length
@@ -188,7 +207,7 @@ async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_par
         if sample.turns >= box.cfg.max_turns:
             sample.status = SampleStatus.TRUNCATED  # the model still wanted a tool: cut by --max-turns
             break
-        outputs = await asyncio.gather(*(box.run(call) for call in calls))
+        outputs = await asyncio.gather(*(box.run(session, call) for call in calls))
         results = [(call.name, output) for call, output in zip(calls, outputs, strict=True)]
         text = tool_segment_text(ctx.tokenizer, tool_messages(results, tool_role), turn_text)
         segment = ctx.tokenizer.encode(text, add_special_tokens=False)

@@ -14,6 +14,11 @@ retried with exponential backoff (``reward_retry``) up to ``--rm-max-retries`` t
 which the rollout fails with ``RemoteRewardError`` naming the URL and the last error. Any other
 4xx or a malformed reply fails it at once. ``--reward-on-error zero`` does not apply: a reward
 server that is down would otherwise turn a whole run's rewards into zeros.
+
+Credentials: a bearer token (``--rm-token-file`` or ``$MILES_ASYNC_RM_TOKEN``) goes in the ``Authorization``
+header. A redirect is never followed (it fails the rollout naming where it pointed): it could carry the token,
+or the samples, to another host. Every message shows the URL redacted (``utils.urls``): no user, password or
+query string, where an API key often sits.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import aiohttp
 from miles_async.config.rollout import RemoteRewardConfig
 from miles_async.rollout.reward_retry import GaveUp, Retryable, RetryPolicy, with_retries
 from miles_async.rollout.sample import Sample
+from miles_async.utils.urls import redact_url, scrub
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -185,13 +191,14 @@ class RemoteRewardClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # No connector cap: the semaphore is the limit, and a request queued for a connection
             # would spend its --rm-timeout waiting.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            headers = {"Authorization": f"Bearer {self.cfg.token.value}"} if self.cfg.token is not None else None
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers)
             self._session_loop = loop
         return self._session
 
     async def _post(self, samples: list[Sample], as_list: bool) -> list[float]:
         body = [payload(s) for s in samples] if as_list else payload(samples[0])
-        what = f"reward server --rm-url {self.cfg.url}"
+        what = f"reward server --rm-url {redact_url(self.cfg.url)}"
         try:
             reply = await with_retries(lambda: self._attempt(body), self.policy, what, self._clock, self._sleep)
         except GaveUp as e:
@@ -204,26 +211,42 @@ class RemoteRewardClient:
             raise RemoteRewardError(f"{what} answered badly: {e}") from e
 
     async def _attempt(self, body: Any) -> Any:
+        url = self.cfg.url
+        where = f"reward server --rm-url {redact_url(url)}"
         async with self._limit:
             try:
                 async with self._get_session().post(
-                    self.cfg.url, json=body, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout)
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=self.cfg.timeout), allow_redirects=False
                 ) as resp:
                     text = await resp.text()
-                    status = resp.status
+                    status, location = resp.status, resp.headers.get("Location", "")
             except TimeoutError as e:
                 raise Retryable(f"no reply within {self.cfg.timeout:g}s") from e
             except (aiohttp.ClientError, OSError) as e:
-                raise Retryable(f"{type(e).__name__}: {e}") from e
+                # Not chained where its text holds the URL's secrets: a traceback would print them.
+                cause = None if _leaks(e, url) else e
+                raise Retryable(scrub(f"{type(e).__name__}: {e}", url)) from cause
+        text = scrub(text, url)
+        if 300 <= status < 400:
+            raise RemoteRewardError(
+                f"{where} answered HTTP {status}, a redirect to {redact_url(location) or '(no Location)'}; redirects "
+                "are not followed (they could take the token or the samples elsewhere): give the final URL as --rm-url"
+            )
         if status >= 500 or status in RETRY_STATUSES:
             raise Retryable(f"HTTP {status}: {text[:200]}")
         if status >= 400:
-            raise RemoteRewardError(
-                f"reward server --rm-url {self.cfg.url} refused the request: HTTP {status}: {text[:500]}"
-            )
+            raise RemoteRewardError(f"{where} refused the request: HTTP {status}: {text[:500]}")
         try:
             return json.loads(text)
-        except ValueError as e:
-            raise RemoteRewardError(
-                f"reward server --rm-url {self.cfg.url} answered with something other than JSON: {text[:200]!r}"
-            ) from e
+        except ValueError:
+            raise RemoteRewardError(f"{where} answered with something other than JSON: {text[:200]!r}") from None
+
+
+def _leaks(error: BaseException, url: str) -> bool:
+    """Whether ``error``'s message or its causes' would show what ``redact_url`` hides of ``url``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if scrub(str(seen), url) != str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -1,5 +1,5 @@
-"""Rewards hub: built-in verifiers by ``--rm-type``, user functions by ``--custom-rm-path`` and a
-reward server by ``--rm-url`` (``remote_reward``).
+"""Rewards hub: built-in reward types by ``--rm-type`` or a sample's metadata ``rm_type`` (``reward_types``),
+user functions by ``--custom-rm-path`` and a reward server by ``--rm-url`` (``remote_reward``).
 
 A custom reward is ``fn(sample: Sample) -> float`` or an ``async def`` of the same shape; under
 ``--group-rm`` (Miles/slime's flag) it is ``fn(samples: list[Sample]) -> list[float]``, given the
@@ -13,9 +13,9 @@ traceback; the run then shuts down cleanly instead of training on a silently wro
 With ``zero`` the sample gets reward 0.0 and the failure is counted in the rollout
 metrics (``rollout/reward_errors``) and logged once per rollout.
 
-``--rm-type math`` runs math-verify in worker processes (``verifier_pool``): an answer whose check
-takes longer than ``MATH_VERIFY_DEADLINE_S`` scores 0, is logged, and is counted in
-``rollout/reward_timeouts`` whatever the error policy, and its worker is replaced.
+The types that compare with math-verify (``math``, ``deepscaler``, ``dapo``) run in worker processes
+(``verifier_pool``): an answer whose check takes longer than ``MATH_VERIFY_DEADLINE_S`` scores 0, is logged, and
+is counted in ``rollout/reward_timeouts`` whatever the error policy, and its worker is replaced.
 
 A reward server that still fails after its retries fails the rollout whatever the error policy
 (``RemoteRewardError`` names the URL): zeros for a server that is down would train on nothing.
@@ -26,12 +26,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
-from typing import Any
 
+from miles_async.algorithms import reward_types
 from miles_async.config import RewardConfig
-from miles_async.config.rollout import REMOTE_RM_TYPE
 from miles_async.rollout.remote_reward import RemoteRewardClient, extract_reward
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.verifier_pool import VerifierPool, VerifierTimeout
@@ -42,77 +40,26 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[[Sample], "float | Awaitable[float]"]
 GroupRewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
 
-_INT_RE = re.compile(r"-?\d+")
-
 
 class RewardError(RuntimeError):
     pass
 
 
-def _as_int(x: Any) -> int | None:
-    try:
-        return int(str(x).strip())
-    except (TypeError, ValueError):
-        return None
-
-
-def integer_reward(sample: Sample) -> float:
-    """1.0 when the last integer in the response equals the integer label."""
-    found = _INT_RE.findall(sample.response)
-    label = _as_int(sample.label)
-    return float(bool(found) and label is not None and int(found[-1]) == label)
-
-
-def first_integer_reward(sample: Sample) -> float:
-    """1.0 when the first integer in the response equals the label (for answer-first tasks)."""
-    found = _INT_RE.findall(sample.response)
-    label = _as_int(sample.label)
-    return float(bool(found) and label is not None and int(found[0]) == label)
-
-
-def exact_reward(sample: Sample) -> float:
-    return float(sample.response.strip() == str(sample.label).strip())
-
-
 MATH_VERIFY_DEADLINE_S = 10.0
 
 
-def math_reward(sample: Sample) -> float:
-    """math-verify: parse the label and the response and compare them symbolically.
-
-    RewardModel runs this in a verifier worker whose deadline (``MATH_VERIFY_DEADLINE_S`` for the
-    whole check) is its one timeout, so math-verify's own per-step alarms are off.
-    """
-    from math_verify import parse, verify
-
-    gold = parse(str(sample.label), parsing_timeout=None)
-    pred = parse(sample.response, parsing_timeout=None)
-    if not gold or not pred:
-        return 0.0
-    return float(verify(gold, pred, timeout_seconds=None))
-
-
-BUILTIN: dict[str, Callable[[Sample], float]] = {
-    "math": math_reward,
-    "integer": integer_reward,
-    "first_integer": first_integer_reward,
-    "exact": exact_reward,
-}
-
-
-def validate_reward_flags(rm_type: str | None, custom_rm_path: str | None) -> None:
-    if rm_type is not None and rm_type not in BUILTIN and rm_type != REMOTE_RM_TYPE:
-        raise ValueError(f"--rm-type: unknown reward type '{rm_type}'; choose from {sorted(BUILTIN)}")
+def validate_reward_flags(custom_rm_path: str | None) -> None:
     if custom_rm_path is not None:
         load_function(custom_rm_path, flag="--custom-rm-path")
 
 
-def resolve_reward_fn(cfg: RewardConfig) -> RewardFn:
+def resolve_reward_fn(cfg: RewardConfig) -> RewardFn | None:
+    """The --custom-rm-path function; None for the built-in types, resolved per sample."""
     if cfg.custom_rm_path is not None:
         return load_function(cfg.custom_rm_path, flag="--custom-rm-path")
     if cfg.rm_type is None:
         raise PluginError("no reward: give --rm-type, --custom-rm-path or --rm-url")
-    return BUILTIN[cfg.rm_type]
+    return None
 
 
 class RewardModel:
@@ -125,18 +72,15 @@ class RewardModel:
         self.fn = resolve_reward_fn(cfg) if self.remote is None else None
         self.errors = 0
         self.timeouts = 0
-        self._pool = (
-            VerifierPool(min(4, os.cpu_count() or 1), MATH_VERIFY_DEADLINE_S, preload=("math_verify",))
-            if self.fn is math_reward
-            else None
-        )
+        # Starts a worker only when a sample's type compares with math-verify (a sample's metadata may pick one).
+        self._pool = VerifierPool(min(4, os.cpu_count() or 1), MATH_VERIFY_DEADLINE_S, preload=("math_verify",))
 
     async def score(self, sample: Sample) -> float:
         if self.remote is not None:
             return await self.remote.score(sample)
         try:
-            if self._pool is not None:
-                return float(await self._pool.run(self.fn, sample))
+            if self.fn is None:
+                return await self._score_builtin(sample)
             value = self.fn(sample)
             if inspect.isawaitable(value):
                 value = await value
@@ -156,6 +100,15 @@ class RewardModel:
             self.errors += 1
             logger.warning("reward failed on sample uid=%s (scored 0): %r", sample.uid, e)
             return 0.0
+
+    async def _score_builtin(self, sample: Sample) -> float:
+        rm_type = reward_types.type_of(sample.metadata, self.cfg.rm_type)
+        args = (rm_type, sample.response, sample.label, sample.metadata)
+        if reward_types.uses_math_verify(rm_type):
+            value = await self._pool.run(reward_types.score, *args)
+        else:
+            value = reward_types.score(*args)
+        return extract_reward(value, self.cfg.reward_key or reward_types.REWARD_KEY)
 
     async def score_group(self, group: list[Sample]) -> list[float]:
         """--group-rm: one reward per sample of ``group`` (one prompt's samples), from one call."""
@@ -184,3 +137,5 @@ class RewardModel:
     async def close(self) -> None:
         if self.remote is not None:
             await self.remote.close()
+        if self._pool is not None:
+            self._pool.close()

@@ -7,10 +7,12 @@ tool message (a string as is, anything else as JSON). Its JSON schema (shown to 
 ``tools=``) is the callable's ``tool_schema`` attribute if it has one (OpenAI's ``{"type": "function",
 "function": {...}}``), else one derived from its signature and docstring.
 
-Calls run in a small pool of worker processes (``python -m miles_async.rollout.tool_worker``), never in the
-rollout process: a tool that hangs past ``--tool-timeout`` or crashes its worker (a segfault, ``os._exit``) is
-killed with its process group and its worker replaced, and the call's result is an error message. So a broken
-tool costs one turn of one sample, not the run.
+Calls run in worker processes (``python -m miles_async.rollout.tool_worker``), never in the rollout process: each
+sample gets a worker of its own, started at its first call and killed when the sample ends, so no tool state
+crosses samples. Workers run in the sandbox ``--tool-sandbox`` chooses (``rollout.sandbox``). A tool that hangs
+past ``--tool-timeout``, uses up its CPU time or crashes its worker (a segfault, ``os._exit``) is killed with
+everything it started and the call's result is an error message; the sample's next call gets a fresh worker. So a
+broken tool costs one turn of one sample, not the run.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import os
 import re
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from miles_async.rollout.sandbox import Sandboxed, SandboxError, exit_signal
 from miles_async.utils.plugins import PluginError, load_object
+
+if TYPE_CHECKING:  # the configs import much; a tool worker imports this module, and starts once per sample
+    from miles_async.config.tools import SandboxConfig
 
 FLAG = "--tools-path"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -162,24 +167,21 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 
 # -- running calls in worker processes ---------------------------------------------------------------
 class _Worker:
-    """One worker process: a request line on its stdin, one reply line on its stdout."""
+    """One sample's worker process, sandboxed: a request line on its stdin, one reply line on its stdout."""
 
-    def __init__(self, tools_path: str, max_chars: int):
-        # The worker imports the registry by the same dotted path, so it must see this process's import path.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "miles_async.rollout.tool_worker", tools_path, str(max_chars), str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group: killing it also kills what a tool started
-        )
+    def __init__(self, tools_path: str, max_chars: int, sandbox: SandboxConfig):
+        argv = [sys.executable, "-m", "miles_async.rollout.tool_worker", tools_path, str(max_chars)]
+        try:
+            self.box = Sandboxed(argv, sandbox)
+        except SandboxError as e:
+            raise RuntimeError(f"{FLAG}: a tool worker failed to start: {e}") from e
+        self.proc = self.box.proc
         self._buffer = b""
         self.exited = False  # its stdout closed: the process ended (or is ending)
         reply = self._read_line(time.monotonic() + WORKER_START_TIMEOUT)
         if reply is None or json.loads(reply).get("ready") is not True:
-            self.kill()
-            detail = json.loads(reply).get("error") if reply else f"exit code {self.proc.returncode}"
+            code = self.kill()
+            detail = json.loads(reply).get("error") if reply else f"exit code {code}"
             raise RuntimeError(f"{FLAG}: a tool worker failed to start: {detail}")
 
     def call(self, name: str, arguments: dict[str, Any], timeout: float) -> str | None:
@@ -208,87 +210,136 @@ class _Worker:
         return line
 
     def kill(self) -> int | None:
-        """Kill the worker and everything in its process group; its exit code (None if it would not die)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            return self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            return None
-        finally:
-            for pipe in (self.proc.stdin, self.proc.stdout):
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        """Kill the worker and everything it started, remove its folder; its exit code (None if it would not die)."""
+        return self.box.kill()
+
+
+def _failure(name: str, hung: bool, code: int | None, cfg: SandboxConfig, timeout: float) -> str:
+    """What the model reads when a call did not answer."""
+    if hung:
+        return f"error: tool '{name}' timed out after {timeout:g} s (--tool-timeout) and was killed"
+    if exit_signal(code) == signal.SIGXCPU:
+        return f"error: tool '{name}' used up its CPU time ({cfg.cpu_seconds:g} s, --tool-cpu-seconds) and was killed"
+    return f"error: tool '{name}' crashed (its worker process exited with code {code})"
 
 
 class ToolRunner:
-    """Runs tool calls in up to ``workers`` worker processes, each call bounded by ``timeout`` seconds and its
-    output by ``max_chars`` characters. A worker whose call timed out or crashed is killed and replaced.
+    """Runs tool calls: each sample gets a ``ToolSession`` with a worker process of its own, started at its first
+    call and killed when the sample ends, so no state crosses samples. At most ``workers`` calls run at once, each
+    bounded by ``timeout`` seconds and its output by ``max_chars`` characters. Workers run in ``sandbox``.
 
     Usable from any event loop (the waits run on the runner's own threads), and from several at once."""
 
-    def __init__(self, tools_path: str, timeout: float, max_chars: int, workers: int = 4):
+    def __init__(
+        self,
+        tools_path: str,
+        timeout: float,
+        max_chars: int,
+        workers: int = 4,
+        sandbox: SandboxConfig | None = None,
+    ):
+        from miles_async.config.tools import SandboxConfig
+
         self.tools_path, self.timeout, self.max_chars = tools_path, timeout, max_chars
-        self._idle: list[_Worker] = []
-        self._all: set[_Worker] = set()
+        self.sandbox = sandbox or SandboxConfig()
+        self._live: set[_Worker] = set()
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(workers)
+        # Its threads start the workers and live as long as the runner: a worker's parent-death signal fires
+        # when the thread that started it ends.
         self._threads = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool-call")
         self.restarts = 0  # workers replaced after a timeout or crash
+        self.started = 0  # workers started
         self._closed = False
 
-    async def call(self, name: str, arguments: dict[str, Any]) -> str:
-        """The tool's output, or an error message saying what went wrong; never raises for the tool's fault."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._call_blocking, name, arguments)
-
-    def _call_blocking(self, name: str, arguments: dict[str, Any]) -> str:
-        with self._slots:
-            worker = self._take()
-            output = worker.call(name, arguments, self.timeout)
-            if output is not None:
-                self._give_back(worker)
-                return output
-            hung = not worker.exited
-            code = worker.kill()
-            with self._lock:
-                self._all.discard(worker)
-                self.restarts += 1
-            if hung:
-                return f"error: tool '{name}' timed out after {self.timeout:g} s (--tool-timeout) and was killed"
-            return f"error: tool '{name}' crashed (its worker process exited with code {code})"
-
-    def _take(self) -> _Worker:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the tool runner is closed")
-            if self._idle:
-                return self._idle.pop()
-        worker = _Worker(self.tools_path, self.max_chars)
-        with self._lock:
-            self._all.add(worker)
-        return worker
-
-    def _give_back(self, worker: _Worker) -> None:
-        with self._lock:
-            if self._closed:
-                worker.kill()
-            else:
-                self._idle.append(worker)
+    def session(self) -> ToolSession:
+        """The tool calls of one sample; ``close`` it when the sample ends."""
+        return ToolSession(self)
 
     def worker_pids(self) -> list[int]:
         with self._lock:
-            return sorted(w.proc.pid for w in self._all)
+            return sorted(w.proc.pid for w in self._live)
+
+    def _start(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the tool runner is closed")
+        worker = _Worker(self.tools_path, self.max_chars, self.sandbox)
+        with self._lock:
+            self._live.add(worker)
+            self.started += 1
+            closed = self._closed
+        if closed:
+            self._end(worker)
+            raise RuntimeError("the tool runner is closed")
+        return worker
+
+    def _end(self, worker: _Worker) -> int | None:
+        code = worker.kill()
+        with self._lock:
+            self._live.discard(worker)
+        return code
 
     def close(self) -> None:
         """Kill every worker (calls in flight end as crashed)."""
         with self._lock:
             self._closed = True
-            workers, self._idle = list(self._all), []
-            self._all.clear()
+            workers = list(self._live)
+            self._live.clear()
         for worker in workers:
             worker.kill()
         self._threads.shutdown(wait=False)
+
+
+class ToolSession:
+    """One sample's tool calls, in one worker process of its own. Calls run one at a time, in order; a call that
+    times out or crashes costs the worker, and the next call gets a fresh one (without the old one's state)."""
+
+    def __init__(self, runner: ToolRunner):
+        self.runner = runner
+        self._worker: _Worker | None = None
+        self._lock = threading.Lock()  # one call at a time on the worker
+        self._closed = False
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """The tool's output, or an error message saying what went wrong; never raises for the tool's fault."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.runner._threads, self._call_blocking, name, arguments)
+
+    def _call_blocking(self, name: str, arguments: dict[str, Any]) -> str:
+        runner = self.runner
+        with self._lock, runner._slots:
+            if self._closed:
+                raise RuntimeError("the sample's tool session is closed")
+            if self._worker is None:
+                self._worker = runner._start()
+            worker = self._worker
+            output = worker.call(name, arguments, runner.timeout)
+            if output is not None:
+                return output
+            self._worker = None
+            hung = not worker.exited
+            code = runner._end(worker)
+            with runner._lock:
+                runner.restarts += 1
+            return _failure(name, hung, code, runner.sandbox, runner.timeout)
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's pid (None before the first call and after a failed one)."""
+        return None if self._worker is None else self._worker.proc.pid
+
+    @property
+    def folder(self) -> str | None:
+        return None if self._worker is None else self._worker.box.folder
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        """Kill the sample's worker and everything it started; remove its folder."""
+        with self._lock:
+            self._closed = True
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self.runner._end(worker)

@@ -6,17 +6,22 @@ pathological answer (``9^{9^{9}}``) then computes for hours while generation wai
 verifier runs on the main thread of a persistent worker process; the caller awaits the answer
 without blocking its event loop and, past the deadline, kills the worker, which also stops work
 stuck inside C code that no signal interrupts. The next call starts a fresh worker.
+
+Workers start like tool workers (``rollout.sandbox``, without resource limits: the verifier is our code): an
+allowlisted environment, their own session and folder, a parent-death signal, no inherited descriptors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import multiprocessing
-import traceback
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+from miles_async.rollout.sandbox import Sandboxed
 
 # Starting a worker (a fresh interpreter importing sympy) is not the verifier's time.
 STARTUP_TIMEOUT_S = 120.0
@@ -28,22 +33,6 @@ class VerifierTimeout(Exception):
 
 class VerifierError(RuntimeError):
     pass
-
-
-def _serve(conn: Connection, preload: tuple[str, ...]) -> None:
-    for module in preload:
-        importlib.import_module(module)
-    conn.send("ready")
-    while True:
-        try:
-            fn, args = conn.recv()
-        except EOFError:  # the owner closed its end, or died
-            return
-        try:
-            reply = (True, fn(*args))
-        except Exception:  # noqa: BLE001 - the caller's error policy decides, with the traceback
-            reply = (False, traceback.format_exc())
-        conn.send(reply)
 
 
 async def _receive(conn: Connection, timeout: float) -> Any:
@@ -60,17 +49,21 @@ async def _receive(conn: Connection, timeout: float) -> Any:
 
 class _Worker:
     def __init__(self, preload: tuple[str, ...]):
-        ctx = multiprocessing.get_context("spawn")  # no fork of a threaded Ray worker
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, preload), name="miles-async-verifier", daemon=True)
-        self.process.start()
-        child.close()
+        from miles_async.config.tools import SandboxConfig
+
+        ours, theirs = socket.socketpair()
+        try:
+            argv = [sys.executable, "-m", "miles_async.rollout.verifier_worker", *preload]
+            self.box = Sandboxed(argv, SandboxConfig(mode="none"), stdio=theirs)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
         self.ready = False
 
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.join(5)
+    def stop(self) -> int | None:
+        code = self.box.kill()
         self.conn.close()
+        return code
 
 
 class VerifierPool:
@@ -100,6 +93,12 @@ class VerifierPool:
             raise VerifierError(f"verifier raised in its worker process:\n{value}")
         return value
 
+    def close(self) -> None:
+        """Kill the idle workers (a call in flight kills its own on the way out)."""
+        idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.stop()
+
     async def _call(self, worker: _Worker, fn: Callable[..., Any], args: tuple) -> tuple[bool, Any]:
         try:
             if not worker.ready:
@@ -113,5 +112,8 @@ class VerifierPool:
                 f"verifier {what} took longer than {self.deadline if worker.ready else STARTUP_TIMEOUT_S:.0f} s"
             ) from None
         except EOFError:
-            worker.process.join(5)
-            raise VerifierError(f"verifier worker exited with code {worker.process.exitcode}") from None
+            try:
+                code = worker.box.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise VerifierError(f"verifier worker exited with code {code}") from None

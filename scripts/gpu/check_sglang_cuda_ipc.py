@@ -14,6 +14,7 @@ from sglang_gpu import NoCopyToCPU, assert_engine_holds, check_args, generate, s
 def main() -> int:
     args = check_args("check_sglang_cuda_ipc", bucket_bytes=64 * 1024)  # several buckets even for the tiny model
 
+    from miles_async.inference.auth import auth_headers
     from miles_async.inference.sglang.launcher import SGLangEngineProcess
     from miles_async.weights import shared_memory
     from miles_async.weights.sender import WeightSender
@@ -35,9 +36,10 @@ def main() -> int:
 
     shared_memory.share = share
 
+    key = cfg.engine.api_key
     with SGLangEngineProcess(cfg.engine, 0, cfg.tracking.output_dir) as engine:
         url = engine.url
-        before = generate(url)
+        before = generate(url, key)
         sender = WeightSender()
         for version in (1, 2):
             with torch.no_grad():  # the "trained" weights: a visible perturbation, new for each version
@@ -51,6 +53,7 @@ def main() -> int:
                 targets=(url,),
                 engine="sglang",
                 bucket_bytes=args.bucket_bytes,
+                api_key=key,
             )
             handed.clear()
             t0 = time.perf_counter()
@@ -64,11 +67,11 @@ def main() -> int:
                 f"version {version}: {metrics['weights/bytes'] / 1e6:.2f} MB as CUDA IPC handles in buckets of "
                 f"{args.bucket_bytes} bytes, {seconds:.3f}s"
             )
-            info = requests.get(f"{url}/get_model_info", timeout=30).json()
+            info = requests.get(f"{url}/get_model_info", headers=auth_headers(key), timeout=30).json()
             assert str(info["weight_version"]) == str(version), info
-            assert_engine_holds(url, list(model.named_parameters()), torch.bfloat16)
+            assert_engine_holds(url, key, list(model.named_parameters()), torch.bfloat16)
         sender.close()
-        after = generate(url)
+        after = generate(url, key)
         assert after["output_ids"] != before["output_ids"], "outputs did not change"
     print("PASS")
     return 0

@@ -13,21 +13,23 @@ from sglang_gpu import PROMPT, NoCopyToCPU, assert_engine_holds, check_args, gen
 def main() -> int:
     args = check_args("check_sglang_nccl", bucket_bytes=64 * 1024**2)
 
+    from miles_async.inference.auth import auth_headers
     from miles_async.inference.sglang.launcher import SGLangEngineProcess
     from miles_async.weights.process_group import EngineWeightGroup
     from miles_async.weights.source import iter_buckets
 
     cfg, model = setup(args, "check_sglang_nccl", torch.bfloat16)
+    key = cfg.engine.api_key
     with SGLangEngineProcess(cfg.engine, 0, cfg.tracking.output_dir) as engine:
         url = engine.url
-        before = generate(url)
+        before = generate(url, key)
         with torch.no_grad():  # the "trained" weights: a visible perturbation
             for _, prm in model.named_parameters():
                 prm.add_(torch.randn_like(prm) * 0.05)
 
         # The trainer's own code path (what train_async runs with --weight-update-method distributed): one NCCL
         # group of this process (rank 0) and the engine's TP ranks, buckets broadcast under their HF names.
-        group = EngineWeightGroup([url], cfg.engine.num_gpus_per_engine, "nccl", "127.0.0.1", timeout=300)
+        group = EngineWeightGroup([url], cfg.engine.num_gpus_per_engine, "nccl", "127.0.0.1", timeout=300, api_key=key)
         group.connect()
         broadcast_devices: list[str] = []
         real_broadcast = group._broadcast
@@ -48,10 +50,10 @@ def main() -> int:
             f"{seconds:.3f}s, all {len(broadcast_devices)} tensors broadcast from the GPU"
         )
 
-        info = requests.get(f"{url}/get_model_info", timeout=30).json()
+        info = requests.get(f"{url}/get_model_info", headers=auth_headers(key), timeout=30).json()
         assert str(info["weight_version"]) == "1", info
-        assert_engine_holds(url, list(model.named_parameters()), torch.bfloat16)
-        after = generate(url)
+        assert_engine_holds(url, key, list(model.named_parameters()), torch.bfloat16)
+        after = generate(url, key)
         assert after["output_ids"] != before["output_ids"], "outputs did not change"
         with torch.no_grad():
             ids = torch.tensor([PROMPT + after["output_ids"]], device="cuda")

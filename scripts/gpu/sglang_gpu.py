@@ -58,12 +58,12 @@ def setup(args: argparse.Namespace, script: str, dtype: torch.dtype):
 PROMPT = [4, 10, 11, 12, 13]
 
 
-def generate(url: str) -> dict:
+def generate(url: str, key) -> dict:
     """The engine's greedy continuation of ``PROMPT``, with its log-probs."""
     from miles_async.inference.sglang.client import SGLangEngineClient
 
     async def go():
-        async with SGLangEngineClient(url, timeout=120) as c:
+        async with SGLangEngineClient(url, timeout=120, api_key=key) as c:
             return await c.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
 
     return asyncio.run(go())
@@ -86,11 +86,14 @@ class NoCopyToCPU(TorchDispatchMode):
         return out
 
 
-def assert_engine_holds(url: str, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+def assert_engine_holds(url: str, key, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
     """The engine's weights (``/get_weights_by_name``, float32 values of its parameters, a Llama-family model)
     equal, bit for bit, the trainer's cast to the engine's dtype."""
+    from miles_async.inference.auth import auth_headers
+
     for name, t in named:
-        r = requests.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]}, timeout=60)
+        body = {"name": name, "truncate_size": t.shape[0]}
+        r = requests.post(f"{url}/get_weights_by_name", json=body, headers=auth_headers(key), timeout=60)
         assert r.status_code == 200, f"{name}: /get_weights_by_name answered {r.status_code}: {r.text[:300]}"
         got = torch.tensor(r.json(), dtype=torch.float32)
         want = t.detach().to(dtype).float().cpu()

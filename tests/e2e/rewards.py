@@ -79,3 +79,10 @@ def nonzero_std(args, samples, **kwargs):
     rewards = [s.get_reward_value(args) for s in samples]
     keep = torch.tensor(rewards, dtype=torch.float).std() > 0.0
     return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{rewards[0]}")
+
+
+def starts_with_digit_failing_evals(sample) -> float:
+    """starts_with_digit, but raises for the held-out prompts (tiny_task's eval uids): every eval fails."""
+    if sample.uid.startswith("tiny-eval-"):
+        raise ValueError("induced eval failure")
+    return starts_with_digit(sample)

@@ -10,9 +10,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_async.inference.auth import API_KEY_ENV, auth_headers, new_api_key
 from tests import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
+# Every run's engines require this key (given as the user's own, $MILES_ASYNC_ENGINE_API_KEY), so a test can call
+# them itself with ENGINE_AUTH.
+ENGINE_KEY = new_api_key()
+ENGINE_AUTH = auth_headers(ENGINE_KEY)
 
 
 @dataclass
@@ -81,7 +86,12 @@ def without_rm_type(args: list[str]) -> list[str]:
 
 def env() -> dict:
     return dict(
-        os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0"
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        RAY_DEDUP_LOGS="0",
+        **{API_KEY_ENV: ENGINE_KEY.reveal()},
     )
 
 

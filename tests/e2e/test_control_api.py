@@ -1,11 +1,16 @@
 """The control API on a real run (train_async.py, tiny model, one embedded engine, real Ray), driven over HTTP as an
-operator would: status with a rising step, Prometheus metrics, the token, save, pause and resume, stop."""
+operator would: status with a rising step, Prometheus metrics, the token, save, pause and resume, stop. While it
+runs, no process of the machine but the driver holds one of the run's secrets (the control API's token, the
+engines' key, a WANDB_API_KEY) in its command line or environment (``ps``, /proc: what other users can read).
+Every route's refusals are tests/integration/test_red_team.py's."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +18,7 @@ import requests
 
 from miles_async.control.state import PHASES
 from miles_async.utils.checkpoint import POINTER, iteration_dir
-from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead
+from tests.e2e.runner import ENGINE_AUTH, ENGINE_KEY, Run, all_pids, start_train, tiny_args, wait_all_dead
 from tests.unit.test_control_state import parse_exposition
 
 TOKEN = "e2e-token-5d1c"
@@ -28,7 +33,7 @@ class Api:
         return requests.get(self.url + path, headers=AUTH, timeout=30)
 
     def post(self, path: str) -> requests.Response:
-        return requests.post(self.url + path, headers=AUTH, timeout=30)
+        return requests.post(self.url + path, headers=AUTH, json={}, timeout=30)
 
     def status(self) -> dict:
         r = self.get("/status")
@@ -67,17 +72,35 @@ def _wait_api_file(path: Path, proc, output: list[str], timeout: float = 240) ->
     return json.loads(path.read_text())
 
 
+def _holding(secrets: dict[str, str], exempt: set[int]) -> list[str]:
+    """Every process whose command line or environment holds one of ``secrets`` (by name), but ``exempt``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exempt:
+            continue
+        for part in ("cmdline", "environ"):
+            try:
+                raw = Path(f"/proc/{entry}/{part}").read_bytes()
+            except OSError:  # gone meanwhile, or another user's
+                continue
+            found += [
+                f"{name} in /proc/{entry}/{part}: {raw[:200]!r}" for name, v in secrets.items() if v.encode() in raw
+            ]
+    return found
+
+
 def test_the_control_api_watches_saves_pauses_and_stops_a_run(tiny_model, tiny_task, tmp_path):
     save = tmp_path / "ckpt"
     args = tiny_args(
         tiny_model, tiny_task, tmp_path, "--num-rollout", "5000", "--save", str(save), "--api-server-port", "0"
     )
-    proc = start_train(args, extra_env={"MILES_ASYNC_API_TOKEN": TOKEN})
+    wandb_key = "wandb-" + uuid.uuid4().hex  # never used (no --use-wandb): a secret of the driver's environment
+    proc = start_train(args, extra_env={"MILES_ASYNC_API_TOKEN": TOKEN, "WANDB_API_KEY": wandb_key})
     output: list[str] = []
     reader = _drain(proc, output)
     try:
         info = _wait_api_file(tmp_path / "api.json", proc, output)
-        assert info["token"] is True and info["url"] == f"http://127.0.0.1:{info['port']}"
+        assert info["token_file"] is None and info["url"] == f"http://127.0.0.1:{info['port']}"  # the user's token
         api = Api(info["url"], proc, output)
 
         # Every endpoint needs the token.
@@ -109,15 +132,21 @@ def test_the_control_api_watches_saves_pauses_and_stops_a_run(tiny_model, tiny_t
         held = api.wait_status(
             lambda s: s["phase"] in ("generating", "paused") and s["phase_seconds"] > 2, "the loop to wait", 60
         )
-        engine = requests.get(engines["engines"][0]["url"] + "/get_load", timeout=30).json()
+        engine = requests.get(engines["engines"][0]["url"] + "/get_load", headers=ENGINE_AUTH, timeout=30).json()
         time.sleep(3)
         still = api.status()
         assert (still["step"], still["phase"], still["paused"]) == (held["step"], held["phase"], True)
         assert api.metrics()["miles_async_paused"] == {"": 1.0}
         # The engine itself is paused and did no forward pass meanwhile.
-        engine_after = requests.get(engines["engines"][0]["url"] + "/get_load", timeout=30).json()
+        engine_after = requests.get(engines["engines"][0]["url"] + "/get_load", headers=ENGINE_AUTH, timeout=30).json()
         assert engine["paused"] and engine_after["paused"]
         assert engine_after["busy_seconds"] == engine["busy_seconds"]
+        # Every process of the run is up (engine, executor, controller, trainer): none but the driver, which the
+        # user gave them to, holds a secret. (The test's own process holds them in memory only.)
+        secrets = {"token": TOKEN, "engine key": ENGINE_KEY.reveal(), "WANDB_API_KEY": wandb_key}
+        assert _holding(secrets, exempt={proc.pid}) == []
+        # The scan does see them where they are: all three in the driver's environment.
+        assert len([x for x in _holding(secrets, exempt=set()) if f"/proc/{proc.pid}/environ" in x]) == 3
         assert api.post("/resume").json() == {"paused": False}
         api.wait_status(lambda s: s["step"] > held["step"] + 1, "the step to rise again after /resume")
 

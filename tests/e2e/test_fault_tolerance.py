@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
-from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead, without_rm_type
+from tests.e2e.runner import ENGINE_AUTH, Run, all_pids, start_train, tiny_args, wait_all_dead, without_rm_type
 
 NUM_ROLLOUT = 8
 # Two engines; slow decoding (32 tokens at >= 50 ms a step: an engine double) so a rollout lasts seconds and
@@ -55,7 +55,9 @@ def _run_and_kill_an_engine(args: list[str], out_dir: Path, timeout: float = 400
             time.sleep(0.1)
         pid = json.loads((out_dir / "processes.json").read_text())["engines"][1]
         url = re.search(r"serving \S+ on (http://\S+)", (out_dir / "engine_1.log").read_text()).group(1)
-        while requests.get(url + "/get_load", timeout=5).json()["num_running_reqs"] == 0:  # mid-rollout
+        while (
+            requests.get(url + "/get_load", headers=ENGINE_AUTH, timeout=5).json()["num_running_reqs"] == 0
+        ):  # mid-rollout
             assert proc.poll() is None and time.monotonic() < deadline, "engine 1 never got a request"
             time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)

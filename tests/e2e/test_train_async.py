@@ -160,14 +160,24 @@ def test_no_process_left_after_the_run(main_run):
 
 def test_resume_continues_at_the_right_rollout_with_the_same_data(main_run, tiny_model, tiny_task, tmp_path):
     """Every step saved in the background (--async-save, the default): the run's end waits for the last one, and
-    the run resumed from it goes on at the next rollout with the same prompts."""
+    the run resumed from it goes on at the next rollout with the same prompts. The first run's every eval fails (its
+    reward raises for held-out prompts): training goes on, and at its end the run lists each failed eval and exits 1
+    (--eval-failures-allowed 0)."""
     ckpt = tmp_path / "ckpt"
     base = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "a", "--num-rollout", "12", *LEARN))
+    failing_evals = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit_failing_evals", "--eval-interval", "2"]
     first = run_train(
-        base + ["--save", str(ckpt), "--save-interval", "1", "--async-save", "--debug-exit-after-rollout", "5"],
+        base
+        + ["--save", str(ckpt), "--save-interval", "1", "--async-save", "--debug-exit-after-rollout", "5"]
+        + failing_evals,
         tmp_path / "a",
     )
-    assert first.returncode == 0, first.output[-3000:]
+    assert first.returncode == 1, first.output[-3000:]
+    summary = first.output[first.output.index("error: 3 eval(s) failed (--eval-failures-allowed 0):") :]
+    assert [line.split(":")[0].strip() for line in summary.splitlines()[1:4]] == [
+        f"eval at rollout {i}" for i in (0, 2, 4)
+    ], summary
+    assert summary.count("induced eval failure") == 3 and "[miles-async] done." in first.output
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert all((ckpt / f"iter_{i:07d}" / "COMPLETE").is_file() for i in range(5))
     resumed_args = without_rm_type(tiny_args(tiny_model, tiny_task, tmp_path / "b", "--num-rollout", "12", *LEARN))

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
-from tests.e2e.runner import Run, all_pids, start_train, tiny_args, wait_all_dead
+from tests.e2e.runner import ENGINE_AUTH, Run, all_pids, start_train, tiny_args, wait_all_dead
 from tests.e2e.trainer_doubles import stall_env
 
 TWO_WORKERS = ["--actor-num-gpus-per-node", "2"]
@@ -71,7 +71,7 @@ def _rank1_while_generating(out_dir: Path) -> Callable[[], int | None]:
         found = re.search(r"serving \S+ on (http://\S+)", log.read_text()) if log.exists() else None
         if procs is None or found is None:
             return None
-        if requests.get(found.group(1) + "/get_load", timeout=5).json()["num_running_reqs"] == 0:
+        if requests.get(found.group(1) + "/get_load", headers=ENGINE_AUTH, timeout=5).json()["num_running_reqs"] == 0:
             return None
         return procs["train_workers"][1]
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import re
 import time
 
 import pytest
@@ -26,7 +28,7 @@ import requests
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.inference.auth import ApiKey, auth_headers, new_api_key
+from miles_async.inference.auth import KEY_FILE_ENV, ApiKey, auth_headers, is_exempt, new_api_key
 from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.weights.update import WeightUpdate, route_for
@@ -97,6 +99,22 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every live process below it (SGLang's scheduler and detokenizer, vLLM's engine core)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+
 def _hf_logprobs(model_dir, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
     from transformers import AutoModelForCausalLM
 
@@ -162,10 +180,28 @@ def test_the_server_requires_the_run_key_and_keeps_it_out_of_its_log(backend, en
     assert key.reveal() not in engine.log_path.read_text(errors="replace")
 
 
+def test_every_route_the_server_lists_requires_the_key_but_its_probes(backend, engine):
+    """Every route of the server's own router (its OpenAPI document, read with the key) answers 401 without the
+    key or with a wrong one; the only routes open to anyone are read-only probes (docs/security.md lists them)."""
+    spec = requests.get(engine.url + "/openapi.json", headers=auth_headers(engine.cfg.api_key), timeout=60).json()
+    routes = sorted({(m.upper(), re.sub(r"\{[^}]+\}", "x", p)) for p, ops in spec["paths"].items() for m in ops})
+    assert len(routes) > 10, routes
+    open_routes = []
+    for method, path in routes:
+        if is_exempt(method, path):
+            open_routes.append((method, path))
+            continue
+        for headers in ({}, auth_headers(ApiKey("not-the-run-key"))):
+            r = requests.request(method, engine.url + path, headers=headers, timeout=60)
+            assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+    print(f"{backend}: open routes {open_routes}")
+    assert open_routes and all(m == "GET" for m, _ in open_routes), open_routes
+
+
 def test_launch_command_has_the_cpu_defaults(backend, engine):
     cmd, env = engine.command(), engine.env()
     if backend == "sglang":
-        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        assert cmd[1:3] == ["-m", "miles_async.inference.sglang.serve"]  # sglang.launch_server, key from its file
         for flag in (
             "--device",
             "--attention-backend",
@@ -175,14 +211,19 @@ def test_launch_command_has_the_cpu_defaults(backend, engine):
         ):
             assert flag in cmd
         assert env["SGLANG_USE_CPU_ENGINE"] == "1"
-        assert f"--api-key={engine.cfg.api_key.reveal()}" in cmd  # SGLang reads it from nowhere else
     else:
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         for flag in ("--enable-scale-out", "--enforce-eager", "--max-num-seqs"):
             assert flag in cmd
-        assert env["VLLM_API_KEY"] == engine.cfg.api_key.reveal()
+        assert "VLLM_API_KEY" not in env and cmd[cmd.index("--middleware") + 1].endswith("RequireApiKey")
         assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # The key reaches the server in a 0600 file only: on no command line, in no environment (``ps``, /proc).
+    key = engine.cfg.api_key.reveal().encode()
+    assert env[KEY_FILE_ENV] == str(engine.key_path) and (engine.key_path.stat().st_mode & 0o777) == 0o600
+    for pid in _tree(engine.proc.pid):
+        for part in ("cmdline", "environ"):
+            assert key not in open(f"/proc/{pid}/{part}", "rb").read(), (pid, part)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from miles_async.arguments import parse_args
-from miles_async.config import ToolsConfig
+from miles_async.config import SandboxConfig, ToolsConfig
 from miles_async.inference.engines import make_engine_process
 from miles_async.inference.router import make_router
 from miles_async.rollout.generate import GenerateContext, encode_prompt
@@ -40,7 +40,7 @@ def test_tool_turns_on_sglang(engine_python, model, tmp_path):
                       "--rollout-dtype", "float32", "--rollout-backend", "sglang", "--sglang-python", engine_python,
                       "--engine-startup-timeout", "400", "--output-dir", str(tmp_path / "out")])  # fmt: skip
     tok = AutoTokenizer.from_pretrained(str(model))
-    box = Toolbox(ToolsConfig("tests.multi_turn_helpers.TOOLS", 2, 20.0, 200, 1))
+    box = Toolbox(ToolsConfig("tests.multi_turn_helpers.TOOLS", 2, 20.0, 200, 1, SandboxConfig(mode="none")))
     sample = Sample(uid="p0", group_index=0, index=0, prompt="add 2 and 3")
     sample.prompt_tokens = encode_prompt(tok, sample.prompt, True)
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 200}

@@ -1,4 +1,4 @@
-"""Engines reachable from other nodes answer only callers that hold the run's API key (``inference/auth.py``).
+"""Every engine answers only callers that hold the run's API key, on loopback too (``inference/auth.py``).
 
 Real embedded servers, started the way a run starts them: one by an ``EngineHost`` (a placed engine: it listens
 on this node's address, as on a Ray cluster with GPUs), one by the inference controller with ``--engine-host`` set
@@ -6,7 +6,9 @@ to that address. The key is the run's own, made by ``parse_args``; nothing here 
 Checked: without the key or with a wrong one, generate, the weight updates, abort, pause and the model info
 answer 401 (through raw HTTP, the engine client, the router and the weight routes, each naming the engine and
 saying the key was missing or refused); with it, all of them work; ``/health`` stays open (as SGLang's does);
-the key is in no printed or dumped configuration.
+the server gets the key in a 0600 file, removed when it stops, never on its command line or in its environment;
+the key is in no printed or dumped configuration. Every route, listed from the server's router, is tried in
+tests/integration/test_red_team.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from miles_async.arguments import parse_args
 from miles_async.config.report import render
-from miles_async.inference.auth import API_KEY_ENV, ApiKey
+from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, ApiKey
 from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.inference.launcher import EngineStartError
@@ -70,9 +72,11 @@ def placed(cfg, tmp_path_factory):
     info = asyncio.run(host.start())
     try:
         asyncio.run(host.wait_healthy(120))
-        yield info["url"], log_dir
+        key_path = host.proc.key_path
+        yield info["url"], log_dir, host
     finally:
         asyncio.run(host.stop())
+    assert not key_path.exists()  # the key's file goes with its server
 
 
 def _prompt() -> list[int]:
@@ -103,7 +107,7 @@ def _raw(url: str, key: ApiKey | None) -> dict[str, int]:
 
 
 def test_a_placed_engine_listens_beyond_loopback_and_requires_the_run_key(cfg, placed):
-    url, log_dir = placed
+    url, log_dir, _ = placed
     assert url.startswith(f"http://{ray.util.get_node_ip_address()}:")  # the node's address, as on a cluster
     assert set(_raw(url, None).values()) == {401}
     assert set(_raw(url, WRONG).values()) == {401}
@@ -117,7 +121,7 @@ def test_a_placed_engine_listens_beyond_loopback_and_requires_the_run_key(cfg, p
 
 
 def test_the_client_sends_the_key_and_names_the_engine_when_it_is_missing_or_refused(cfg, placed):
-    url, _ = placed
+    url, _, _ = placed
     key = cfg.engine.api_key
 
     async def go(k):
@@ -134,7 +138,7 @@ def test_the_client_sends_the_key_and_names_the_engine_when_it_is_missing_or_ref
 
 
 def test_abort_with_the_key_ends_a_running_request_and_without_it_is_refused(cfg, placed):
-    url, _ = placed
+    url, _, _ = placed
 
     async def go():
         async with make_client("embedded", url, 60, cfg.engine.api_key) as c, make_client("embedded", url, 60) as bare:
@@ -154,7 +158,7 @@ def test_abort_with_the_key_ends_a_running_request_and_without_it_is_refused(cfg
 
 
 def test_the_router_sends_the_key_and_a_refusal_is_not_taken_for_a_dead_engine(cfg, placed):
-    url, _ = placed
+    url, _, _ = placed
 
     async def go(key, retry: bool):
         router = make_router([url], 30, backend="embedded", api_key=key, retry=retry, cooldown=0.1)
@@ -172,7 +176,7 @@ def test_the_router_sends_the_key_and_a_refusal_is_not_taken_for_a_dead_engine(c
 
 def test_a_weight_update_reaches_the_engine_with_the_key_and_is_refused_without(cfg, placed, tiny_model):
     """The trainer's sender, with the update the driver builds from the config (the http route)."""
-    url, _ = placed
+    url, _, _ = placed
     update = replace(weight_update(cfg, 1), targets=(url,))
     assert update.api_key == cfg.engine.api_key
     hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
@@ -212,13 +216,27 @@ def test_the_controller_probes_and_drives_engines_beyond_loopback_with_the_key(c
     assert urls[0].startswith(f"http://{node}:") and versions == [0] and healthy
 
 
-def test_an_engine_beyond_loopback_without_a_key_is_refused_before_it_starts(cfg, tmp_path):
-    proc = make_engine_process(replace(cfg.engine, host=ray.util.get_node_ip_address(), api_key=None), 0, str(tmp_path))
-    with pytest.raises(EngineStartError, match="without an API key"):
-        proc.start()
-    assert proc.proc is None
-    loopback = make_engine_process(replace(cfg.engine, api_key=None), 0, str(tmp_path))
-    assert loopback.server_api_key() is None and API_KEY_ENV not in loopback.env()
+def test_an_engine_without_a_key_is_refused_before_it_starts_on_loopback_too(cfg, tmp_path):
+    for host in (ray.util.get_node_ip_address(), "127.0.0.1"):
+        proc = make_engine_process(replace(cfg.engine, host=host, api_key=None), 0, str(tmp_path))
+        with pytest.raises(EngineStartError, match="without an API key"):
+            proc.start()
+        assert proc.proc is None
+
+
+def test_the_server_gets_the_key_in_a_private_file_only(placed):
+    """The placed engine's server: the key is in the 0600 file its environment names, in neither its command line
+    nor its environment (both readable by other users of the node: ``ps``, /proc); the file goes when it stops."""
+    url, _, host = placed
+    key = host.proc.cfg.api_key.reveal()
+    pid, key_path = host.proc.proc.pid, host.proc.key_path
+    assert (key_path.stat().st_mode & 0o777) == 0o600 and key_path.read_text() == key
+    environ = dict(
+        entry.split(b"=", 1) for entry in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in entry
+    )
+    assert environ[KEY_FILE_ENV.encode()] == str(key_path).encode()
+    assert key.encode() not in open(f"/proc/{pid}/environ", "rb").read()
+    assert key.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
 
 
 def test_the_key_is_random_per_run_or_the_users_and_never_printed(cfg, tiny_model, tiny_task, tmp_path, monkeypatch):

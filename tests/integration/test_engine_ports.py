@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from miles_async.config import EngineConfig
+from miles_async.inference.auth import new_api_key
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.engines import ENGINES, EngineSpec
@@ -37,6 +38,7 @@ def _cfg(model_path: str) -> EngineConfig:
         startup_timeout=60.0,
         request_timeout=30.0,
         seed=0,
+        api_key=new_api_key(),
     )
 
 

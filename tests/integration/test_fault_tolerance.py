@@ -107,14 +107,21 @@ def test_check_weight_update_equal_passes_and_catches_a_corrupted_update(cfg, tm
             urls = await controller.begin_weight_update()
             await asyncio.to_thread(
                 actor.push_weights,
-                WeightUpdate(version=1, route="http", dtype="bfloat16", timeout=60, targets=tuple(urls)),
+                WeightUpdate(
+                    version=1,
+                    route="http",
+                    dtype="bfloat16",
+                    timeout=60,
+                    targets=tuple(urls),
+                    api_key=cfg.engine.api_key,
+                ),
             )
             await controller.end_weight_update()
             await check_weight_update_equal(cfg, handle, group, 1)  # bf16 on both sides: identical bytes
 
             # Corrupt one tensor on the engine, as a broken update would.
             name, good = next((n, p) for n, p in actor.module.named_parameters() if "layers.0.mlp" in n)
-            async with EmbeddedEngineClient(urls[0], timeout=60) as c:
+            async with EmbeddedEngineClient(urls[0], timeout=60, api_key=cfg.engine.api_key) as c:
                 await c.update_weights_from_tensors([(name, good.detach().to(torch.bfloat16) + 1)], flush=True)
             with pytest.raises(WeightMismatchError) as err:
                 await check_weight_update_equal(cfg, handle, group, 1)
@@ -146,7 +153,7 @@ def test_a_killed_engine_is_restarted_with_the_current_weights(cfg, tmp_path, ti
         try:
             await controller.begin_weight_update()
             weights = _perturbed_weights(tiny_model, seed=1)
-            await push_buckets(iter_buckets(weights, torch.bfloat16, 1 << 16), urls, 7, 60)
+            await push_buckets(iter_buckets(weights, torch.bfloat16, 1 << 16), urls, 7, 60, api_key=engine_cfg.api_key)
             await controller.end_weight_update()
             old_pid = controller.engines[1].pid
             t_kill = time.monotonic()

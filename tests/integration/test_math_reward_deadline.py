@@ -18,7 +18,7 @@ from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import generate_sample
 from miles_async.rollout.rewards import MATH_VERIFY_DEADLINE_S
 
-PATHOLOGICAL = "so the answer is $9^{9^{9}}$"
+PATHOLOGICAL = "so the answer is $\\boxed{9^{9^{9}}}$"
 
 
 async def answers(ctx, sample, sampling_params):
@@ -60,9 +60,11 @@ def _cfg(tiny_model, tiny_task, tmp_path):
     )
 
 
-def _executor(cfg, url):
+def _executor(cfg, engine):
+    """An executor of ``cfg``'s run on ``engine``, whose key it sends."""
+    engine_cfg = replace(cfg.engine, request_timeout=60.0, api_key=engine.cfg.api_key)
     return ray.remote(RolloutExecutor).remote(
-        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url], None, None, cfg.tracking.output_dir
+        cfg.rollout, cfg.eval, engine_cfg, [engine.url], None, None, cfg.tracking.output_dir
     )
 
 
@@ -76,7 +78,7 @@ def engine(tiny_model, tiny_task, tmp_path_factory):
 def test_pathological_answer_scores_zero_at_the_deadline_and_the_rollout_goes_on(
     shared_ray, engine, tiny_model, tiny_task, tmp_path
 ):
-    ex = _executor(_cfg(tiny_model, tiny_task, tmp_path), engine.url)
+    ex = _executor(_cfg(tiny_model, tiny_task, tmp_path), engine)
     for rollout_id in range(2):  # the second rollout runs on a worker that replaced the killed one
         t0 = time.monotonic()
         out = ray.get(ex.generate.remote(rollout_id), timeout=MATH_VERIFY_DEADLINE_S + 90)

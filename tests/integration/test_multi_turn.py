@@ -19,22 +19,28 @@ import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.arguments import parse_args
-from miles_async.config import EngineConfig, ToolsConfig
+from miles_async.config import EngineConfig, SandboxConfig, ToolsConfig
+from miles_async.inference.auth import auth_headers, new_api_key
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
-from miles_async.inference.router import Router
+from miles_async.inference.router import make_router
 from miles_async.ray.rollout_executor import RolloutExecutor
 from miles_async.rollout.generate import GenerateContext, encode_prompt
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn, prompt_with_tools
 from miles_async.rollout.rollout import RolloutContext, generate_one
 from miles_async.rollout.sample import Sample, SampleStatus
 from tests.multi_turn_helpers import CHATML_TEMPLATE, make_scripted_model, tool_call_ids
+from tests.sandbox_helpers import TIGHT, require_namespaces
 
 H = "tests.multi_turn_helpers"
 PROMPT = "add 2 and 3"
+NO_SANDBOX = SandboxConfig(mode="none")  # what these test is not the sandbox (test_tool_sandbox.py is): any machine
 STEP_SECONDS = 0.04  # per decode step, so an abort-mode pause can land inside a turn
 # The tool turn the Qwen-like template adds after a turn ending in <|im_end|>, for a result R.
 QWEN_SEGMENT = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+KEY = new_api_key()  # the engine's key, which every call below sends
 
 
 class SlowEngine(EmbeddedEngineProcess):
@@ -65,6 +71,7 @@ def engine(model, tmp_path_factory):
         startup_timeout=120.0,
         request_timeout=60.0,
         seed=0,
+        api_key=KEY,
     )
     proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
     proc.start()
@@ -95,8 +102,8 @@ def chatml_tok(model):
 def toolbox():
     made = []
 
-    def make(registry="TOOLS", max_turns=3, timeout=20.0):
-        made.append(Toolbox(ToolsConfig(f"{H}.{registry}", max_turns, timeout, 200, 2)))
+    def make(registry="TOOLS", max_turns=3, timeout=20.0, sandbox=NO_SANDBOX, module=H):
+        made.append(Toolbox(ToolsConfig(f"{module}.{registry}", max_turns, timeout, 200, 2, sandbox)))
         return made[-1]
 
     yield make
@@ -114,7 +121,7 @@ def _params(budget: int = 200) -> dict:
 
 def _generate(url, tok, box, sample, params) -> Sample:
     async def go():
-        router = Router([url], timeout=60.0)
+        router = make_router([url], 60.0, api_key=KEY)
         try:
             return await generate_multi_turn(GenerateContext(router, tok, box), sample, params)
         finally:
@@ -197,6 +204,25 @@ def test_a_hanging_or_crashing_tool_costs_one_turn(engine, qwen_tok, toolbox, re
     assert box.runner.restarts == 2
 
 
+@pytest.mark.parametrize(
+    "registry, error",
+    [
+        ("FORK_BOMB", "error: tool 'sum' timed out after 1 s (--tool-timeout) and was killed"),
+        ("MEMORY_HOG", "error: tool 'sum' ran out of memory (its limit is --tool-memory-mb)"),
+    ],
+)
+def test_a_hostile_tool_is_contained_and_the_conversation_goes_on(engine, qwen_tok, toolbox, registry, error):
+    """In the default sandbox with tight limits (tests/sandbox_helpers.py): the fork bomb ends at the process limit
+    and the timeout, the memory hog at the memory limit; the sample gets the error and its next turn."""
+    require_namespaces()
+    box = toolbox(registry, max_turns=2, timeout=1.0, sandbox=TIGHT, module="tests.hostile_tools")
+    s = _generate(engine.url, qwen_tok, box, _sample(qwen_tok), _params(1000))
+    tokens, mask = _expected(qwen_tok, [error])
+    assert s.response_tokens == tokens and s.loss_mask == mask
+    assert s.turns == 2 and s.status == SampleStatus.TRUNCATED
+    assert box.runner.worker_pids() == []  # the sample's worker ended with it
+
+
 def test_the_budget_covers_all_turns(engine, qwen_tok, toolbox):
     box = toolbox()
     full, full_mask = _expected(qwen_tok, ["5"], last_turn=False)
@@ -214,11 +240,13 @@ def test_the_budget_covers_all_turns(engine, qwen_tok, toolbox):
 async def _pause_inside_turn_two(url: str, model: str, prompt_len: int, first_turns: int) -> int:
     """Once the engine is 2 tokens into the second turn, pause it in abort mode, load ``model`` as the next
     weight version and resume; returns that version."""
-    client = EmbeddedEngineClient(url, timeout=60.0)
+    client = EmbeddedEngineClient(url, timeout=60.0, api_key=KEY)
     try:
         load = {}
         for _ in range(4000):
-            load = await asyncio.to_thread(lambda: requests.get(url + "/get_load", timeout=10).json())
+            load = await asyncio.to_thread(
+                lambda: requests.get(url + "/get_load", headers=auth_headers(KEY), timeout=10).json()
+            )
             if load["num_running_reqs"] == 1 and load["num_tokens"] >= prompt_len + first_turns + 2:
                 break
             await asyncio.sleep(0.005)
@@ -240,7 +268,7 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
     before, _ = _expected(qwen_tok, ["5"], last_turn=False)
 
     async def go():
-        router = Router([engine.url], timeout=60.0)
+        router = make_router([engine.url], 60.0, api_key=KEY)
         try:
             ctx = RolloutContext(
                 data_source=None,
@@ -262,7 +290,7 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
         finally:
             await router.close()
 
-    old = (requests.get(engine.url + "/get_model_info", timeout=10).json())["weight_version"]
+    old = (requests.get(engine.url + "/get_model_info", headers=auth_headers(KEY), timeout=10).json())["weight_version"]
     s, new = asyncio.run(go())
     # Resumed where it was cut: the same conversation, to the token, as without the pause.
     tokens, mask = _expected(qwen_tok, ["5", "5"])
@@ -280,6 +308,8 @@ def test_a_partial_rollout_resumes_mid_conversation(engine, model, qwen_tok, too
 
 
 def test_tools_path_selects_multi_turn_in_the_executor(shared_ray, engine, model, qwen_tok, tmp_path):
+    """As a run starts it, in the default sandbox (namespace) inside the Ray actor."""
+    require_namespaces()
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": PROMPT, "label": "5"}) + "\n" for _ in range(2)))
     cfg = parse_args(["--use-tis", "--hf-checkpoint", str(model), "--prompt-data", str(data),
@@ -288,7 +318,8 @@ def test_tools_path_selects_multi_turn_in_the_executor(shared_ray, engine, model
                       "--rm-type", "integer", "--output-dir", str(tmp_path),
                       "--tools-path", f"{H}.TOOLS", "--max-turns", "2"])  # fmt: skip
     ex = ray.remote(RolloutExecutor).remote(
-        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [engine.url], None, None, str(tmp_path),
+        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0, api_key=KEY), [engine.url], None, None,
+        str(tmp_path),
         tools=cfg.tools,
     )  # fmt: skip
     batch = ray.get(ray.get(ex.generate.remote(0))["data"][0])

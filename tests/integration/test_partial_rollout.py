@@ -10,9 +10,10 @@ import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.config import EngineConfig
+from miles_async.inference.auth import auth_headers, new_api_key
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
-from miles_async.inference.router import Router
+from miles_async.inference.router import make_router
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, generate_sample
 from miles_async.rollout.rollout import RolloutContext, generate_group
@@ -22,6 +23,9 @@ MAX_NEW = 200
 N_SAMPLES = 4
 # min_new_tokens = max_new_tokens bans EOS, so every sample must come back with exactly MAX_NEW tokens.
 PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW}
+
+
+KEY = new_api_key()  # the engine's key, which every call below sends
 
 
 class SlowEngine(EmbeddedEngineProcess):
@@ -57,6 +61,7 @@ def engine(tiny_model, tmp_path_factory):
         startup_timeout=120.0,
         request_timeout=60.0,
         seed=0,
+        api_key=KEY,
     )
     proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
     proc.start()
@@ -77,7 +82,9 @@ def tokenizer(tiny_model):
 async def _wait_until_generating(url: str, min_new_tokens: int, prompt_len: int) -> None:
     """Return once every sample is decoding and has some, but far from all, of its tokens."""
     for _ in range(2000):
-        load = await asyncio.to_thread(lambda: requests.get(url + "/get_load", timeout=10).json())
+        load = await asyncio.to_thread(
+            lambda: requests.get(url + "/get_load", headers=auth_headers(KEY), timeout=10).json()
+        )
         if load["num_running_reqs"] == N_SAMPLES and load["num_tokens"] >= N_SAMPLES * (prompt_len + min_new_tokens):
             return
         await asyncio.sleep(0.005)
@@ -86,8 +93,8 @@ async def _wait_until_generating(url: str, min_new_tokens: int, prompt_len: int)
 
 async def _rollout_with_updates(url: str, tokenizer, weights: list[str], partial: bool, mask: bool) -> list[Sample]:
     """Generate one group, pausing in abort mode once per entry of ``weights`` to load it."""
-    router = Router([url], timeout=60.0)
-    client = EmbeddedEngineClient(url, timeout=60.0)
+    router = make_router([url], 60.0, api_key=KEY)
+    client = EmbeddedEngineClient(url, timeout=60.0, api_key=KEY)
     try:
         ctx = RolloutContext(
             data_source=None,

@@ -51,15 +51,17 @@ def engine(tiny_model, tiny_task, tmp_path_factory):
         yield proc
 
 
-def _executor(cfg, url):
+def _executor(cfg, engine):
+    """An executor of ``cfg``'s run on ``engine``, whose key it sends."""
+    engine_cfg = replace(cfg.engine, request_timeout=60.0, api_key=engine.cfg.api_key)
     return ray.remote(RolloutExecutor).remote(
-        cfg.rollout, cfg.eval, replace(cfg.engine, request_timeout=60.0), [url], None, None, cfg.tracking.output_dir
+        cfg.rollout, cfg.eval, engine_cfg, [engine.url], None, None, cfg.tracking.output_dir
     )
 
 
 def test_default_rollout_returns_a_batch_ref_and_metrics(shared_ray, engine, tiny_model, tiny_task, tmp_path):
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer")
-    ex = _executor(cfg, engine.url)
+    ex = _executor(cfg, engine)
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
     assert len(batch.tokens) == 6 and batch.group_index == [0, 0, 1, 1, 2, 2]
@@ -98,7 +100,7 @@ def test_every_plugin_point(shared_ray, engine, tiny_model, tiny_task, tmp_path)
         "--data-source-path",
         "tests.integration.plugins.CountingSource",
     )
-    ex = _executor(cfg, engine.url)
+    ex = _executor(cfg, engine)
     out = ray.get(ex.generate.remote(0))
     batch = ray.get(out["data"][0])
     assert batch.uids[::2] == ["c0", "c1", "c2", "c3", "c4", "c5"]  # two draws from the custom source
@@ -116,7 +118,7 @@ def test_reward_error_policy_zero_counts(shared_ray, engine, tiny_model, tiny_ta
         "--reward-on-error",
         "zero",
     )
-    out = ray.get(_executor(cfg, engine.url).generate.remote(0))
+    out = ray.get(_executor(cfg, engine).generate.remote(0))
     assert out["metrics"]["rollout/reward_errors"] == 6
     assert ray.get(out["data"][0]).rewards == [0.0] * 6
 
@@ -127,7 +129,7 @@ def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
     """--fully-async: the producer generates on its own and ``drain`` takes its batches; ``generate`` would
     draw prompts beside it and is refused. Without it no producer runs, so ``drain`` is refused."""
     cfg = _cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer", "--fully-async")
-    ex = _executor(cfg, engine.url)
+    ex = _executor(cfg, engine)
     try:
         out = ray.get(ex.drain.remote(0), timeout=120)
         batch = ray.get(out["data"][0])
@@ -139,7 +141,7 @@ def test_fully_async_batches_are_drained_and_each_mode_refuses_the_other(
             ray.get(ex.generate.remote(1), timeout=60)
     finally:
         ray.get(ex.dispose.remote(), timeout=60)
-    one_step_off = _executor(_cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer"), engine.url)
+    one_step_off = _executor(_cfg(tiny_model, tiny_task, tmp_path, "--rm-type", "first_integer"), engine)
     with pytest.raises(ray.exceptions.RayTaskError, match="drain\\(\\) needs --fully-async"):
         ray.get(one_step_off.drain.remote(0), timeout=60)
 
@@ -153,7 +155,7 @@ def test_a_fully_async_filter_that_keeps_nothing_fails_naming_it(shared_ray, eng
         tiny_model, tiny_task, tmp_path, "--custom-rm-path", "tests.e2e.rewards:always_zero",
         "--zero-variance-filter", "--fully-async", "--rollout-timeout", "600",
     )  # fmt: skip
-    ex = _executor(cfg, engine.url)
+    ex = _executor(cfg, engine)
     try:
         with pytest.raises(
             ray.exceptions.RayTaskError,

@@ -11,11 +11,13 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from miles_async.arguments import parse_args
+from miles_async.inference.auth import new_api_key
 from miles_async.inference.client import EngineError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
@@ -25,6 +27,8 @@ from miles_async.weights.source import iter_buckets
 from miles_async.weights.staged import commit, stages
 from miles_async.weights.staging import PREFIX, SHM_DIR
 from miles_async.weights.update import SHARED_MEMORY, WeightUpdate, route_for
+
+KEY = new_api_key()  # the engine's key, which every call below sends
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +49,7 @@ def engine(tiny_model, tiny_task, tmp_path_factory):
         ]
         + ["--output-dir", str(out)]
     )
-    with EmbeddedEngineProcess(cfg.engine, 0, str(out)) as proc:
+    with EmbeddedEngineProcess(replace(cfg.engine, api_key=KEY), 0, str(out)) as proc:
         yield proc
 
 
@@ -80,13 +84,14 @@ def _update(url: str, version: int, **kw) -> WeightUpdate:
         targets=(url,),
         engine="embedded",
         bucket_bytes=kw.pop("bucket_bytes", 64 << 10),
+        api_key=KEY,
         **kw,
     )
 
 
 def _engine_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
     async def go():
-        async with EmbeddedEngineClient(url, timeout=60) as c:
+        async with EmbeddedEngineClient(url, timeout=60, api_key=KEY) as c:
             return await c.get_weights()
 
     return asyncio.run(go())
@@ -94,7 +99,7 @@ def _engine_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
 
 def _call(url: str, fn):
     async def go():
-        async with EmbeddedEngineClient(url, timeout=60) as c:
+        async with EmbeddedEngineClient(url, timeout=60, api_key=KEY) as c:
             return await fn(c)
 
     return asyncio.run(go())
@@ -206,7 +211,7 @@ def test_staging_runs_while_generating_and_the_commit_swaps_between_two_steps(en
     sender = WeightSender()
 
     async def scenario():
-        async with EmbeddedEngineClient(engine.url, timeout=120) as c:
+        async with EmbeddedEngineClient(engine.url, timeout=120, api_key=KEY) as c:
             params = {"temperature": 0.0, "max_new_tokens": 500, "min_new_tokens": 500, "ignore_eos": True}
             gen = asyncio.create_task(c.generate([1, 2, 3, 4], params))
             while (await c.load())["num_running_reqs"] == 0:
@@ -224,7 +229,7 @@ def test_staging_runs_while_generating_and_the_commit_swaps_between_two_steps(en
             assert (await c.load())["decode_steps"] > steps0
             assert not gen.done()
             await c.pause("in_place")
-            await commit([engine.url], v0 + 1, 60, "embedded", False)
+            await commit([engine.url], v0 + 1, 60, "embedded", False, KEY)
             await c.resume()
             return await gen
 

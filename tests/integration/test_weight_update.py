@@ -50,9 +50,9 @@ def engine(cfg, tmp_path):
         yield proc
 
 
-def _generate(url: str, prompts: list[list[int]], n_tokens: int = 6) -> list[dict]:
+def _generate(url: str, key, prompts: list[list[int]], n_tokens: int = 6) -> list[dict]:
     async def go():
-        async with EngineClient(url, timeout=60) as c:
+        async with EngineClient(url, timeout=60, api_key=key) as c:
             return await asyncio.gather(
                 *[c.generate(p, {"temperature": 0.0, "max_new_tokens": n_tokens}) for p in prompts]
             )
@@ -60,9 +60,9 @@ def _generate(url: str, prompts: list[list[int]], n_tokens: int = 6) -> list[dic
     return asyncio.run(go())
 
 
-def _info(url: str) -> dict:
+def _info(url: str, key) -> dict:
     async def go():
-        async with EngineClient(url, timeout=60) as c:
+        async with EngineClient(url, timeout=60, api_key=key) as c:
             return await c.model_info()
 
     return asyncio.run(go())
@@ -73,8 +73,8 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts = [encode_prompt(tok, f"repeat {d}", True) for d in range(4)]
-    before = _generate(engine.url, prompts)
-    assert _info(engine.url)["weight_version"] == 0
+    before = _generate(engine.url, cfg.engine.api_key, prompts)
+    assert _info(engine.url, cfg.engine.api_key)["weight_version"] == 0
 
     # Reward the greedy outputs negatively: a policy step must move away from them.
     actor = actor_trained_on(cfg, prompts, before)
@@ -86,12 +86,13 @@ def test_trained_weights_reach_the_engine(cfg, engine, tiny_model):
             timeout=60,
             targets=(engine.url,),
             bucket_bytes=cfg.train.update_weight_buffer_size,
+            api_key=cfg.engine.api_key,
         )
     )
     assert pushed["weights/bytes"] > 0
 
-    assert _info(engine.url)["weight_version"] == 3
-    after = _generate(engine.url, prompts)
+    assert _info(engine.url, cfg.engine.api_key)["weight_version"] == 3
+    after = _generate(engine.url, cfg.engine.api_key, prompts)
     assert all(o["meta_info"]["weight_version"] == 3 for o in after)
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
     # The engine now computes what the trainer holds: its log-probs match the trainer's own.

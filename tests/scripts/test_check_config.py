@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from miles_async.config.precision import cpu_has_bf16
 from tests.scripts.helpers import ROOT, STUBS
@@ -177,3 +178,24 @@ def test_data_without_the_launchers_keys_exits_2_naming_the_file(tmp_path):
     data.write_text(json.dumps({"prompt": "1 + 1?", "label": "2"}) + "\n")
     proc = _run(QWEN3, env, ["--input-key", "question", "--check-config"], timeout=240)
     assert proc.returncode == 2 and str(data) in proc.stderr and "question" in proc.stderr, proc.stderr[-2000:]
+
+
+# Lines of Miles' published launchers whose flags take several values, as written there: SGLANG_ARGS of
+# scripts/run-qwen3-30B-A3B.sh and run-qwen3-235B-A22B.sh, ROLLOUT_ARGS of scripts/run-glm4.5-355B-A32B.sh, and the
+# --offload-rollout-level its launchers keep commented out. bash expands them, as in the launchers.
+MILES_LIST_VALUED = """
+   --sglang-cuda-graph-bs 1 2 4 8 $(seq 16 8 256)
+   --rollout-stop-token-ids 151329 151336 151338
+   --offload-rollout-level kv_cache weight
+"""
+
+
+def test_miles_list_valued_flags_pass_check_config_as_lists(tmp_path):
+    proc = _check_config(QWEN3, _launcher_env(tmp_path, QWEN3, "Qwen3-4B"), *_words(MILES_LIST_VALUED))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = yaml.safe_load(proc.stdout.split("# resolved configuration\n", 1)[1].split("\n\n# worker plan", 1)[0])
+    sizes = [str(bs) for bs in [1, 2, 4, 8, *range(16, 257, 8)]]
+    assert cfg["engine"]["sglang_args"] == ["--mem-fraction-static", "0.8", "--cuda-graph-bs-decode", *sizes]
+    assert cfg["rollout"]["sampling"]["stop_token_ids"] == [151329, 151336, 151338]
+    assert cfg["eval"]["sampling"]["stop_token_ids"] == [151329, 151336, 151338]
+    assert "  - --offload-rollout-level kv_cache weight is ignored: Miles' colocated-mode memory" in proc.stdout

@@ -32,6 +32,14 @@ def test_valid_flags_build_typed_configs(tmp_path, data):
     assert cfg.rollout.sampling.max_new_tokens == 128
 
 
+def test_stop_token_ids_reach_the_engines_sampling_params_in_rollouts_and_evals(tmp_path, data):
+    evals = ["--eval-prompt-data", "held", str(data), "--eval-interval", "2"]
+    cfg = parse_args(base(tmp_path, data, *evals, "--rollout-stop-token-ids", "7", "9"))
+    assert cfg.rollout.sampling.to_sglang()["stop_token_ids"] == [7, 9]
+    assert cfg.eval.sampling.to_sglang()["stop_token_ids"] == [7, 9]
+    assert "stop_token_ids" not in parse_args(base(tmp_path, data)).rollout.sampling.to_sglang()
+
+
 def test_num_epoch_sets_num_rollout(tmp_path, data):
     args = base(tmp_path, data)
     args[args.index("--num-rollout") : args.index("--num-rollout") + 2] = ["--num-epoch", "2"]
@@ -50,6 +58,7 @@ def test_num_epoch_sets_num_rollout(tmp_path, data):
         (["--tis-clip", "0.5", "--tis-clip-low", "1.0"], "--tis-clip must be > --tis-clip-low"),
         (["--num-epoch", "1"], "only one of --num-rollout and --num-epoch"),
         (["--eps-clip-c", "0.5"], "--eps-clip-c"),
+        (["--rollout-stop-token-ids", "5", "-1"], "--rollout-stop-token-ids must be >= 0"),
     ],
 )
 def test_contradictions_name_the_flag(tmp_path, data, extra, fragment):
@@ -83,10 +92,9 @@ def test_invalid_json_names_the_line(tmp_path):
         parse_args(base(tmp_path, path))
 
 
-def test_unknown_rm_type_is_rejected(tmp_path, data, capsys):
-    with pytest.raises(SystemExit):
+def test_unknown_rm_type_is_rejected(tmp_path, data):
+    with pytest.raises(ConfigError, match="^--rm-type: unknown reward type 'nonsense'; choose from math, "):
         parse_args(base(tmp_path, data)[:-4] + ["--rm-type", "nonsense"])
-    assert "--rm-type" in capsys.readouterr().err
 
 
 def test_custom_rm_that_does_not_import(tmp_path, data):

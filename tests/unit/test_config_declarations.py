@@ -27,12 +27,11 @@ def _feature_args(row: Capability) -> list[str]:
 
 def _namespace(words: list[str]) -> argparse.Namespace:
     """What parse_args hands to the checks: the parser's namespace with the engines' passthrough flags split off."""
-    from miles_async.arguments import _engine_passthrough
+    from miles_async.arguments import split_engine_flags
 
     parser = build_parser()
     ns, unknown = parser.parse_known_args(words)
-    passthrough = _engine_passthrough(parser, unknown)
-    ns.sglang_args, ns.vllm_args = passthrough["sglang"], passthrough["vllm"]
+    split_engine_flags(parser, ns, unknown)
     return ns
 
 

@@ -143,14 +143,27 @@ def run_flags(tmp_path) -> list[str]:
     return [*minimal_flags(tmp_path), "--num-rollout", "2"]
 
 
-def test_a_non_loopback_host_without_a_token_is_refused_naming_the_flag(tmp_path, monkeypatch):
+def test_without_a_token_the_server_makes_one_and_bad_tls_or_host_flags_are_refused(tmp_path, monkeypatch):
+    """No token given: the config holds none and the server makes one at start (tests/integration/test_red_team.py),
+    on loopback or not. The TLS files go in pairs and must exist; allowed hosts are bare names."""
     monkeypatch.delenv("MILES_ASYNC_API_TOKEN", raising=False)
     base = [*run_flags(tmp_path), "--api-server-port", "0"]
-    with pytest.raises(ConfigError, match=r"^--api-server-host 0\.0\.0\.0 is not a loopback address"):
-        parse_args([*base, "--api-server-host", "0.0.0.0"])
-    # Loopback needs no token; no port, no server and nothing to refuse.
-    assert parse_args([*base, "--api-server-host", "::1"]).control.token is None
+    assert parse_args([*base, "--api-server-host", "0.0.0.0"]).control.token is None
     assert not parse_args([*run_flags(tmp_path), "--api-server-host", "0.0.0.0"]).control.enabled
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-")
+    with pytest.raises(ConfigError, match="^--api-server-ssl-certfile and --api-server-ssl-keyfile go together"):
+        parse_args([*base, "--api-server-ssl-certfile", str(cert)])
+    with pytest.raises(ConfigError, match="^--api-server-ssl-keyfile: file not found: .*missing.pem"):
+        parse_args(
+            [*base, "--api-server-ssl-certfile", str(cert), "--api-server-ssl-keyfile", str(tmp_path / "missing.pem")]
+        )
+    with pytest.raises(ConfigError, match="^--api-server-allowed-hosts: 'http://node1' is not a host name"):
+        parse_args([*base, "--api-server-allowed-hosts", "node1.example", "http://node1"])
+    assert parse_args([*base, "--api-server-allowed-hosts", "node1.example", "10.0.0.7"]).control.allowed_hosts == (
+        "node1.example",
+        "10.0.0.7",
+    )
 
 
 def test_the_token_comes_from_the_environment_or_a_file_and_never_shows(tmp_path, monkeypatch):

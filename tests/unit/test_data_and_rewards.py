@@ -58,8 +58,8 @@ def _sample(response, label):
         ("integer", "56, no wait, 54", "56", 0.0),
         ("first_integer", "56, no wait, 54", "56", 1.0),
         ("integer", "no digits", "3", 0.0),
-        ("math", "so the result is $\\frac{1}{2}$", "0.5", 1.0),
-        ("math", "the result is 3", "4", 0.0),
+        ("math", "so the result is $\\boxed{\\frac{1}{2}}$", "0.5", 1.0),
+        ("math", "the result is \\boxed{3}", "4", 0.0),
         ("exact", " yes ", "yes", 1.0),
     ],
 )

@@ -4,13 +4,17 @@ sampling-param and response adapters; --weight-update-method per engine; SGLang'
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
+from aiohttp import web
 
 from miles_async.arguments import ConfigError, parse_args
+from miles_async.inference.client import EngineProtocolError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.inference.router import Router
 from miles_async.inference.sglang.client import SGLangEngineClient
 from miles_async.inference.vllm.client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
 from miles_async.inference.vllm.launcher import VLLMEngineProcess
@@ -128,6 +132,43 @@ def test_a_vllm_answer_reads_like_sglangs():
     assert meta["weight_version"] == 5 and meta["output_token_weight_versions"] == [4, 5, 5]
     empty = sglang_shaped({"choices": [{"finish_reason": "abort", "token_ids": [], "weight_versions": []}]})
     assert empty["output_ids"] == [] and empty["meta_info"]["output_token_logprobs"] == []
+
+
+@pytest.mark.parametrize("client_class", [SGLangEngineClient, VLLMEngineClient])
+def test_an_unknown_finish_reason_is_an_error_naming_it_and_the_engine(client_class):
+    """A real HTTP server answering /generate (SGLang's route) and /inference/v1/generate (vLLM's) with a finish
+    reason the rollout code does not know: the client raises, naming it and the engine, and the router does not
+    retry it on another engine (the sample is not silently marked failed)."""
+    sglang = {"text": "", "output_ids": [5], "meta_info": {"finish_reason": {"type": "eos_reached"}}}
+    vllm = {"choices": [{"finish_reason": "error", "token_ids": [5], "weight_versions": []}]}
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(sglang if request.path == "/generate" else vllm)
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", answer)
+        app.router.add_post("/inference/v1/generate", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        router = Router([url], 10.0, retry=True, client_factory=lambda u, t: client_class(u, timeout=t))
+        try:
+            with pytest.raises(EngineProtocolError) as err:
+                await router.generate([1, 2], {"max_new_tokens": 1})
+            return url, str(err.value), router.retries
+        finally:
+            await router.close()
+            await runner.cleanup()
+
+    url, message, retries = asyncio.run(go())
+    reason = {"type": "eos_reached"} if client_class is SGLangEngineClient else {"type": "error"}
+    assert message == (
+        f"the engine at {url} ended a generation with an unknown finish reason {reason!r} "
+        "(expected a type of stop, length, abort)"
+    )
+    assert retries == 0
 
 
 def test_weight_update_method_resolves_per_engine(tmp_path):

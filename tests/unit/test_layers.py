@@ -20,7 +20,7 @@ PACKAGE = "miles_async"
 # a layer are siblings and import nothing from each other. The loop (train_async.py) sits above all of them.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("utils", "assets"),  # checkpoint, tracking, plots, async helpers; tiny models and task data
-    ("algorithms",),  # advantages and losses: pure tensor functions
+    ("algorithms",),  # advantages, losses and reward types: pure functions
     ("inference",),  # the engines: each declares its client, launcher and weight routes (engines.py)
     ("config",),  # flags -> typed configs; its capability table reads the engines' declarations
     ("weights",),  # the weight path's record, sources and routes: what the trainers send with

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from miles_async.backends.packing import collate, pack_micro_batches
-from miles_async.ray.eval_dispatcher import EvalDispatcher
+from miles_async.ray.eval_dispatcher import EvalDispatcher, EvalsFailed
 from miles_async.utils.async_utils import WaitTimeout, race
 from miles_async.utils.checkpoint import atomic_write_bytes, iteration_dir, latest_checkpointed_iteration, mark_complete
 from miles_async.utils.misc import should_run_periodic_action
@@ -86,29 +86,43 @@ def test_race_times_out_with_a_message():
         asyncio.run(race(asyncio.sleep(10), [], timeout=0.05, what="the thing"))
 
 
-def test_eval_dispatcher_bounds_in_flight_and_skips_failures():
-    async def main():
+def test_eval_dispatcher_bounds_in_flight_and_reports_every_failure():
+    async def main(allowed):
         running, peak, results = 0, 0, {}
 
         async def run_eval(step):
             nonlocal running, peak
             running += 1
             peak = max(peak, running)
-            await asyncio.sleep(0.02)
-            running -= 1
+            try:
+                await asyncio.sleep(30 if step == 3 else 0.02)
+            finally:
+                running -= 1
             if step == 2:
                 raise RuntimeError("eval engine hiccup")
             return {"acc": step}
 
-        d = EvalDispatcher(run_eval, lambda s, m: results.__setitem__(s, m), max_in_flight=2, timeout=5)
+        d = EvalDispatcher(run_eval, results.__setitem__, max_in_flight=2, timeout=1, failures_allowed=allowed)
         for step in range(5):
             await d.dispatch(step)
         await d.drain()
-        return peak, results, d.failures
+        return peak, results, d
 
-    peak, results, failures = asyncio.run(main())
+    peak, results, d = asyncio.run(main(allowed=1))
     assert peak == 2
-    assert sorted(results) == [0, 1, 3, 4] and failures == 1
+    assert sorted(results) == [0, 1, 4]  # training went on past the failures
+    summary = (
+        "2 eval(s) failed (--eval-failures-allowed 1):\n"
+        "  eval at rollout 2: RuntimeError: eval engine hiccup\n"
+        "  eval at rollout 3: took longer than 1 s (--rollout-timeout)"
+    )
+    assert d.summary() == summary
+    with pytest.raises(EvalsFailed) as failed:
+        d.check()
+    assert str(failed.value) == summary
+    _, _, tolerant = asyncio.run(main(allowed=2))
+    tolerant.check()  # within the allowance: the run ends as a finished one
+    assert len(tolerant.failures) == 2
 
 
 def test_gather_fail_fast_raises_the_cause_and_cancels_the_rest():

@@ -10,7 +10,9 @@ import pytest
 
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import RewardConfig
-from miles_async.config.rollout import RemoteRewardConfig
+from miles_async.config.control import Secret
+from miles_async.config.report import render
+from miles_async.config.rollout import RM_TOKEN_ENV, RemoteRewardConfig
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext
 from miles_async.rollout.remote_reward import RemoteRewardError
@@ -175,6 +177,80 @@ def test_a_reply_of_the_wrong_length_names_the_url():
     with RewardServer(RIGHT, WRONG, reward_key="score") as server:  # objects back, and no --reward-key
         with pytest.raises(RemoteRewardError, match=f"--rm-url {server.url} answered badly: .*--reward-key"):
             asyncio.run(score_all(remote_model(server.url, batch_size=2), samples(2)))
+
+
+# -- credentials ---------------------------------------------------------------------------------------------
+def test_the_bearer_token_reaches_the_server_and_no_redirect_is_followed():
+    with RewardServer(RIGHT, WRONG) as elsewhere, RewardServer(redirect_to=f"{elsewhere.url}?key=s3cret") as server:
+        with RewardServer(RIGHT, WRONG) as direct:
+            batch = samples(2)
+            rewards = asyncio.run(score_all(remote_model(direct.url, token=Secret("t0ken")), batch))
+        assert rewards == expected(batch) and direct.authorizations == ["Bearer t0ken"] * 2
+        with pytest.raises(RemoteRewardError) as err:
+            asyncio.run(score_all(remote_model(server.url, token=Secret("t0ken"), max_retries=3), samples(1)))
+        assert server.requests == 1 and elsewhere.requests == 0  # not retried, not followed
+    host = elsewhere.url.removeprefix("http://")
+    assert str(err.value) == (
+        f"reward server --rm-url {server.url} answered HTTP 307, a redirect to http://{host}?<redacted>; redirects "
+        "are not followed (they could take the token or the samples elsewhere): give the final URL as --rm-url"
+    )
+
+
+@pytest.mark.parametrize("failure", ["refused", "unreachable"])
+def test_the_url_is_redacted_in_every_error_and_log(failure, refused_port, caplog):
+    """A user, password and query (an API key) in --rm-url: the reply's echo of the query, the retry warnings and
+    the final error show none of them."""
+    with RewardServer(refuse_with=503 if failure == "refused" else None) as server:
+        port = server.port if failure == "refused" else refused_port
+        url = f"http://bob:pa55word@127.0.0.1:{port}/reward?api_key=s3cret"
+        with pytest.raises(RemoteRewardError) as err:
+            asyncio.run(score_all(remote_model(url, max_retries=1), samples(1)))
+    if failure == "refused":
+        assert server.authorizations[0].startswith("Basic ")  # the credentials were sent, as the URL asked
+    seen = f"{err.value!s} {err.value.__cause__!s} {caplog.text}"
+    for secret in ("bob", "pa55word", "s3cret"):
+        assert secret not in seen
+    assert f"--rm-url http://<redacted>@127.0.0.1:{port}/reward?<redacted>" in str(err.value)
+    if failure == "refused":
+        assert "no access for /reward?<redacted>" in str(err.value)
+
+
+def test_the_token_comes_from_a_file_or_the_environment(tmp_path, data, monkeypatch):
+    url = ["--rm-url", "http://rm:8000/score"]
+    assert parse_args(flags(tmp_path, data, *url)).rollout.reward.remote.token is None
+    monkeypatch.setenv(RM_TOKEN_ENV, " from-env\n")
+    assert parse_args(flags(tmp_path, data, *url)).rollout.reward.remote.token.value == "from-env"
+    (tmp_path / "token").write_text("from-file\n")
+    keyed = ["--rm-url", "http://rm:8000/score?key=k3y", "--rm-token-file", str(tmp_path / "token")]
+    cfg = parse_args(flags(tmp_path, data, *keyed))
+    assert cfg.rollout.reward.remote.token.value == "from-file"  # the file wins
+    report = render(cfg)  # --check-config's
+    assert "from-file" not in report and "k3y" not in report
+    assert "token: <hidden>" in report and "http://rm:8000/score?<redacted>" in report
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--rm-token-file", "missing"], "--rm-token-file: file not found: missing"),
+        (["--rm-token-file", "{empty}"], "--rm-token-file: {empty} is empty"),
+        (
+            ["--rm-url", "http://u:pw@rm:8000/score", "--rm-token-file", "{token}"],
+            "--rm-url http://<redacted>@rm:8000/score holds credentials and a bearer token is given too",
+        ),
+        (["--rm-url", "ftp://u:pw@rm/score?k=v"], "--rm-url: 'ftp://<redacted>@rm/score?<redacted>' is not an"),
+    ],
+)
+def test_bad_token_flags_are_refused_naming_the_flag(tmp_path, data, extra, message):
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "token").write_text("t")
+    paths = {"empty": tmp_path / "empty", "token": tmp_path / "token"}
+    extra = [e.format(**paths) for e in extra]
+    url = [] if "--rm-url" in extra else ["--rm-url", "http://rm:8000/score"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(flags(tmp_path, data, *url, *extra))
+    assert message.format(**paths) in str(err.value)
+    assert "pw" not in str(err.value)
 
 
 # -- the group hook ------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from miles_async.arguments import parse_args
 from miles_async.inference.client import normalize_meta
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.engines import make_engine_process
+from miles_async.inference.launcher import ROOT
 from miles_async.inference.sglang.launcher import CPU_SHIMS, SGLangEngineProcess
 from tests.flag_helpers import minimal_flags
 
@@ -42,6 +44,26 @@ def test_sglang_flags_pass_through(tmp_path):
     assert e.sglang_args == ("--mem-fraction-static", "0.7", "--enable-metrics", "--attention-backend", "fa3")
     assert e.num_engines == 2 and e.num_gpus_per_engine == 2
     assert parse_args(_args(tmp_path)).engine.sglang_args == ()
+
+
+def test_list_valued_sglang_flags_reach_the_server_typed_and_checked(tmp_path):
+    """--sglang-cuda-graph-bs (Miles' spelling of SGLang's --cuda-graph-bs-decode) takes all its values (an
+    undeclared --sglang-<flag> takes one), each an int and positive, and reaches SGLang's command line after the
+    undeclared ones; the embedded engine refuses it."""
+    from miles_async.arguments import ConfigError
+
+    sglang = ["--rollout-backend", "sglang", "--sglang-python", "/venv/bin/python"]
+    given = ["--sglang-cuda-graph-bs", "1", "2", "16", "--sglang-max-total-tokens", "64"]
+    cfg = parse_args(_args(tmp_path, *sglang, *given, "--sglang-cuda-graph-bs-prefill", "4", "8"))
+    server = ["--max-total-tokens", "64", "--cuda-graph-bs-decode", "1", "2", "16", "--cuda-graph-bs-prefill", "4", "8"]
+    assert cfg.engine.sglang_args == tuple(server)
+    assert make_engine_process(cfg.engine, 0, None).command()[-len(server) :] == server
+    with pytest.raises(ConfigError, match="^--sglang-cuda-graph-bs-decode must be positive"):
+        parse_args(_args(tmp_path, *sglang, "--sglang-cuda-graph-bs", "1", "0"))
+    with pytest.raises(SystemExit):
+        parse_args(_args(tmp_path, *sglang, "--sglang-cuda-graph-bs", "1", "two"))
+    with pytest.raises(ConfigError, match="^--sglang-cuda-graph-bs-decode 1 2 is not supported by the embedded"):
+        parse_args(_args(tmp_path, "--sglang-cuda-graph-bs", "1", "2"))
 
 
 def test_unknown_flags_still_fail(tmp_path):
@@ -77,7 +99,7 @@ def test_launch_command(tmp_path):
     proc = make_engine_process(replace(cfg, use_gpu=False), 1, None)
     assert isinstance(proc, SGLangEngineProcess)
     cmd = proc.command()
-    assert cmd[:3] == ["/venv/bin/python", "-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/venv/bin/python", "-m", "miles_async.inference.sglang.serve"]  # sglang.launch_server
     flags = dict(zip(cmd, cmd[1:]))
     assert flags["--port"] == str(proc.port) and flags["--dtype"] == "float32" and flags["--weight-version"] == "0"
     assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
@@ -85,6 +107,7 @@ def test_launch_command(tmp_path):
     assert cmd.count("--max-total-tokens") == 1 and flags["--max-total-tokens"] == "4096"  # the user's wins
     env = proc.env()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and str(CPU_SHIMS) in env["PYTHONPATH"]
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(ROOT)  # serve.py runs from the checkout
 
     gpu = SGLangEngineProcess(replace(cfg, use_gpu=True, num_gpus_per_engine=2), 1, None).command()
     flags = dict(zip(gpu, gpu[1:]))

@@ -1,20 +1,27 @@
 """Tool calls: parsing the model's <tool_call> blocks, the registry (--tools-path) and its flags, the tool
-segment the chat template adds, and running calls in real worker subprocesses (timeout, crash, output cap)."""
+segment the chat template adds, and running calls in real worker subprocesses (a worker per sample, timeout, crash,
+output cap, the allowlisted environment). The sandbox's containment: tests/unit/test_tool_sandbox.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
 import pytest
 
 from miles_async.arguments import ConfigError, parse_args
-from miles_async.config import ToolsConfig
+from miles_async.config import SandboxConfig, ToolsConfig
+from miles_async.config.control import TOKEN_ENV
+from miles_async.inference.auth import API_KEY_ENV
 from miles_async.rollout.multi_turn import Toolbox, has_tool_role, shows_tools, tool_messages, tool_segment_text
+from miles_async.rollout.sandbox import ALLOWED_ENV, ONE_THREAD
 from miles_async.rollout.tools import ToolCall, ToolRunner, cap_output, load_tools, parse_tool_calls, tool_schema
+from miles_async.rollout.verifier_pool import VerifierPool
 from miles_async.utils.plugins import PluginError
 from tests.flag_helpers import minimal_flags
+from tests.hostile_tools import environment
 from tests.multi_turn_helpers import CHATML_TEMPLATE, QWEN_LIKE_TEMPLATE, build_tokenizer, sum_tool
 
 H = "tests.multi_turn_helpers"
@@ -121,7 +128,22 @@ def test_flags_build_the_tools_config(tmp_path):
         100,
     )
     assert cfg.tools.workers == 4
+    assert cfg.tools.sandbox == SandboxConfig()  # namespace, with the defaults
     assert parse_args(_flags(tmp_path)).tools is None
+
+
+def test_flags_build_the_sandbox_config(tmp_path):
+    tools = ["--apply-chat-template", "--tools-path", f"{H}.TOOLS"]
+    limits = ["--tool-cpu-seconds", "2", "--tool-memory-mb", "256", "--tool-file-size-mb", "1"]
+    more = ["--tool-open-files", "64", "--tool-max-processes", "16", "--tool-no-network", "--tool-private-tmp"]
+    cfg = parse_args(_flags(tmp_path, *tools, *limits, *more))
+    assert cfg.tools.sandbox == SandboxConfig("namespace", 2.0, 256, 1, 64, 16, True, True)
+    cfg = parse_args(_flags(tmp_path, *tools, "--tool-sandbox", "rlimits-only", "--tool-max-processes", "8"))
+    assert cfg.tools.sandbox.mode == "rlimits-only"
+    assert (
+        "--tool-max-processes 8 is ignored: it only takes effect with --tools-path and --tool-sandbox namespace"
+        in cfg.warnings
+    )
 
 
 @pytest.mark.parametrize(
@@ -130,6 +152,25 @@ def test_flags_build_the_tools_config(tmp_path):
         (["--apply-chat-template", "--tools-path", f"{H}.EMPTY"], "--tools-path: 'tests.multi_turn_helpers.EMPTY'"),
         (["--tools-path", f"{H}.TOOLS"], "--tools-path needs --apply-chat-template"),
         (["--apply-chat-template", "--tools-path", f"{H}.TOOLS", "--tool-timeout", "0"], "--tool-timeout must be"),
+        (
+            ["--apply-chat-template", "--tools-path", f"{H}.TOOLS", "--tool-sandbox", "none", "--tool-no-network"],
+            "--tool-no-network needs --tools-path and --tool-sandbox namespace",
+        ),
+        (
+            [
+                "--apply-chat-template",
+                "--tools-path",
+                f"{H}.TOOLS",
+                "--tool-sandbox",
+                "rlimits-only",
+                "--tool-private-tmp",
+            ],
+            "--tool-private-tmp needs --tools-path and --tool-sandbox namespace",
+        ),
+        (
+            ["--apply-chat-template", "--tools-path", f"{H}.TOOLS", "--tool-memory-mb", "8"],
+            "--tool-memory-mb must be >= 64",
+        ),
     ],
 )
 def test_bad_tool_flags_are_refused_by_name(tmp_path, extra, message):
@@ -176,14 +217,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
 
 
 # -- running calls in worker processes ----------------------------------------------------------------
+# These run without the sandbox (--tool-sandbox none), so they pass on any machine; what the sandbox adds is tested
+# in test_tool_sandbox.py. The environment, session, descriptors and per-sample workers are every mode's.
+NONE = SandboxConfig(mode="none")
 
 
 @pytest.fixture
 def runner():
     made = []
 
-    def make(path=f"{H}.MANY", timeout=20.0, max_chars=1000, workers=2):
-        made.append(ToolRunner(path, timeout, max_chars, workers))
+    def make(path=f"{H}.MANY", timeout=20.0, max_chars=1000, workers=2, sandbox=NONE):
+        made.append(ToolRunner(path, timeout, max_chars, workers, sandbox))
         return made[-1]
 
     yield make
@@ -201,75 +245,153 @@ def _alive(pid: int) -> bool:
         return fh.read().split(") ")[1][0] != "Z"
 
 
+def _calls(session, *calls):
+    async def go():
+        try:
+            return await asyncio.gather(*(session.call(name, args) for name, args in calls))
+        finally:
+            await session.aclose()
+
+    return asyncio.run(go())
+
+
 def test_results_errors_and_prints_come_back_as_text(runner):
     r = runner(max_chars=12)
-
-    async def go():
-        return await asyncio.gather(
-            r.call("echo", {"text": "ab", "times": 2}),
-            r.call("boom", {}),
-            r.call("chatty", {}),
-            r.call("echo", {"text": "x", "times": 50}),
-        )
-
-    ok, raised, printed, long = asyncio.run(go())
+    ok, raised, printed, long = _calls(
+        r.session(),
+        ("echo", {"text": "ab", "times": 2}),
+        ("boom", {}),
+        ("chatty", {}),
+        ("echo", {"text": "x", "times": 50}),
+    )
     assert ok == "abab"
     assert raised == "error: tool \n[output truncated: 33 more characters]"  # a tool's error is capped too
     assert printed == '{"ok": true}'
     assert long == "x" * 12 + "\n[output truncated: 38 more characters]"
-    assert r.restarts == 0
+    assert r.restarts == 0 and r.started == 1  # one sample: one worker for all its calls
 
 
 def test_a_tool_error_is_reported_to_the_model(runner):
     r = runner()
-    assert asyncio.run(r.call("boom", {})) == "error: tool 'boom' raised ValueError: no luck"
-    assert asyncio.run(r.call("echo", {"nope": 1})).startswith("error: tool 'echo' raised TypeError:")
+    raised, bad_args = _calls(r.session(), ("boom", {}), ("echo", {"nope": 1}))
+    assert raised == "error: tool 'boom' raised ValueError: no luck"
+    assert bad_args.startswith("error: tool 'echo' raised TypeError:")
 
 
-def test_a_hanging_tool_costs_its_timeout_and_its_worker_only(runner, tmp_path, monkeypatch):
-    monkeypatch.setenv("MULTI_TURN_CHILD_PID_FILE", str(tmp_path / "child.pid"))
-    r = runner(timeout=1.0, workers=2)
-    assert asyncio.run(r.call("echo", {"text": "warm"})) == "warm"
-    (before,) = r.worker_pids()
+def test_each_sample_gets_a_fresh_worker_that_ends_with_it(runner):
+    r = runner(path="tests.hostile_tools.HOSTILE")
+    first, second = r.session(), r.session()
 
     async def go():
-        return await asyncio.gather(r.call("spawn_and_hang", {}), r.call("hang", {"a": 1, "b": 2}))
+        assert await first.call("remember", {"value": "a"}) == ""
+        assert await first.call("remember", {"value": "b"}) == "a"  # a sample's calls share their worker
+        pid, folder = first.pid, first.folder
+        assert await second.call("remember", {"value": "c"}) == ""  # nothing of the other sample's
+        assert second.pid != pid
+        await first.aclose()
+        await second.aclose()
+        return pid, folder
 
-    t0 = time.monotonic()
-    spawned, hung = asyncio.run(go())
-    took = time.monotonic() - t0
-    assert spawned == "error: tool 'spawn_and_hang' timed out after 1 s (--tool-timeout) and was killed"
-    assert hung == "error: tool 'hang' timed out after 1 s (--tool-timeout) and was killed"
-    assert 1.0 <= took < 8.0  # both in parallel, each bounded by the timeout (+ one worker start)
-    assert r.restarts == 2 and r.worker_pids() == []
-    assert not _alive(before)
-    assert not _alive(int((tmp_path / "child.pid").read_text()))  # the tool's own child went with its worker
-    assert asyncio.run(r.call("echo", {"text": "again"})) == "again"  # a fresh worker serves the next call
+    pid, folder = asyncio.run(go())
+    assert not _alive(pid) and not os.path.exists(folder)
+    assert r.worker_pids() == [] and r.started == 2
+
+
+def test_a_hanging_tool_costs_its_timeout_and_its_worker_only(runner):
+    r = runner(path="tests.hostile_tools.HOSTILE", timeout=1.0)
+    session = r.session()
+
+    async def go():
+        child = await session.call("child_pid", {})  # a child that would outlive a plain kill of its worker
+        worker = session.pid
+        t0 = time.monotonic()
+        hung = await session.call("endless_loop", {})
+        took = time.monotonic() - t0
+        again = await session.call("remember", {"value": "x"})  # a fresh worker: the old one's state is gone
+        await session.aclose()
+        return int(child), worker, hung, took, again
+
+    child, worker, hung, took, again = asyncio.run(go())
+    assert hung == "error: tool 'endless_loop' timed out after 1 s (--tool-timeout) and was killed"
+    assert 1.0 <= took < 6.0
+    assert again == ""
+    assert r.restarts == 1 and r.started == 2 and r.worker_pids() == []
+    assert not _alive(worker) and not _alive(child)  # the tool's own child went with its worker
 
 
 def test_a_crashing_tool_costs_its_call_only(runner):
     r = runner()
-    assert asyncio.run(r.call("crash", {"a": 1, "b": 2})) == (
-        "error: tool 'crash' crashed (its worker process exited with code 3)"
-    )
-    assert asyncio.run(r.call("echo", {"text": "still here"})) == "still here"
+    crashed, after = _calls(r.session(), ("crash", {"a": 1, "b": 2}), ("echo", {"text": "still here"}))
+    assert crashed == "error: tool 'crash' crashed (its worker process exited with code 3)"
+    assert after == "still here"
     assert r.restarts == 1
 
 
 def test_a_registry_the_worker_cannot_load_is_named(runner):
     r = runner(path=f"{H}.EMPTY")
     with pytest.raises(RuntimeError, match="--tools-path: a tool worker failed to start: .*holds no tools"):
-        asyncio.run(r.call("echo", {}))
+        _calls(r.session(), ("echo", {}))
+
+
+def test_a_worker_gets_no_secret_no_descriptor_and_a_session_of_its_own(runner, monkeypatch):
+    secrets = {
+        TOKEN_ENV: "control-token",
+        API_KEY_ENV: "engine-key",
+        "WANDB_API_KEY": "wandb-key",
+        "RAY_JOB_TOKEN": "ray-token",
+        "HF_TOKEN": "hf-token",
+    }
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    leak_r, leak_w = os.pipe()  # an inheritable descriptor of ours, as a careless library leaves one
+    os.set_inheritable(leak_w, True)
+    try:
+        r = runner(path="tests.hostile_tools.HOSTILE", max_chars=100_000)
+        env, fds, ids, where = _calls(
+            r.session(), ("environment", {}), ("descriptors", {}), ("session", {}), ("where", {})
+        )
+        ours = os.readlink(f"/proc/self/fd/{leak_w}")
+    finally:
+        os.close(leak_r)
+        os.close(leak_w)
+    env, fds, ids, where = json.loads(env), json.loads(fds), json.loads(ids), json.loads(where)
+    assert not set(secrets) & set(env) and not set(secrets.values()) & set(env.values())
+    allowed = {*ALLOWED_ENV, *ONE_THREAD, "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
+    assert set(env) <= allowed, set(env) - allowed
+    assert env["HOME"] == env["TMPDIR"] == where["cwd"]  # its own folder
+    # stdin, stdout (its requests and replies), stderr (ours, for what tools print), its own copy of stdout
+    assert sorted(fds) == ["0", "1", "2", "3"] and ours not in fds.values()
+    assert fds["0"].startswith("pipe:") and fds["1"] == os.readlink("/proc/self/fd/2")
+    assert ids["sid"] == ids["pid"] != os.getsid(0)  # the worker leads a session of its own
+
+
+def test_a_verifier_worker_gets_no_secret_either(monkeypatch):
+    """The reward verifiers' workers (rollout.verifier_pool, math-verify's) start from the same allowlist."""
+    monkeypatch.setenv(TOKEN_ENV, "control-token")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key")
+    pool = VerifierPool(1, 30.0)
+
+    async def go():
+        try:
+            return await pool.run(environment)
+        finally:
+            pool.close()
+
+    env = asyncio.run(go())
+    assert TOKEN_ENV not in env and "WANDB_API_KEY" not in env
+    assert set(env) <= {*ALLOWED_ENV, *ONE_THREAD, "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
 
 
 def test_an_unknown_tool_or_a_malformed_call_is_answered_without_a_worker():
-    box = Toolbox(ToolsConfig(f"{H}.TOOLS", 2, 5.0, 100, 1))
+    box = Toolbox(ToolsConfig(f"{H}.TOOLS", 2, 5.0, 100, 1, NONE))
+    session = box.session()
     try:
-        assert asyncio.run(box.run(ToolCall("mul", {}))) == "error: unknown tool 'mul'; the tools are: sum"
-        assert asyncio.run(box.run(ToolCall("", {}, "the tool call is not valid JSON (x)"))) == (
+        assert asyncio.run(box.run(session, ToolCall("mul", {}))) == "error: unknown tool 'mul'; the tools are: sum"
+        assert asyncio.run(box.run(session, ToolCall("", {}, "the tool call is not valid JSON (x)"))) == (
             "error: the tool call is not valid JSON (x)"
         )
-        assert box.runner.worker_pids() == []
-        assert asyncio.run(box.run(ToolCall("sum", {"a": 2, "b": 3}))) == "5"
+        assert box.runner.worker_pids() == [] and box.runner.started == 0
+        assert asyncio.run(box.run(session, ToolCall("sum", {"a": 2, "b": 3}))) == "5"
     finally:
+        session.close()
         box.close()

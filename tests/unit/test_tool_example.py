@@ -10,9 +10,10 @@ import json
 import pytest
 
 from examples.tool_calculator import data, reward, tools
+from miles_async.algorithms.reward_types import integer_reward
+from miles_async.config import SandboxConfig
 from miles_async.rollout.batch import rollout_metrics, tool_call_frac
 from miles_async.rollout.multi_turn import tool_messages, tool_segment_text
-from miles_async.rollout.rewards import integer_reward
 from miles_async.rollout.sample import Sample
 from miles_async.rollout.tools import ToolRunner, load_tools, parse_tool_calls
 from tests.multi_turn_helpers import CHATML_TEMPLATE, build_tokenizer
@@ -48,15 +49,17 @@ def test_calculator_refuses_anything_but_integer_arithmetic(expression, message)
 
 def test_the_registry_runs_in_a_real_tool_worker():
     """The path run.sh gives --tools-path loads, and a call the model writes runs in a worker; a refused expression
-    comes back as an error message for the model."""
+    comes back as an error message for the model. (Without the sandbox, which test_tool_sandbox.py covers.)"""
     assert list(load_tools("examples.tool_calculator.tools.TOOLS")) == ["calculator"]
-    runner = ToolRunner("examples.tool_calculator.tools.TOOLS", timeout=30, max_chars=200, workers=1)
+    runner = ToolRunner("examples.tool_calculator.tools.TOOLS", 30, 200, 1, SandboxConfig(mode="none"))
+    session = runner.session()
     try:
         (call,) = parse_tool_calls(data.CALL % "348 * 27")
-        assert runner._call_blocking(call.name, call.arguments) == "9396"
-        bad = runner._call_blocking("calculator", {"expression": "__import__('os')"})
+        assert session._call_blocking(call.name, call.arguments) == "9396"
+        bad = session._call_blocking("calculator", {"expression": "__import__('os')"})
         assert bad.startswith("error: tool 'calculator' raised ValueError: unsupported syntax")
     finally:
+        session.close()
         runner.close()
 
 
@@ -99,7 +102,7 @@ def test_reward_ignores_the_number_in_the_tool_response(chatml):
         response = _response(chatml, [call, final], ["9396"])
         sample = Sample(prompt="q", uid="u", group_index=0, index=0, label="9396", response=response)
         if not final.startswith("<tool_call>"):
-            assert integer_reward(sample) == 1.0  # the whole response's last integer is the tool's
+            assert integer_reward(response, "9396") == 1.0  # the whole response's last integer is the tool's
         assert reward.final_answer_reward(sample) == 0.0, response
 
 

@@ -107,18 +107,19 @@ def _eos_ids(model: torch.nn.Module) -> set[int]:
 
 
 def _load_tokenizer(model_path: str) -> Any:
-    # Only for the "text" field; a folder without tokenizer files is a
-    # valid model folder (callers send input_ids), so text is then "".
-    has_files = any(
-        os.path.exists(os.path.join(model_path, f))
-        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    )
-    if not has_files:
+    """The folder's tokenizer, for the "text" field only; None for a folder without tokenizer files (a valid model
+    folder: callers send input_ids and read output_ids, and text is ""). Tokenizer files that do not load are an
+    error at start: serving "" as every text would score every text reward on an empty string."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    found = [f for f in names if os.path.exists(os.path.join(model_path, f))]
+    if not found:
         return None
     try:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - a broken tokenizer must not block serving
-        logger.warning("could not load tokenizer from %s (%s); text will be empty", model_path, exc)
-        return None
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the engine must not start
+        raise RuntimeError(
+            f"embedded engine: the tokenizer in {model_path} ({', '.join(found)}) does not load: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc

@@ -29,9 +29,12 @@ Endpoints (JSON unless noted):
 - ``GET  /weights_checksum``            ``{"weight_version": V, "checksums": {name: {sha256, sum, shape, dtype}}}``
 - ``GET  /get_weights``                 every parameter as a safetensors blob, ``weight_version`` in its metadata
 
-With ``$MILES_ASYNC_ENGINE_API_KEY`` set (the launcher sets it for a server that listens beyond loopback), every
-request but ``OPTIONS`` and the probes (``/health``; the paths SGLang leaves open, ``inference/auth.py``) needs
-``Authorization: Bearer <key>`` and is answered 401 without it.
+The server requires an API key, read at start from the 0600 file ``$MILES_ASYNC_ENGINE_API_KEY_FILE`` names (the
+launcher writes it; without one the server does not start): every request but ``OPTIONS`` and the probes
+(``/health``; the paths SGLang leaves open, ``inference/auth.py``) needs ``Authorization: Bearer <key>`` and is
+answered 401 without it. A POST body must be ``application/json`` (``application/octet-stream`` on the tensor
+route), else 415, so a cross-site form or ``text/plain`` post never reaches a handler; a JSON body over
+``MAX_JSON_BYTES`` is refused with 413, and one that is not a JSON object with 400, before any handler runs.
 
 ``$MILES_ASYNC_ENGINE_CLASS=module:Class`` runs an ``Engine`` subclass instead of ``Engine`` (the
 plugin point for engine doubles: see ``ENGINE_CLASS_ENV``).
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
@@ -64,7 +68,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_async.inference.auth import API_KEY_ENV, authorized, is_exempt
+from miles_async.inference.auth import authorized, is_exempt, read_key_file
 from miles_async.inference.embedded.engine import Engine
 from miles_async.inference.embedded.records import (
     EngineDeadError,
@@ -88,6 +92,12 @@ ENGINE_CLASS_ENV = "MILES_ASYNC_ENGINE_CLASS"
 
 # Weight buckets can be large; aiohttp's 1 MiB default would reject them.
 MAX_BODY_BYTES = 64 * 1024**3
+# Every other body is a JSON object: a prompt, a staged update's layout. Far above any real one.
+MAX_JSON_BYTES = 64 * 1024**2
+# The routes whose body is raw bytes (a safetensors file), and the type they take.
+RAW_BODY_ROUTES = frozenset({"/update_weights_from_tensor"})
+RAW_TYPE = "application/octet-stream"
+JSON_KEY = web.RequestKey("json", dict)
 
 # Sampling params we accept only at their neutral value: silently ignoring a
 # penalty the caller relies on would change the rollout policy unnoticed.
@@ -113,10 +123,18 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    if not request.can_read_body:
-        return {}
+    """The body ``_body_rules`` parsed: a JSON object, or ``{}`` without a body."""
+    return request.get(JSON_KEY, {})
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = bytearray()
+    async for chunk in request.content.iter_any():  # a chunked body has no Content-Length to check up front
+        raw += chunk
+        if len(raw) > MAX_JSON_BYTES:
+            raise _TooLarge(MAX_JSON_BYTES)
     try:
-        body = await request.json()
+        body = json.loads(raw) if raw.strip() else None
     except ValueError as exc:
         raise BadRequest("body", f"invalid JSON ({exc})") from exc
     if body is None:
@@ -124,6 +142,12 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     return body
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int):
+        self.limit = limit
+        super().__init__(f"body: larger than this route's limit of {limit} bytes")
 
 
 def _is_int(x: Any) -> bool:
@@ -471,27 +495,58 @@ def _require_key(key: str) -> Any:
     return _auth
 
 
-def build_app(engine: Engine, api_key: str | None = None) -> web.Application:
-    """The server's routes; with ``api_key``, every one but the probes requires it."""
-    middlewares = [_errors] if api_key is None else [_require_key(api_key), _errors]
+@web.middleware
+async def _body_rules(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A POST body of the route's type and within its size, a JSON one parsed here: a refusal (415, 413, 400)
+    before any handler runs, so a refused request changes nothing."""
+    if request.method != "POST" or not request.body_exists:
+        return await handler(request)
+    raw = request.path in RAW_BODY_ROUTES
+    expected = RAW_TYPE if raw else "application/json"
+    if request.content_type != expected:
+        return _error(415, f"Content-Type {request.content_type!r}: {request.path} takes {expected}")
+    limit = MAX_BODY_BYTES if raw else MAX_JSON_BYTES
+    if request.content_length is not None and request.content_length > limit:
+        return _error(413, f"body: {request.content_length} bytes, over this route's limit of {limit}")
+    if not raw:
+        try:
+            request[JSON_KEY] = await _read_json(request)
+        except _TooLarge as exc:
+            return _error(413, str(exc))
+        except BadRequest as exc:
+            return _error(400, str(exc))
+    return await handler(request)
+
+
+# Every route, in one table: ``build_app`` serves it and tests/integration/test_red_team.py tries each.
+ROUTES = (
+    web.get("/health", health),
+    web.get("/get_model_info", get_model_info),
+    web.get("/get_load", get_load),
+    web.post("/generate", generate),
+    web.post("/pause_generation", pause_generation),
+    web.post("/continue_generation", continue_generation),
+    web.post("/abort_request", abort_request),
+    web.post("/flush_cache", flush_cache),
+    web.get("/flush_cache", flush_cache),
+    web.post("/update_weights_from_disk", update_weights_from_disk),
+    web.post("/update_weights_from_tensor", update_weights_from_tensor),
+    web.post("/stage_weights_from_shm", stage_weights_from_shm),
+    web.post("/commit_staged_weights", commit_staged_weights),
+    web.post("/discard_staged_weights", discard_staged_weights),
+    web.get("/weights_checksum", weights_checksum),
+    web.get("/get_weights", get_weights),
+)
+
+
+def build_app(engine: Engine, api_key: str) -> web.Application:
+    """The server's routes; every one but the probes requires ``api_key``."""
+    if not api_key:
+        raise ValueError("the embedded engine's server requires an API key")
+    middlewares = [_require_key(api_key), _body_rules, _errors]
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ENGINE_KEY] = engine
-    app.router.add_get("/health", health)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_load", get_load)
-    app.router.add_post("/generate", generate)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get("/flush_cache", flush_cache)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
-    app.router.add_post("/stage_weights_from_shm", stage_weights_from_shm)
-    app.router.add_post("/commit_staged_weights", commit_staged_weights)
-    app.router.add_post("/discard_staged_weights", discard_staged_weights)
-    app.router.add_get("/weights_checksum", weights_checksum)
-    app.router.add_get("/get_weights", get_weights)
+    app.add_routes(ROUTES)
     return app
 
 
@@ -533,7 +588,7 @@ def inherited_socket(fd: int) -> socket.socket:
     return sock
 
 
-async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None, sock: socket.socket | None) -> None:
+async def _serve(args: argparse.Namespace, engine: Engine, api_key: str, sock: socket.socket | None) -> None:
     app = build_app(engine, api_key)
     # handler_cancellation: a disconnected client cancels its handler, which
     # aborts its request instead of decoding for nobody.
@@ -545,11 +600,10 @@ async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None, 
         site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     logger.info(
-        "serving %s on http://%s:%d%s",
+        "serving %s on http://%s:%d (API key required)",
         args.model_path,
         args.host,
         runner.addresses[0][1],  # the port it got: --port 0's, or the launcher's socket's
-        " (API key required)" if api_key else "",
     )
 
     stop = asyncio.Event()
@@ -567,7 +621,7 @@ async def _serve(args: argparse.Namespace, engine: Engine, api_key: str | None, 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sock = inherited_socket(args.listen_fd) if args.listen_fd is not None else None  # before the model loads
-    api_key = os.environ.pop(API_KEY_ENV, None) or None
+    api_key = read_key_file()  # before the model loads: a server without its key never starts
     logging.basicConfig(
         stream=sys.stderr,
         level=args.log_level.upper(),

@@ -175,6 +175,15 @@ def _segment_error(i: int, message: str) -> ValueError:
     return ValueError(f"segments[{i}]: {message}")
 
 
+def _well_formed(entry: Any) -> bool:
+    """``[name, dtype, shape, offset]`` of the types the checks below can compare (a caller's JSON)."""
+    if not isinstance(entry, list) or len(entry) != 4:
+        return False
+    name, dtype, shape, _ = entry
+    shape_ok = isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+    return isinstance(name, str) and isinstance(dtype, str) and shape_ok
+
+
 def map_staged(model: torch.nn.Module, segments: Any, weight_version: int, maps: ShmMaps) -> StagedWeights:
     """View each tensor of the trainer's staging files in place (mapped through ``maps``); every name, shape,
     dtype and byte range is checked before anything is kept."""
@@ -192,6 +201,10 @@ def map_staged(model: torch.nn.Module, segments: Any, weight_version: int, maps:
             raise _segment_error(i, str(e)) from e
         size = data.numel()
         for entry in seg["tensors"]:
+            if not _well_formed(entry):
+                raise _segment_error(
+                    i, f"tensor {str(entry)[:80]}: expected [name: str, dtype: str, shape: [int], offset]"
+                )
             name, dtype, shape, offset = entry
             if name not in table:
                 raise UnknownParameterError([name])

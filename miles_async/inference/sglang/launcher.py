@@ -1,4 +1,4 @@
-"""SGLang's real server as an engine: ``python -m sglang.launch_server`` in SGLang's own environment.
+"""SGLang's real server as an engine: ``sglang.launch_server`` in SGLang's own environment.
 
 The server runs as a subprocess of the inference controller (same lifetime rules as the embedded
 engine: ``EngineProcess``), with the python of SGLang's virtual environment
@@ -12,10 +12,13 @@ visible to it: on a cluster, its placement bundle's. Without a GPU, SGLang's CPU
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
 ``cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
-A server listening beyond loopback gets ``--api-key`` (SGLang reads it from nowhere else; its log masks it, see
-``EngineProcess.start``): SGLang then answers 401 to every request without it but ``/health*``, ``/ready*`` and
-``/metrics*`` (``sglang.srt.utils.auth``; the weight endpoints are ADMIN_OPTIONAL, which take the key while no
-``--admin-api-key`` is set).
+Every server requires the run's key. SGLang reads it from its command line only (``--api-key``), which ``ps``
+shows to every user of the node, so the server is started through ``serve.py`` (``python -m
+miles_async.inference.sglang.serve``, this checkout on its PYTHONPATH), which reads the key from the launcher's
+0600 file and puts it into ``sys.argv`` before SGLang parses it: the process's command line never holds it. Its log
+masks it (SGLang prints every server argument; see ``EngineProcess.start``). SGLang then answers 401 to every
+request without it but ``/health*``, ``/ready*`` and ``/metrics*`` (``sglang.srt.utils.auth``; the weight
+endpoints are ADMIN_OPTIONAL, which take the key while no ``--admin-api-key`` is set).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import signal
 import subprocess
 from pathlib import Path
 
-from miles_async.inference.launcher import ServerEngineProcess, engine_python
+from miles_async.inference.launcher import ROOT, ServerEngineProcess, engine_python
 
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
+SERVE = "miles_async.inference.sglang.serve"  # sglang.launch_server with the key from its file
 CPU_DEFAULTS = (
     ("--device", "cpu"),
     ("--attention-backend", "torch_native"),
@@ -48,7 +52,7 @@ class SGLangEngineProcess(ServerEngineProcess):
         cmd = [
             engine_python("sglang", cfg.sglang_python),
             "-m",
-            "sglang.launch_server",
+            SERVE,
             "--model-path",
             self.model_path,
             "--host",
@@ -66,10 +70,6 @@ class SGLangEngineProcess(ServerEngineProcess):
             "--weight-version",
             str(self.weight_version),
         ]
-        key = self.server_api_key()
-        if key is not None:
-            # One token: a random key starts with "-" one time in 64, which argparse would take for a flag.
-            cmd.append(f"--api-key={key}")
         given = self.given(cfg.sglang_args)
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
@@ -82,17 +82,20 @@ class SGLangEngineProcess(ServerEngineProcess):
 
     def env(self) -> dict:
         env = super().env()
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
         if not self.cfg.use_gpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             shims = cpu_shims_dir()
             if shims.is_dir():
-                env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shims), env.get("PYTHONPATH", "")) if p)
+                paths.insert(0, str(shims))
+        env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT)])  # the checkout: serve.py runs from it
         return env
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM to the server alone: it shuts its scheduler and detokenizer down itself (~6 s on a CPU) and
         releases their semaphores; signalling the whole group at once makes them linger until SIGKILL, which
         leaks the semaphores in /dev/shm. Whatever is left after ``grace`` seconds is killed."""
+        self._remove_key_file()
         if self.proc is None or self.proc.poll() is not None:
             return
         shm = self._shm_files()

@@ -4,30 +4,28 @@ vLLM 0.32's ``--api-key`` (``VLLM_API_KEY``) guards only the paths under ``/v1``
 ``/cohere`` (``vllm.entrypoints.serve.middleware.authenticate``): the dev-mode endpoints a weight update and an
 abort use (``/pause``, ``/collective_rpc``, ``/update_weight_version``, ``/abort_requests``, ...) stay open to
 anyone who reaches the port. This middleware answers 401 to every request without the key but ``OPTIONS`` and
-the probes SGLang leaves open too (``inference/auth.py``). A pure ASGI class, so a client that disconnects still
-reaches vLLM (which aborts its request). Imports nothing but ``inference/auth.py`` (the standard library only).
+the probes SGLang leaves open too (``inference/auth.py``); the key comes from the file
+``$MILES_ASYNC_ENGINE_API_KEY_FILE`` names, read when vLLM builds its middleware stack (before its first answer).
+A pure ASGI class, so a client that disconnects still reaches vLLM (which aborts its request). Imports nothing
+but ``inference/auth.py`` (the standard library only).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
-from miles_async.inference.auth import API_KEY_ENV, authorized, is_exempt
+from miles_async.inference.auth import authorized, is_exempt, read_key_file
 
 UNAUTHORIZED = json.dumps({"error": "Unauthorized"}).encode()
 
 
 class RequireApiKey:
-    """vLLM adds it as ``app.add_middleware(RequireApiKey)``; the key is ``$MILES_ASYNC_ENGINE_API_KEY``."""
+    """vLLM adds it as ``app.add_middleware(RequireApiKey)``; the key is in ``$MILES_ASYNC_ENGINE_API_KEY_FILE``."""
 
     def __init__(self, app: Any):
-        key = os.environ.get(API_KEY_ENV)
-        if not key:
-            raise RuntimeError(f"{__name__}.RequireApiKey needs the key in ${API_KEY_ENV}")
         self.app = app
-        self._key = key
+        self._key = read_key_file()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):

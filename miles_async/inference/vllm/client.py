@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_async.inference.client import EngineClient, EngineError, as_version, normalize_meta
+from miles_async.inference.client import EngineClient, EngineError, as_version, check_finish_reason, normalize_meta
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}
@@ -108,7 +108,7 @@ class VLLMEngineClient(EngineClient):
         answer = await self._request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
         if not isinstance(answer, dict) or not answer.get("choices"):
             raise EngineError(self.base_url, "/inference/v1/generate", f"unexpected answer: {str(answer)[:500]}")
-        return sglang_shaped(answer)
+        return check_finish_reason(sglang_shaped(answer), self.base_url)
 
     async def model_info(self) -> dict[str, Any]:
         info = await self._request("GET", "/weight_info")

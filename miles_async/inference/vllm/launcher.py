@@ -17,9 +17,11 @@ to the controller (``CUDA_VISIBLE_DEVICES``). On the CPU: ``--enforce-eager`` un
 and a KV cache of ``$VLLM_CPU_KVCACHE_SPACE`` GiB, 2 unless set: vLLM's CPU default takes most of the
 machine's memory.
 
-A server listening beyond loopback requires the run's key: ``VLLM_API_KEY`` in its environment (vLLM's
-``--api-key``, kept off the command line) guards vLLM's own API, and ``--middleware`` ``vllm/auth.py`` every other
-route (vLLM's guard leaves its dev-mode endpoints, pause, weights and abort among them, open).
+Every server requires the run's key: ``--middleware`` ``vllm/auth.py`` guards every route but the probes, with the
+key read from the launcher's 0600 file (``$MILES_ASYNC_ENGINE_API_KEY_FILE``). vLLM's own ``--api-key`` /
+``VLLM_API_KEY`` is not used: it would put the key on the command line or in the environment, and it guards only
+vLLM's OpenAI-style routes (its dev-mode endpoints, pause, weights and abort among them, stay open); a
+``VLLM_API_KEY`` of the caller's environment never reaches the server.
 
 vLLM starts at weight version "default"; once healthy the launcher sets the version it was started
 at (0, or the version of the checkpoint it serves), so versions are integers from the first request.
@@ -64,9 +66,9 @@ class VLLMEngineProcess(ServerEngineProcess):
             "--enable-scale-out",
             "--worker-extension-cls",
             WORKER_EXTENSION,
+            "--middleware",
+            REQUIRE_API_KEY,
         ]
-        if self.server_api_key() is not None:
-            cmd += ["--middleware", REQUIRE_API_KEY]
         given = self.given(cfg.vllm_args)
         if "--logprobs-mode" not in given:
             cmd += ["--logprobs-mode", "processed_logprobs"]
@@ -77,10 +79,6 @@ class VLLMEngineProcess(ServerEngineProcess):
     def env(self) -> dict:
         env = super().env()
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.pop("VLLM_API_KEY", None)
-        key = self.server_api_key()
-        if key is not None:
-            env["VLLM_API_KEY"] = key
         # The worker extension is imported by vLLM's workers from this checkout.
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in paths if p != str(ROOT)])

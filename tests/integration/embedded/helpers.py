@@ -1,6 +1,7 @@
 """The embedded server under test: a tiny random Llama built here (no hub access), the real server as a subprocess
 listening on a 127.0.0.1 socket bound here (``--listen-fd``, as its launcher runs it), and what the tests send it.
-Requests go through ``EmbeddedEngineClient``, so the client is exercised too."""
+Requests go through ``EmbeddedEngineClient``, so the client is exercised too. Every server requires ``KEY`` (read
+from a 0600 file, as the launcher hands it over), which ``run`` and the probes send."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 
 from benchmarks.engine_doubles import fixed_step_cost_env
+from miles_async.inference.auth import KEY_FILE_ENV, new_api_key
 from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.utils.credentials import private_file
 from miles_async.utils.ports import bound_socket
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -27,6 +30,7 @@ STEP_SECONDS = 0.004
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 LONG = {"temperature": 1.0, "max_new_tokens": 200, "min_new_tokens": 200}
+KEY = new_api_key()  # the key every server here requires
 
 
 def tiny_config() -> Any:
@@ -99,7 +103,8 @@ class ServerProc:
             "16",
             *(extra or []),
         ]
-        env = dict(os.environ, **fixed_step_cost_env(STEP_SECONDS))
+        self.key_file = private_file(KEY.reveal(), log_path.with_suffix(".key"))
+        env = dict(os.environ, **fixed_step_cost_env(STEP_SECONDS), **{KEY_FILE_ENV: str(self.key_file)})
         env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         self._log = open(log_path, "wb")
         fds = (sock.fileno(),) if sock else ()
@@ -114,7 +119,7 @@ class ServerProc:
 
     def wait_healthy(self, timeout: float = 100.0) -> None:
         async def probe() -> bool:
-            async with EmbeddedEngineClient(self.url, timeout=2.0) as c:
+            async with EmbeddedEngineClient(self.url, timeout=2.0, api_key=KEY) as c:
                 return await c.health()
 
         deadline = time.monotonic() + timeout
@@ -142,7 +147,7 @@ class ServerProc:
 
 def run(fn: Callable[[EmbeddedEngineClient], Awaitable[Any]], url: str, timeout: float = 30.0) -> Any:
     async def main() -> Any:
-        async with EmbeddedEngineClient(url, timeout=timeout) as client:
+        async with EmbeddedEngineClient(url, timeout=timeout, api_key=KEY) as client:
             return await fn(client)
 
     return asyncio.run(main())

@@ -15,7 +15,7 @@ import torch
 
 from miles_async.inference.client import EngineError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
-from tests.integration.embedded.helpers import GREEDY, LONG, ServerProc, make_prompts, run, wait_running
+from tests.integration.embedded.helpers import GREEDY, KEY, LONG, ServerProc, make_prompts, run, wait_running
 
 
 def test_pause_abort_then_continue(server: ServerProc) -> None:
@@ -179,11 +179,11 @@ def test_dead_decode_thread_fails_requests(model_dirs: dict[str, Path]) -> None:
     engine.start()
 
     async def main() -> tuple[list[Any], bool, Any]:
-        srv = TestServer(build_app(engine), host="127.0.0.1")
+        srv = TestServer(build_app(engine, KEY.reveal()), host="127.0.0.1")
         await srv.start_server()
         url = str(srv.make_url("")).rstrip("/")
         try:
-            async with EmbeddedEngineClient(url, timeout=10) as c:
+            async with EmbeddedEngineClient(url, timeout=10, api_key=KEY) as c:
                 first = await asyncio.gather(*(c.generate([1, 2, 3], GREEDY) for _ in range(3)), return_exceptions=True)
                 later = await asyncio.gather(c.generate([1, 2, 3], GREEDY), return_exceptions=True)
                 return first + later, await c.health(), await asyncio.gather(c.pause(), return_exceptions=True)

@@ -4,12 +4,15 @@ output, log-probs of the distribution sampled from, one prefill per distinct pro
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from miles_async.inference.client import EngineError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.inference.embedded.model import CausalLM
 from tests.integration.embedded.helpers import GREEDY, ServerProc, hf_greedy, load_local, make_prompts, run
 from tests.tolerance import StepBounds, assert_rejected, assert_within
 
@@ -191,3 +194,16 @@ def test_bad_requests_are_400(server: ServerProc) -> None:
     assert "sampling_params.temperature" in str(errors[1])
     assert "input_ids" in str(errors[2])
     assert "sampling_params.frequency_penalty" in str(errors[3])
+
+
+def test_a_tokenizer_that_does_not_load_fails_the_engine_at_start(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The model the engine starts with (``CausalLM``, in this process): tokenizer files that do not load are an
+    error naming the folder and the files, not an engine that serves "" as every text."""
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["base"], folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(RuntimeError) as err:
+        CausalLM(str(folder), torch.float32)
+    assert str(err.value).startswith(f"embedded engine: the tokenizer in {folder} (tokenizer.json) does not load: "), (
+        err.value
+    )
