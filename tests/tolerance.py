@@ -63,18 +63,19 @@ def transformer_depth(config: Any, seq_len: int) -> int:
     """Chained roundings from the weights to one logit of a decoder (an HF config), for sequences of up to
     ``seq_len`` tokens: per layer the reductions of RMSNorm (hidden), the q/k/v projections (hidden), q.k (head
     dim; twice with Qwen3's q/k norm), softmax and the weighted sum of values (the sequence, each), the output
-    projection (heads * head dim), the MLP's gate/up (hidden) and down (intermediate) projections, plus
-    ``_ELEMENTWISE_PER_LAYER``; then the final norm and the LM head (hidden)."""
+    projection (heads * head dim), the MLP's gate/up (hidden) and down (the largest of the dense, expert and
+    shared-expert intermediate sizes) projections, plus ``_ELEMENTWISE_PER_LAYER``; in an MoE layer also the
+    router (hidden), its softmax (experts) and the weighted sum of the chosen experts and the shared one (top-k + 1)
+    with its gate (hidden); then the final norm and the LM head (hidden)."""
     hidden = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    qk = head_dim * (2 if config.model_type == "qwen3" else 1)
+    qk = head_dim * (2 if config.model_type in ("qwen3", "qwen3_moe") else 1)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    moe = 2 * hidden + experts + config.num_experts_per_tok + 1 if experts else 0
+    ffn = max(config.intermediate_size, getattr(config, "moe_intermediate_size", None) or 0, shared)
     per_layer = (
-        4 * hidden
-        + qk
-        + 2 * seq_len
-        + config.num_attention_heads * head_dim
-        + config.intermediate_size
-        + _ELEMENTWISE_PER_LAYER
+        4 * hidden + qk + 2 * seq_len + config.num_attention_heads * head_dim + ffn + moe + _ELEMENTWISE_PER_LAYER
     )
     return config.num_hidden_layers * per_layer + 2 * hidden + 2
 

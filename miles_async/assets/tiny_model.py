@@ -29,8 +29,11 @@ CHATML_TEMPLATE = (
 
 # No qwen2: transformers 5's AutoTokenizer forces Qwen2Tokenizer for that
 # model_type, which rebuilds a byte-level BPE pipeline from the vocab and
-# silently drops this tokenizer's spaces and newlines.
-ARCHES = ("llama", "qwen3")
+# silently drops this tokenizer's spaces and newlines. The MoE ones have 4
+# experts of hidden size 32 in every layer, 2 routed per token (Qwen3-MoE with
+# norm_topk_prob, as Qwen3-30B-A3B).
+ARCHES = ("llama", "qwen3", "qwen3_moe", "mixtral")
+TINY_MOE = dict(num_experts_per_tok=2)
 
 
 def build_tiny_tokenizer():
@@ -84,6 +87,16 @@ def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_d
         from transformers import Qwen3Config
 
         return Qwen3Config(head_dim=head_dim, **common)
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            head_dim=head_dim, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, **TINY_MOE, **common
+        )
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(head_dim=head_dim, num_local_experts=4, **TINY_MOE, **{**common, "intermediate_size": 32})
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
 
 

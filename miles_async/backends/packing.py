@@ -79,3 +79,19 @@ def pad_rows(rows: list[list[float]], width: int, value: float = 0.0) -> torch.T
         if row:
             out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
     return out
+
+
+def even_out(micro_batches: list[list[int]], target: int) -> list[list[int]]:
+    """``micro_batches`` split or padded to ``target`` entries (the largest count among the replicas), so that
+    every rank runs as many passes (a sharded model's passes are collectives: FSDP's parameter gathers, the
+    token exchange of expert parallelism). The largest micro-batch is halved while it has two rows; a rank with
+    too few rows gets empty entries, on which it runs a throw-away pass."""
+    out = [list(mb) for mb in micro_batches]
+    while len(out) < target:
+        big = max(range(len(out)), key=lambda k: len(out[k]), default=None)
+        if big is None or len(out[big]) < 2:
+            out.append([])
+            continue
+        rows = out[big]
+        out[big : big + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return out

@@ -115,6 +115,7 @@ CAPABILITIES: tuple[Capability, ...] = (
             "--context-parallel-size",
             "--sequence-parallel",
             "--use-distributed-optimizer",
+            "--expert-model-parallel-size",
         )
     ),
 )

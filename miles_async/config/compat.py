@@ -11,7 +11,14 @@ from typing import Any
 
 from miles_async.config.declare import flag, group
 
-MOE = "MoE layers are not built by the megatron backend yet; the torch backend runs the HF model's own MoE"
+MOE_ROUTER = (
+    "where the router's softmax sits is config.json's (norm_topk_prob false: before the top-k, as "
+    "--moe-router-pre-softmax; true, and Mixtral: over the top-k)"
+)
+MOE_BIAS = (
+    "DeepSeek/GLM-style routing (expert bias, group-limited top-k, scaled scores), for MoE families the megatron "
+    "backend does not build yet; the routers of those it builds are config.json's"
+)
 OFFLOAD = "Miles' colocated-mode memory management; here the trainer and the engines never share a GPU"
 PACKING = "micro-batches are packed to --max-tokens-per-gpu tokens (Miles' --use-dynamic-batch-size)"
 FUSION = "a Megatron-LM kernel-fusion switch; the backend sets its own fusions"
@@ -103,20 +110,16 @@ GROUPS = (
         _value("--wandb-host", WANDB),
         _value("--wandb-team", WANDB),
         _value("--wandb-run-id", "the run's name is --wandb-run-name"),
-        _switch("--moe-grouped-gemm", MOE),
-        _switch("--moe-permute-fusion", MOE),
-        _switch("--moe-router-pre-softmax", MOE),
-        _switch("--moe-router-enable-expert-bias", MOE),
-        _switch("--moe-enable-deepep", MOE),
-        _switch("--moe-shared-expert-gate", MOE),
-        _value("--moe-token-dispatcher-type", MOE),
-        _value("--moe-token-drop-policy", MOE),
-        _value("--moe-router-dtype", MOE),
-        _value("--moe-router-load-balancing-type", MOE),
-        _value("--moe-aux-loss-coeff", MOE, float),
-        _value("--moe-router-bias-update-rate", MOE, float),
-        _value("--moe-router-topk-scaling-factor", MOE, float),
-        _value("--moe-router-num-groups", MOE, int),
-        _value("--moe-router-group-topk", MOE, int),
+        _switch("--moe-router-pre-softmax", MOE_ROUTER),
+        _switch("--moe-shared-expert-gate", "the shared expert's sigmoid gate is config.json's (Qwen2-MoE has one)"),
+        _switch("--moe-router-enable-expert-bias", MOE_BIAS),
+        _value("--moe-router-bias-update-rate", MOE_BIAS, float),
+        _value("--moe-router-topk-scaling-factor", MOE_BIAS, float),
+        _value("--moe-router-num-groups", MOE_BIAS, int),
+        _value("--moe-router-group-topk", MOE_BIAS, int),
+        _switch(
+            "--moe-enable-deepep",
+            "DeepEP is what --moe-token-dispatcher-type flex dispatches with (megatron-core's default backend)",
+        ),
     ),
 )

@@ -12,13 +12,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_async.config import moe
 from miles_async.config.declare import When, at_least, flag, group, require, when_value
 from miles_async.config.machine import Machine
 
 
 @dataclass(frozen=True)
 class MegatronConfig:
-    """Megatron-core's parallel layout (--train-backend megatron); data parallel = workers / (TP * PP * CP)."""
+    """Megatron-core's parallel layout (--train-backend megatron); data parallel = workers / (TP * PP * CP). The
+    experts of MoE layers split over EP x ETP ranks carved out of TP x DP (their data parallelism: the rest)."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -29,6 +31,9 @@ class MegatronConfig:
     recompute_method: str | None = None  # "uniform" | "block" (full only)
     recompute_num_layers: int | None = None
     attention_backend: str = "auto"  # Megatron's AttnBackend: which of Transformer Engine's attentions runs
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: TP's size (Megatron-LM's default)
+    moe: moe.MoEConfig = moe.MoEConfig()
 
     @property
     def model_parallel_size(self) -> int:
@@ -42,15 +47,6 @@ FULL_RECOMPUTE = When(
 )
 
 
-def _no_moe_yet(name: str, value: int | None) -> str | None:
-    if value is None or value == 1:
-        return None
-    return (
-        f"{name} {value}: expert parallelism is for MoE layers, which the megatron backend does not build yet "
-        f"(give 1 or leave it out)"
-    )
-
-
 GROUPS = (
     group(
         "megatron (--train-backend megatron)",
@@ -62,16 +58,30 @@ GROUPS = (
             action=argparse.BooleanOptionalAction,
             default=False,
             needs=When("--tensor-model-parallel-size > 1", lambda ns: ns.tensor_model_parallel_size > 1),
-            help="needs --tensor-model-parallel-size > 1 (and Transformer Engine); --no-sequence-parallel turns off "
-            "a launcher's --sequence-parallel, e.g. on a machine without Transformer Engine",
+            help="needs --tensor-model-parallel-size > 1, and MoE layers under TP need it; --no-sequence-parallel "
+            "turns off a launcher's --sequence-parallel",
         ),
         flag(
             "--use-distributed-optimizer",
             action="store_true",
             help="shard the optimizer state over the data-parallel ranks",
         ),
-        flag("--expert-model-parallel-size", type=int, default=1, check=_no_moe_yet),
-        flag("--expert-tensor-parallel-size", type=int, default=1, check=_no_moe_yet),
+        flag(
+            "--expert-model-parallel-size",
+            type=int,
+            default=1,
+            check=at_least(1),
+            help="split each MoE layer's experts over this many ranks (out of data parallelism)",
+        ),
+        flag(
+            "--expert-tensor-parallel-size",
+            type=int,
+            default=None,
+            check=at_least(1),
+            # slime's dense launchers pass 1 (no expert tensor parallelism), which says nothing there.
+            effect_needs=When(moe.MOE_MODEL.text, lambda ns: ns.expert_tensor_parallel_size == 1 or moe.is_moe(ns)),
+            help="tensor parallelism inside each expert; default: --tensor-model-parallel-size, as in Megatron-LM",
+        ),
         flag(
             "--recompute-method",
             default=None,
@@ -152,6 +162,9 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         method,
         layers,
         ns.attention_backend,
+        ns.expert_model_parallel_size,
+        ns.expert_tensor_parallel_size,
+        moe.build(ns, machine),
     )
     if ns.train_backend != "megatron":
         return mcfg
@@ -171,11 +184,6 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",
     )
     te = machine.has_module("transformer_engine")
-    machine.require(
-        not ns.sequence_parallel or te,
-        "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, "
-        "which refuse sequence parallelism)",
-    )
     machine.expect(
         ns.attention_backend == "auto" or te,
         f"--attention-backend {ns.attention_backend} chooses among Transformer Engine's attentions; "
@@ -189,16 +197,50 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"--tensor-model-parallel-size {tp} must divide the model's {heads} attention heads and "
         f"{kv_heads} key/value heads",
     )
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    require(
-        not experts,
-        f"--train-backend megatron does not build MoE models yet ({ns.hf_checkpoint}/config.json: "
-        f"model_type {config.get('model_type')}, {experts} experts); --train-backend fsdp trains "
-        f"it as an HF model",
-    )
+    _check_experts(ns, mcfg, config, num_workers)
     num_layers = config.get("num_hidden_layers")
     require(
         layers is None or num_layers is None or layers <= num_layers,
         f"--recompute-num-layers {layers} is more than the model's {num_layers} layers",
     )
     return mcfg
+
+
+def _check_experts(ns: argparse.Namespace, mcfg: MegatronConfig, config: dict, num_workers: int) -> None:
+    """The MoE family is one the backend builds, and its experts split over the expert-parallel layout."""
+    where = f"{ns.hf_checkpoint}/config.json"
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    ep, tp = mcfg.expert_model_parallel_size, mcfg.tensor_model_parallel_size
+    if not experts:
+        require(
+            ep == 1,
+            f"--expert-model-parallel-size {ep} splits the experts of MoE layers; {where} describes a dense model "
+            f"(model_type {config.get('model_type')})",
+        )
+        return
+    require(config.get("model_type") in moe.BUILT, f"{moe.not_built(config.get('model_type'))} ({where})")
+    etp = mcfg.expert_tensor_parallel_size or tp
+    dp = num_workers // mcfg.model_parallel_size
+    require(
+        (tp * mcfg.context_parallel_size * dp) % (ep * etp) == 0,
+        f"--expert-model-parallel-size {ep} x expert tensor parallelism {etp} must divide TP {tp} x CP "
+        f"{mcfg.context_parallel_size} x data parallel {dp} (the expert ranks come out of those)",
+    )
+    require(experts % ep == 0, f"--expert-model-parallel-size {ep} must divide the {experts} experts of {where}")
+    require(
+        ep == 1 or ns.moe_token_dispatcher_type != "allgather",
+        f"--expert-model-parallel-size {ep} needs --moe-token-dispatcher-type alltoall (Miles' MoE launchers pass "
+        f"it): the allgather dispatcher gathers equal-sized blocks of tokens, and micro-batches are packed by "
+        f"tokens here (Miles' --use-dynamic-batch-size), so their sizes differ between ranks",
+    )
+    ffn = config.get("moe_intermediate_size") or config.get("intermediate_size") or etp
+    require(
+        ffn % etp == 0,
+        f"expert tensor parallelism {etp} (--expert-tensor-parallel-size, default TP) must divide the experts' "
+        f"hidden size {ffn} ({where})",
+    )
+    require(
+        tp == 1 or mcfg.sequence_parallel,
+        f"--tensor-model-parallel-size {tp} on an MoE model needs --sequence-parallel: megatron-core refuses to "
+        f"train MoE layers under tensor parallelism without it (as Miles' MoE launchers pass it)",
+    )

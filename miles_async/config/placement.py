@@ -49,6 +49,8 @@ def _trainer(name: str, cfg: TrainConfig, workers: int) -> WorkerGroup:
             f"megatron TP {m.tensor_model_parallel_size} x PP {m.pipeline_model_parallel_size} x CP "
             f"{m.context_parallel_size}, data parallel {workers // m.model_parallel_size}"
         )
+        if m.expert_model_parallel_size > 1:
+            layout += f"; experts EP {m.expert_model_parallel_size}"
     else:
         layout = f"fsdp (torch DDP), data parallel {workers}"
     return WorkerGroup(name, workers, 1, layout, f"--{name}-num-nodes x --{name}-num-gpus-per-node")

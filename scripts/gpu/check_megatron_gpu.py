@@ -6,9 +6,10 @@ Engine's layer spec when ``transformer_engine`` imports (else the local spec).
 
 Checks, each printed as one JSON line, then ``OK`` (exit 0) or ``FAILED`` (exit 1):
 
-1. logits: for each model (default: a tiny Llama and a tiny Qwen3 built here, plus every
-   ``--model``), the converted GPTModel's fp32 logits match transformers' on the GPU, and
-   HF -> Megatron -> HF is exact;
+1. logits: for each model (default: a tiny Llama, a tiny Qwen3 and a tiny Qwen3-MoE built here,
+   plus every ``--model``), the converted GPTModel's fp32 logits match transformers' on the GPU,
+   and HF -> Megatron -> HF is exact; with Transformer Engine the MoE model runs its grouped GEMM
+   and fused permutation (--moe-grouped-gemm, --moe-permute-fusion: "moe_grouped_gemm" says so);
 2. train_step: ``MegatronTrainActor`` (Megatron DDP, optimizer, schedule) takes the optimizer
    steps of one rollout of a GRPO batch; the loss is finite and the weights move.
 
@@ -69,10 +70,12 @@ def check_logits(path: str, device: torch.device) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf
-    from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model
+    from miles_async.backends.megatron.model import ArchSpec, ParallelSizes, build_gpt_model, have_transformer_engine
 
     arch = ArchSpec.from_hf(AutoConfig.from_pretrained(path))
-    model = build_gpt_model(arch, ParallelSizes()).to(device).eval()
+    kernels = have_transformer_engine()  # what --moe-grouped-gemm --moe-permute-fusion turn on
+    knobs = {"moe_grouped_gemm": kernels, "moe_permute_fusion": kernels}
+    model = build_gpt_model(arch, ParallelSizes(), knobs=knobs).to(device).eval()
     get = HFReader(path)
     load_hf(model, get, arch, tp=1, rank=0)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -87,6 +90,7 @@ def check_logits(path: str, device: torch.device) -> dict:
         "check": "logits",
         "model": path,
         "use_te": model.use_te,
+        "moe_grouped_gemm": arch.moe is not None and model.config.moe_grouped_gemm,
         "max_abs_diff": diff,
         "logit_scale": scale,
         "round_trip_exact": exact,
@@ -167,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="check_megatron_gpu_"))
     llama = str(make_tiny_model(tmp / "llama", arch="llama"))
     qwen3 = str(make_tiny_model(tmp / "qwen3", arch="qwen3"))
+    qwen3_moe = str(make_tiny_model(tmp / "qwen3_moe", seed=2, arch="qwen3_moe"))
     train, _ = make_tiny_task_dataset(tmp / "task", n_train=16, n_eval=4)
     store = hosted_store("127.0.0.1", timeout=300)  # the group's rendezvous, on a port no one can take first
     init_parallel(0, 1, ParallelSizes(), "127.0.0.1", store.port, seed=0, hosted=store)
-    results = [check_logits(m, device) for m in (llama, qwen3, *args.model)]
+    results = [check_logits(m, device) for m in (llama, qwen3, qwen3_moe, *args.model)]
     results.append(check_train_step(llama, str(train), str(tmp / "out"), store.port))
     shutil.rmtree(tmp, ignore_errors=True)
     for r in results:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU check of the Megatron training backend's GPU path (no CPU shim):
-#   1. a tiny Llama and a tiny Qwen3 (and every --model HF folder) give the same fp32 logits through
-#      transformers and through the converted Megatron GPTModel, and HF -> Megatron -> HF is exact;
+#   1. a tiny Llama, a tiny Qwen3 and a tiny Qwen3-MoE (and every --model HF folder) give the same fp32 logits
+#      through transformers and through the converted Megatron GPTModel, and HF -> Megatron -> HF is exact
+#      (with Transformer Engine the MoE layers run its grouped GEMM and fused permutation);
 #   2. MegatronTrainActor takes one rollout's optimizer steps on the GPU (Megatron DDP, optimizer, schedule).
 #
 # Needs: one CUDA GPU, a Python 3.11+ environment with a CUDA torch and transformers, and megatron-core.

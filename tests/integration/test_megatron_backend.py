@@ -100,14 +100,23 @@ def _logits_worker(rank, world, port, models: list[str], out: str) -> None:
             "same_names": sorted(exported) == sorted(get.keys()),
             "round_trip_exact": all(torch.equal(t, get(k)) for k, t in exported.items()),
         }
-        # The negative control: the same forward with one misplaced row (the first MLP's output projection rolled
-        # by one row, as a conversion off by one would load it).
-        fc2 = model.decoder.layers[0].mlp.linear_fc2.weight
+        # The negative control: the same forward with one misplaced shard (the last MLP's output projection rolled
+        # by one row, as a conversion off by one would load it; in an MoE layer two experts' swapped).
         with torch.no_grad():
-            fc2.copy_(fc2.roll(1, 0))
+            _misplace(model.decoder.layers[-1].mlp)
             broken = model(ids, torch.arange(17).expand(2, -1), None)[..., : arch.vocab_size]
         result[path]["broken_diff"] = float((broken - ref).abs().max())
     Path(out).write_text(json.dumps(result))
+
+
+def _misplace(mlp) -> None:
+    if hasattr(mlp, "experts"):
+        a, b = (mlp.experts.local_experts[i].linear_fc2.weight for i in (0, 1))
+        first = a.clone()
+        a.copy_(b)
+        b.copy_(first)
+    else:
+        mlp.linear_fc2.weight.copy_(mlp.linear_fc2.weight.roll(1, 0))
 
 
 def _megatron_grads(actor) -> dict[str, torch.Tensor]:
@@ -115,7 +124,9 @@ def _megatron_grads(actor) -> dict[str, torch.Tensor]:
     gathered over TP."""
     from miles_async.backends.megatron.convert import export_hf
 
-    tensors = export_hf(actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad)
+    tensors = export_hf(
+        actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad, experts=actor.experts
+    )
     return {k: v.clone() for k, v in tensors}
 
 
@@ -134,7 +145,7 @@ def _step_worker(rank, world, port, argv: list[str], out: str) -> None:
     first = _record_megatron_step(actor)
     actor.train(0, _batch())
     if rank == 0:
-        torch.save(first, out)
+        torch.save({**first, "sequence_parallel": actor.module.config.sequence_parallel}, out)
 
 
 def _save_and_resume(meg, cfg, rank: int, world: int, port: int, ckpt: str) -> dict:
@@ -213,22 +224,30 @@ def _distopt_resume_worker(rank, world, port, argv: list[str], ckpt: str, out: s
 
 
 # -- tests -----------------------------------------------------------------------------------
+TINY_QWEN2 = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
 def _tiny_qwen2(path: Path) -> Path:
     """A tiny Qwen2 (q/k/v biases, untied lm_head); the biases are made non-zero so they are checked."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     torch.manual_seed(1)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        rope_theta=5000.0,
-    )
+    return save_with_biases(Qwen2Config(**TINY_QWEN2, rope_theta=5000.0), path)
+
+
+def save_with_biases(config, path: Path) -> Path:
+    """A random model of ``config`` written to ``path``, its biases made non-zero so that they are checked."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -249,6 +268,18 @@ def _assert_logits_agree(path: str, r: dict) -> None:
     assert r["broken_diff"] > tol, (path, r, tol)
 
 
+def assert_logits_and_round_trip(models: list[str], out: Path) -> None:
+    """Each model's Megatron logits agree with transformers' (``_assert_logits_agree``) and its weights go HF ->
+    Megatron -> HF exactly, in one spawned process."""
+    _spawn(_logits_worker, 1, models, str(out))
+    result = json.loads(out.read_text())
+    for path in models:
+        r = result[path]
+        assert r["shape"] == r["ref_shape"], path
+        _assert_logits_agree(path, r)
+        assert r["same_names"] and r["round_trip_exact"], (path, r)
+
+
 def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
     """Llama (tied), Qwen3 (q/k norm) and Qwen2 (biases, untied): same fp32 logits; HF -> Megatron -> HF exact."""
     from miles_async.assets.tiny_model import make_tiny_model
@@ -258,13 +289,7 @@ def test_logits_match_transformers_and_weights_round_trip(tiny_model, tmp_path):
         str(make_tiny_model(tmp_path / "qwen3", arch="qwen3")),
         str(_tiny_qwen2(tmp_path / "qwen2")),
     ]
-    _spawn(_logits_worker, 1, models, str(tmp_path / "out.json"))
-    result = json.loads((tmp_path / "out.json").read_text())
-    for path in models:
-        r = result[path]
-        assert r["shape"] == r["ref_shape"], path
-        _assert_logits_agree(path, r)
-        assert r["same_names"] and r["round_trip_exact"], (path, r)
+    assert_logits_and_round_trip(models, tmp_path / "out.json")
 
 
 def test_smollm2_logits_match_transformers(smollm2, tmp_path):
@@ -329,15 +354,19 @@ def test_megatron_step_matches_the_torch_backend_and_resumes(tiny_model, tiny_ta
 
 
 def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_path):
-    """TP 2 over gloo: the first step's loss, gradients and weights are TP 1's; DP 2 with the distributed optimizer:
-    its gradient norm and weights. (Sequence parallelism needs Transformer Engine's norms, so it is not run on the
-    CPU.) Split matmuls and all-reduces sum in another order: the tolerances are tests/tolerance.py's float32
-    bounds, and the comparison stops at the first optimizer step (see there)."""
+    """TP 2 over gloo, also with sequence parallelism (the local spec's torch norms, their gradients all-reduced
+    over TP): the first step's loss, gradients and weights are TP 1's; DP 2 with the distributed optimizer: its
+    gradient norm and weights. Split matmuls and all-reduces sum in another order: the tolerances are
+    tests/tolerance.py's float32 bounds, and the comparison stops at the first optimizer step (see there)."""
     train, _ = tiny_task
     base = _args(tiny_model, train, tmp_path)
     runs = {
         "tp1": (1, base),
         "tp2": (2, base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"]),
+        "tp2_sp": (
+            2,
+            base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ),
         "dp2_distopt": (2, base + ["--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"]),
     }
     out = {}
@@ -347,9 +376,10 @@ def test_tensor_parallel_two_gloo_ranks_match_one(tiny_model, tiny_task, tmp_pat
     one = out["tp1"]
     assert any(g.abs().sum() > 0 for g in one["grads"].values())
     assert out["tp2"]["grads"] is not None and out["dp2_distopt"]["grads"] is None
+    assert out["tp2_sp"]["sequence_parallel"] and not out["tp2"]["sequence_parallel"]
     bounds = StepBounds.of(tiny_model, _batch(0).tokens, group_size=4)
     # Loss and entropy are logged from rank 0's own samples, which are the whole batch only under TP.
-    metrics = {"tp2": ("loss", "pg_loss", "entropy"), "dp2_distopt": ()}
+    metrics = {"tp2": ("loss", "pg_loss", "entropy"), "tp2_sp": ("loss", "pg_loss", "entropy"), "dp2_distopt": ()}
     for name, keys in metrics.items():
         margins = assert_same_first_step(one, out[name], bounds, keys)
         print(f"{name} vs tp1, largest |diff| / tolerance: {margins}")
@@ -377,7 +407,7 @@ def test_gpu_check_script_runs_its_checks_on_the_cpu():
     proc = subprocess.run(["bash", script, "--allow-cpu"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     checks = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert [c["check"] for c in checks] == ["logits", "logits", "train_step"] and all(c["ok"] for c in checks)
+    assert [c["check"] for c in checks] == ["logits", "logits", "logits", "train_step"] and all(c["ok"] for c in checks)
     assert proc.stdout.strip().endswith("OK")
     if not torch.cuda.is_available():
         refused = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """Every sharded rank runs as many passes: its micro-batches split or padded to the largest count."""
 
-from miles_async.backends.fsdp.sharding import even_out
+from miles_async.backends.packing import even_out
 
 
 def test_the_largest_micro_batch_is_halved_until_the_count_is_reached():

@@ -35,24 +35,101 @@ def test_colocate_is_refused_for_asynchronous_training(tmp_path):
         parse_args(_args(tmp_path, "--colocate"))
 
 
-@pytest.mark.parametrize("name", ["--expert-model-parallel-size", "--expert-tensor-parallel-size"])
-def test_expert_parallelism_is_refused_until_moe_is_supported(tmp_path, caplog, name):
-    with pytest.raises(
-        ConfigError,
-        match=rf"^{name} 8: expert parallelism is for MoE layers, which the megatron "
-        r"backend does not build yet \(give 1 or leave it out\)",
-    ):
-        parse_args(_args(tmp_path, *MEGATRON, name, "8"))
-    assert _warnings(caplog, _args(tmp_path, *MEGATRON, name, "1")) == []  # slime's launchers pass 1
+# A tiny Qwen3-MoE's config.json, as validation reads it.
+QWEN3_MOE = dict(
+    model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2
+)
+MOE_RUN = [*MEGATRON, "--actor-num-gpus-per-node", "2", "--moe-token-dispatcher-type", "alltoall"]
 
 
-def test_the_megatron_backend_refuses_an_moe_checkpoint_up_front(tmp_path):
+def test_expert_parallelism_is_for_moe_models(tmp_path, caplog):
+    """EP splits experts: refused on a dense checkpoint, and on the torch backend (a Megatron layout); slime's
+    launchers pass 1, which says nothing."""
     with pytest.raises(
         ConfigError,
-        match=r"--train-backend megatron does not build MoE models yet \(.*config.json: "
-        r"model_type qwen3_moe, 128 experts\); --train-backend fsdp trains it",
+        match=r"^--expert-model-parallel-size 2 splits the experts of MoE layers; .*config.json describes a dense "
+        r"model \(model_type llama\)",
     ):
-        parse_args(_args(tmp_path, *MEGATRON, model_type="qwen3_moe", num_experts=128))
+        parse_args(_args(tmp_path, *MEGATRON, "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"))
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size .*--train-backend"):
+        parse_args(_args(tmp_path, "--expert-model-parallel-size", "2", **QWEN3_MOE))
+    for name in ("--expert-model-parallel-size", "--expert-tensor-parallel-size"):
+        assert _warnings(caplog, _args(tmp_path, *MEGATRON, name, "1", **QWEN3_MOE)) == []
+
+
+def test_an_moe_layout_reaches_the_megatron_config(tmp_path):
+    m = parse_args(
+        _args(tmp_path, *MOE_RUN, "--expert-model-parallel-size", "2", "--moe-router-dtype", "fp32",
+              "--moe-aux-loss-coeff", "0.01", "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
+              "position", **QWEN3_MOE)
+    ).train.megatron  # fmt: skip
+    assert (m.expert_model_parallel_size, m.expert_tensor_parallel_size) == (2, None)
+    assert (m.moe.router_dtype, m.moe.aux_loss_coeff, m.moe.token_dispatcher_type) == ("fp32", 0.01, "alltoall")
+    assert (m.moe.expert_capacity_factor, m.moe.token_drop_policy) == (1.5, "position")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+            "--expert-model-parallel-size 2 needs --moe-token-dispatcher-type alltoall",
+        ),
+        (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 x expert tensor parallelism 1 must "),
+        (["--expert-model-parallel-size", "2", "n3"], "--expert-model-parallel-size 2 must divide the 3 experts"),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            "--tensor-model-parallel-size 2 on an MoE model needs --sequence-parallel",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "3"],
+            "expert tensor parallelism 3 must divide TP 2 x CP 1 x data parallel 1",
+        ),
+    ],
+)
+def test_an_expert_layout_that_cannot_split_the_model_is_refused(tmp_path, extra, message):
+    config = {**QWEN3_MOE, "num_experts": 3} if "n3" in extra else QWEN3_MOE
+    argv = _args(tmp_path, *MOE_RUN, *(x for x in extra if x != "n3"), **config)  # the last dispatcher given wins
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "model_type, missing", [("deepseek_v3", "multi-latent attention"), ("glm4_moe", "GLM's router")]
+)
+def test_an_moe_family_the_megatron_backend_does_not_build_is_refused_naming_what_is_missing(
+    tmp_path, model_type, missing
+):
+    with pytest.raises(ConfigError) as e:
+        parse_args(_args(tmp_path, *MEGATRON, model_type=model_type, n_routed_experts=8))
+    assert str(e.value).startswith(f"--train-backend megatron does not build model_type '{model_type}'")
+    assert missing in str(e.value) and "--train-backend fsdp trains it" in str(e.value)
+
+
+def test_moe_flags_without_effect_here_are_named_with_the_reason(tmp_path, caplog):
+    """Transformer Engine's kernels on a machine without it, a drop policy without a capacity, the MoE flags on a
+    dense model: each named once, saying why."""
+    if module_installed("transformer_engine"):
+        pytest.skip("Transformer Engine is installed here")
+    moe = _warnings(
+        caplog,
+        _args(tmp_path, *MOE_RUN, "--moe-grouped-gemm", "--moe-permute-fusion", "--moe-token-drop-policy",
+              "position", **QWEN3_MOE),
+    )  # fmt: skip
+    assert sorted(w for w in moe if w.startswith("--moe-")) == [
+        "--moe-grouped-gemm is Transformer Engine's GPU kernel, absent here: each expert runs its own matmul and "
+        "tokens are permuted by torch ops (the same function)",
+        "--moe-permute-fusion is Transformer Engine's GPU kernel, absent here: each expert runs its own matmul and "
+        "tokens are permuted by torch ops (the same function)",
+        "--moe-token-drop-policy position is ignored: it only takes effect with --moe-expert-capacity-factor "
+        "(without a capacity no token is dropped)",
+    ]
+    dense = _warnings(caplog, _args(tmp_path, *MEGATRON, "--moe-aux-loss-coeff", "0.01"))
+    assert dense == [
+        "--moe-aux-loss-coeff 0.01 is ignored: it only takes effect with --train-backend megatron on an MoE model "
+        "(experts in --hf-checkpoint's config.json)"
+    ]
 
 
 def _sample_words(f) -> list[str]:
@@ -79,8 +156,8 @@ def test_the_ignored_list_covers_slimes_perf_and_moe_knobs():
         "--micro-batch-size",
         "--optimizer-cpu-offload",
         "--use-precision-aware-optimizer",
-        "--moe-grouped-gemm",
-        "--moe-token-dispatcher-type",
+        "--moe-router-pre-softmax",
+        "--moe-enable-deepep",
         "--wandb-key",
         "--train-memory-margin-bytes",
         "--log-probs-chunk-size",
@@ -180,16 +257,16 @@ def test_recompute_and_optimizer_flags_reach_each_backends_config(tmp_path):
     assert (gc.recompute_granularity, gc.recompute_method, gc.recompute_num_layers) == ("full", "uniform", 1)
 
 
-@pytest.mark.skipif(module_installed("transformer_engine"), reason="Transformer Engine is installed here")
+@pytest.mark.skipif(module_installed("deep_ep"), reason="DeepEP is installed here")
 def test_what_this_machine_lacks_is_an_error_on_a_run_and_a_warning_under_check_config(tmp_path):
-    extra = [*MEGATRON, "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    with pytest.raises(ConfigError, match=r"^--sequence-parallel needs Transformer Engine"):
-        parse_args(_args(tmp_path, *extra))
-    cfg = parse_args(_args(tmp_path, *extra, "--check-config"))
-    assert cfg.check_config and cfg.train.megatron.sequence_parallel
-    assert [w for w in cfg.warnings if w.startswith("--sequence-parallel needs Transformer Engine")] == [
-        "--sequence-parallel needs Transformer Engine (Megatron's local layer spec uses torch norms, which refuse "
-        "sequence parallelism) (missing on this machine; the machine that runs the job needs it)"
+    extra = [*MEGATRON, "--moe-token-dispatcher-type", "flex"]
+    with pytest.raises(ConfigError, match=r"^--moe-token-dispatcher-type flex needs DeepEP"):
+        parse_args(_args(tmp_path, *extra, **QWEN3_MOE))
+    cfg = parse_args(_args(tmp_path, *extra, "--check-config", **QWEN3_MOE))
+    assert cfg.check_config and cfg.train.megatron.moe.token_dispatcher_type == "flex"
+    assert [w for w in cfg.warnings if w.startswith("--moe-token-dispatcher-type flex needs DeepEP")] == [
+        "--moe-token-dispatcher-type flex needs DeepEP (GPUs); alltoall or allgather run anywhere (missing on this "
+        "machine; the machine that runs the job needs it)"
     ]
 
 

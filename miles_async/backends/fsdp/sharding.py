@@ -6,7 +6,7 @@ gathered weights are cast to bf16 for compute while the shards (the master weigh
 reduction stay fp32; --fsdp-cpu-offload keeps the shards, gradients and optimizer state in host memory.
 
 Every forward and backward of a sharded model is a collective: all ranks must run the same number of them,
-which ``even_out`` arranges for the micro-batches.
+which ``packing.even_out`` arranges for the micro-batches.
 """
 
 from __future__ import annotations
@@ -71,18 +71,3 @@ def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
 def total_norm(grads: list[torch.Tensor]) -> float:
     """The 2-norm over every gradient, sharded ones reduced over their ranks."""
     return float(full_tensor(torch.nn.utils.get_total_norm(grads)))
-
-
-def even_out(micro_batches: list[list[int]], target: int) -> list[list[int]]:
-    """``micro_batches`` split or padded to ``target`` entries (the largest count among the replicas), so that
-    every rank runs as many passes (a sharded model's passes are collectives). The largest micro-batch is halved
-    while it has two rows; a rank with too few rows gets empty entries, on which it runs a throw-away pass."""
-    out = [list(mb) for mb in micro_batches]
-    while len(out) < target:
-        big = max(range(len(out)), key=lambda k: len(out[k]), default=None)
-        if big is None or len(out[big]) < 2:
-            out.append([])
-            continue
-        rows = out[big]
-        out[big : big + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-    return out

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from miles_async.backends.data_parallel import all_reduce_max
 from miles_async.backends.fsdp import checkpoint
-from miles_async.backends.fsdp.sharding import even_out, full_tensor, shard_model, total_norm
-from miles_async.backends.packing import MicroBatch
+from miles_async.backends.fsdp.sharding import full_tensor, shard_model, total_norm
+from miles_async.backends.packing import MicroBatch, even_out
 from miles_async.backends.worker import (
     BaseWorker,
     join_process_group,

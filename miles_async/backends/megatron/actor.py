@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
-from miles_async.backends.data_parallel import DataParallel
-from miles_async.backends.megatron.convert import HFReader, export_hf, load_hf
+from miles_async.backends.data_parallel import DataParallel, all_reduce_max
+from miles_async.backends.megatron.convert import ExpertLayout, HFReader, export_hf, load_hf
 from miles_async.backends.megatron.model import (
     ArchSpec,
     ParallelSizes,
@@ -31,7 +31,7 @@ from miles_async.backends.megatron.model import (
     init_parallel,
     training_knobs,
 )
-from miles_async.backends.packing import MicroBatch
+from miles_async.backends.packing import MicroBatch, even_out
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
 from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
 from miles_async.config import TrainConfig
@@ -91,6 +91,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             m.context_parallel_size,
             m.sequence_parallel,
             m.use_distributed_optimizer,
+            m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size,
         )
         self.bf16 = cfg.dtype == "bfloat16"
         # Built in init_process_group, once Megatron's parallel groups exist.
@@ -111,6 +113,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.experts = ExpertLayout.current()
         self.dp = DataParallel(
             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
         )
@@ -160,7 +163,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
 
     def _build_gpt(self, path: str):
         model = build_gpt_model(self.arch, self.par, bf16=self.bf16, knobs=training_knobs(self.cfg))
-        load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank)
+        load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank, self.experts)
         return model
 
     def _set_lr(self) -> None:
@@ -189,6 +192,12 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
     def _layout(self, mb: MicroBatch):
         return megatron_layout(mb, self.pad_id, self.tp if self.par.sequence_parallel else 1)
 
+    def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
+        # Under expert parallelism every MoE layer's forward exchanges tokens with the other replicas' ranks: all
+        # run as many passes, some of them throw-away ones (no rows).
+        packed = super()._micro_batches(batch, idx)
+        return even_out(packed, all_reduce_max(len(packed), self.dp, self.device)) if self.experts.ep > 1 else packed
+
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
         ids, pos, targets = self._layout(mb)
         return self._outputs(self._logits(model, ids, pos), mb, targets, temperature, with_entropy)
@@ -205,12 +214,14 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
 
         def forward_step(data_iterator, model):
             rows = next(data_iterator)
-            mb = self._collate(batch, rows)
+            mb = self._collate(batch, rows or [0])  # no rows: even_out's throw-away pass
             ids, pos, targets = self._layout(mb)
             logits = self._logits(model, ids, pos)
 
             def loss_func(output):
                 logprobs, entropy = self._outputs(output, mb, targets, temperature, with_entropy=True)
+                if not rows:
+                    return (logprobs * 0.0).sum(), {}
                 loss, m = loss_of(mb, rows, logprobs, entropy)
                 m["loss"] = loss.detach()
                 for key, value in m.items():
@@ -239,12 +250,15 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
 
     # -- weights ------------------------------------------------------------------------------
     def _export(self):
-        """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it."""
-        return export_hf(self.module, self.arch, self.tp, self.tp_group)
+        """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it, and under expert
+        parallelism every rank (the EP groups span the DP replicas)."""
+        return export_hf(self.module, self.arch, self.tp, self.tp_group, experts=self.experts)
 
     def _weight_source(self) -> WeightSource:
-        # Global rank 0 sends; the other TP ranks of its replica take part in each parameter's TP gather.
-        return WeightSource(self._export, sends=self.rank == 0, gathers=self.dp.rank == 0)
+        # Global rank 0 sends; the other TP ranks of its replica take part in each parameter's TP gather, and with
+        # EP > 1 all ranks in the experts' gathers (each replica's TP gathers then run in their own groups).
+        gathers = self.dp.rank == 0 or self.experts.ep > 1
+        return WeightSource(self._export, sends=self.rank == 0, gathers=gathers)
 
     def save_hf(self, path: str) -> None:
         self._weight_source().read(lambda named: write_hf_checkpoint(named, self.cfg.model_path, path), None)
@@ -305,6 +319,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                         "optimizer_steps": self.optimizer_steps,
                         "has_optimizer": save_optimizer,
                         "tp": self.tp,
+                        "ep": self.experts.ep,
                         "dp": self.dp.size,
                         "format": "megatron.core.dist_checkpointing (torch_dist)",
                     }
@@ -337,5 +352,5 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         load_rng_state(src, self.rank)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The whole policy under HF names (tests and tools; every TP rank must call it)."""
+        """The whole policy under HF names (tests and tools; every TP rank must call it, with EP every rank)."""
         return {k: v.clone() for k, v in self._export()}

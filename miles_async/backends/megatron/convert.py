@@ -6,11 +6,18 @@ gate/up into one ``linear_fc1`` (``[gate; up]``, per TP shard). Column-parallel 
 are split on dim 0, row-parallel ones on dim 1, the vocabulary (padded to a multiple
 of TP) on dim 0; norms are replicated.
 
+MoE layers: the router and the shared expert (and its gate) are named like the dense
+parts; each routed expert is an MLP of its own, ``experts.local_experts.<i>`` (megatron-core's
+SequentialMLP; ``experts.linear_fc1.weight<i>`` with Transformer Engine's grouped GEMM),
+where local expert ``i`` of expert-parallel rank ``r`` is global expert ``r * E / EP + i``
+and its fc1/fc2 are sharded over the expert-tensor-parallel ranks as a dense MLP's over TP.
+
 Load (``load_hf``) reads the HF safetensors lazily and copies each rank's shard into
 the model. Export (``export_hf``) is a generator of ``(hf_name, full tensor)``: one
-parameter at a time is gathered over the TP group, so with ``iter_buckets`` a weight
-sync never holds a second full copy of the model. Every rank of a TP group must run
-the generator (the gathers are collective); the caller decides who keeps the output.
+parameter at a time is gathered over the TP group (an expert's over its ETP group, then
+its EP group), so with ``iter_buckets`` a weight sync never holds a second full copy of
+the model. Every rank of those groups must run the generator (the gathers are collective);
+the caller decides who keeps the output.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +47,64 @@ _LAYER_NAMES = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# A routed expert's projection: local spec (SequentialMLP) or Transformer Engine's grouped GEMM.
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How this rank holds the routed experts: ``ep`` expert-parallel ranks (this one ``ep_rank``), each expert's
+    projections split over ``etp`` expert-tensor-parallel ranks; the groups for the export's gathers."""
+
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+    ep_group: Any = None
+    etp_group: Any = None
+
+    @classmethod
+    def current(cls) -> ExpertLayout:
+        """This rank's, from Megatron's parallel state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_model_parallel_group(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+
+
+def _moe_names(arch: ArchSpec) -> tuple[str, tuple[str, str, str]]:
+    """The HF MoE block's attribute and its experts' (gate, up, down) projections."""
+    if arch.model_type == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_suffixes(arch: ArchSpec) -> dict[str, tuple[str, ...]]:
+    """Megatron suffix -> HF suffixes of the MoE block's router and shared expert (fc1: gate, up)."""
+    block, _ = _moe_names(arch)
+    return {
+        "mlp.router.weight": (block + "gate.weight",),
+        "mlp.shared_experts.linear_fc1.weight": (
+            "mlp.shared_expert.gate_proj.weight",
+            "mlp.shared_expert.up_proj.weight",
+        ),
+        "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight",),
+        "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight",),
+    }
+
+
+def _expert(suffix: str) -> tuple[int, str] | None:
+    """(local expert index, "linear_fc1" | "linear_fc2") of a routed expert's projection, else None."""
+    m = _EXPERT.match(suffix)
+    if m is None:
+        return None
+    return (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
 
 
 # -- fused layouts -----------------------------------------------------------------------
@@ -73,8 +140,10 @@ def hf_shard(
     tp: int,
     rank: int,
     layer_number: Callable[[int], int] = lambda i: i,
+    experts: ExpertLayout = ExpertLayout(),
 ) -> torch.Tensor:
-    """This TP rank's value of Megatron parameter ``name``, read from HF tensors through ``get``."""
+    """This TP rank's value of Megatron parameter ``name``, read from HF tensors through ``get`` (a routed expert's:
+    this EP and ETP rank's, by ``experts``)."""
     vocab = arch.padded_vocab(tp)
     if name == "embedding.word_embeddings.weight":
         return _pad_vocab(get("model.embed_tokens.weight"), vocab).chunk(tp)[rank]
@@ -95,6 +164,24 @@ def hf_shard(
     if suffix == "mlp.linear_fc1.weight":
         gate, up = get(pre + "mlp.gate_proj.weight"), get(pre + "mlp.up_proj.weight")
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    expert = _expert(suffix)
+    if expert is not None:
+        local, fc = expert
+        n_local = arch.moe.num_experts // experts.ep
+        block, (g, u, d) = _moe_names(arch)
+        src = f"{pre}{block}experts.{experts.ep_rank * n_local + local}."
+        k, r = experts.etp, experts.etp_rank
+        if fc == "linear_fc1":
+            return torch.cat([get(f"{src}{g}.weight").chunk(k)[r], get(f"{src}{u}.weight").chunk(k)[r]])
+        return get(f"{src}{d}.weight").chunk(k, dim=1)[r]
+    moe = _moe_suffixes(arch)
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = (get(pre + n) for n in moe[suffix])
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if suffix == "mlp.shared_experts.linear_fc2.weight":
+        return get(pre + moe[suffix][0]).chunk(tp, dim=1)[rank]
+    if suffix in moe:
+        return get(pre + moe[suffix][0])
     if suffix in _LAYER_NAMES:
         w = get(pre + _LAYER_NAMES[suffix])
         return w.chunk(tp, dim=1)[rank] if suffix in _ROW_PARALLEL else w
@@ -132,10 +219,17 @@ def _layer_numbers(model) -> dict[int, int]:
 
 
 @torch.no_grad()
-def load_hf(model, get: Callable[[str], torch.Tensor], arch: ArchSpec, tp: int, rank: int) -> None:
+def load_hf(
+    model,
+    get: Callable[[str], torch.Tensor],
+    arch: ArchSpec,
+    tp: int,
+    rank: int,
+    experts: ExpertLayout = ExpertLayout(),
+) -> None:
     numbers = _layer_numbers(model)
     for name, p in model.named_parameters():
-        value = hf_shard(name, get, arch, tp, rank, layer_number=numbers.__getitem__)
+        value = hf_shard(name, get, arch, tp, rank, layer_number=numbers.__getitem__, experts=experts)
         if value.shape != p.shape:
             raise ValueError(f"{name}: HF gives {tuple(value.shape)}, the model has {tuple(p.shape)}")
         p.data.copy_(value.to(p.dtype))
@@ -159,8 +253,10 @@ def export_hf(
     tp: int = 1,
     group=None,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p,
+    experts: ExpertLayout = ExpertLayout(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group.
+    """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group (a routed expert's
+    over its ETP group, then its EP group: every expert of the layer).
 
     ``tensor_of`` picks what is exported per parameter (default the weight; e.g. its
     gradient ``p.main_grad`` to compare gradients across parallel layouts).
@@ -188,11 +284,43 @@ def export_hf(
             q, k, v = split_qkv(arch, _gather(t, 0, group, tp))
             yield from ((f"{pre}self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v)))
         elif suffix == "mlp.linear_fc1.weight":
-            parts = [t] if tp == 1 else list(_gather(t, 0, group, tp).chunk(tp))
-            half = t.shape[0] // 2
-            yield pre + "mlp.gate_proj.weight", torch.cat([s[:half] for s in parts])
-            yield pre + "mlp.up_proj.weight", torch.cat([s[half:] for s in parts])
+            yield from zip((pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"), _split_fc1(t, group, tp))
+        elif (expert := _expert(suffix)) is not None:
+            yield from _export_expert(arch, pre, *expert, t, experts)
+        elif suffix in (moe := _moe_suffixes(arch)):
+            names = [pre + n for n in moe[suffix]]
+            if suffix == "mlp.shared_experts.linear_fc1.weight":
+                yield from zip(names, _split_fc1(t, group, tp))
+            else:
+                yield names[0], _gather(t, 1, group, tp) if suffix.endswith("linear_fc2.weight") else t
         elif suffix in _LAYER_NAMES:
             yield pre + _LAYER_NAMES[suffix], _gather(t, 1, group, tp) if suffix in _ROW_PARALLEL else t
         else:
             raise KeyError(f"no HF name for Megatron parameter {name}")
+
+
+def _split_fc1(t: torch.Tensor, group, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated MLP's fused ``[gate; up]`` (per shard) gathered over ``group``: the whole gate and up."""
+    parts = [t] if tp == 1 else list(_gather(t, 0, group, tp).chunk(tp))
+    half = t.shape[0] // 2
+    return torch.cat([s[:half] for s in parts]), torch.cat([s[half:] for s in parts])
+
+
+def _export_expert(
+    arch: ArchSpec, pre: str, local: int, fc: str, t: torch.Tensor, experts: ExpertLayout
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Local expert ``local``'s projection ``fc`` on every EP rank: whole (gathered over ETP), under HF names."""
+    block, (g, u, d) = _moe_names(arch)
+    n_local = arch.moe.num_experts // experts.ep
+    if fc == "linear_fc1":
+        whole = torch.cat(_split_fc1(t, experts.etp_group, experts.etp))
+    else:
+        whole = _gather(t, 1, experts.etp_group, experts.etp)
+    for r, w in enumerate(_gather(whole, 0, experts.ep_group, experts.ep).chunk(experts.ep)):
+        src = f"{pre}{block}experts.{r * n_local + local}."
+        if fc == "linear_fc1":
+            gate, up = w.chunk(2)
+            yield f"{src}{g}.weight", gate
+            yield f"{src}{u}.weight", up
+        else:
+            yield f"{src}{d}.weight", w

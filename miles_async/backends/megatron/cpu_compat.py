@@ -13,7 +13,11 @@ all of those land on the CPU:
   the CPU generator;
 * CUDA streams, events and synchronisation become no-ops;
 * ``Tensor.type()`` reports CPU tensors under their CUDA names ("torch.cuda.FloatTensor"),
-  which Megatron's optimizers and gradient clipping dispatch on and assert.
+  which Megatron's optimizers and gradient clipping dispatch on and assert;
+* the MoE alltoall dispatcher's split sizes, which it moves off the GPU as numpy arrays
+  (the form ``all_to_all_single`` takes) only when they were on the GPU, become numpy here too;
+* gathers and reduce-scatters of uneven blocks (the dispatcher's, under TP x EP), which NCCL
+  runs and gloo refuses, run as even ones: padded to the largest block, and an all-reduce.
 
 It is applied only when ``torch.cuda.is_available()`` is false; on a GPU ``apply()``
 returns at once, so the GPU path pays nothing.
@@ -124,20 +128,57 @@ def apply() -> None:
 
         mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
         mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-        # Activation recompute (--recompute-granularity) runs layers' forward again inside backward, which runs
-        # within this mode's own handler for Tensor.backward, where torch disables the mode: give it its own.
-        recompute = mrandom.CheckpointFunction.backward
-        mrandom.CheckpointFunction.backward = staticmethod(lambda ctx, *grads: _in_mode(recompute, ctx, *grads))
+        # Backward runs within this mode's own handler for Tensor.backward, where torch disables the mode, yet
+        # Megatron's autograd functions make CUDA tensors there too (activation recompute runs layers' forward
+        # again, the MoE token exchange allocates its output): the autograd engine's pass gets a mode of its own.
+        engine = torch.autograd._engine_run_backward
+        torch.autograd._engine_run_backward = lambda *a, **k: _in_mode(engine, *a, **k)
+        from megatron.core.tensor_parallel import mappings
+        from megatron.core.transformer.moe import token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu
+        gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+        mappings._gather_along_first_dim = lambda x, group, sizes=None, *a, **k: (
+            gather(x, group, sizes, *a, **k) if sizes is None else _gather_uneven(x, group, sizes)
+        )
+        mappings._reduce_scatter_along_first_dim = lambda x, group, sizes=None, *a, **k: (
+            reduce_scatter(x, group, sizes, *a, **k) if sizes is None else _reduce_scatter_uneven(x, group, sizes)
+        )
         _applied = True
         _activate_mode()
+
+
+def _to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _gather_uneven(x: torch.Tensor, group, sizes) -> torch.Tensor:
+    import torch.distributed as dist
+
+    sizes = [int(n) for n in sizes]
+    padded = x.new_zeros(max(sizes), *x.shape[1:])
+    padded[: x.shape[0]] = x
+    out = x.new_empty(len(sizes) * max(sizes), *x.shape[1:])
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return torch.cat([block[:n] for block, n in zip(out.chunk(len(sizes)), sizes)])
+
+
+def _reduce_scatter_uneven(x: torch.Tensor, group, sizes) -> torch.Tensor:
+    import torch.distributed as dist
+
+    sizes = [int(n) for n in sizes]
+    total = x.clone()
+    dist.all_reduce(total, group=group)
+    start = sum(sizes[: group.rank()])
+    return total[start : start + sizes[group.rank()]].contiguous()
 
 
 _mode_threads: set[int] = set()
 
 
-def _in_mode(fn, *args):
+def _in_mode(fn, *args, **kwargs):
     with _CudaToCpu():
-        return fn(*args)
+        return fn(*args, **kwargs)
 
 
 def _activate_mode() -> None:

@@ -1,10 +1,12 @@
-"""A Megatron-core ``GPTModel`` built from an HF config (Llama, Qwen2, Qwen3 and look-alikes).
+"""A Megatron-core ``GPTModel`` built from an HF config (Llama, Qwen2, Qwen3 and look-alikes, and the MoE
+families Qwen3-MoE, Qwen2-MoE and Mixtral).
 
 ``ArchSpec`` reads what the conversion and the model need from an HF ``config.json``
 (RMSNorm, SwiGLU, RoPE with the model's theta, grouped-query attention, tied or untied
-embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms) and refuses what it cannot map.
-The layer spec is Transformer Engine's when ``transformer_engine`` imports, otherwise
-Megatron's local one; the conversion names follow whichever was used.
+embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms; for MoE models ``MoESpec``: experts, top-k,
+where the router's softmax sits, which layers are MoE, the shared expert and its gate) and refuses
+what it cannot map. The layer spec is Transformer Engine's when ``transformer_engine`` imports,
+otherwise Megatron's local one; the conversion names follow whichever was used.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles_async.config.moe import not_built
+
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
     from miles_async.config import TrainConfig
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+DENSE = ("llama", "qwen2", "qwen3", "mistral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED = DENSE + MOE
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,47 @@ class ParallelSizes:
     cp: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    ep: int = 1  # expert parallelism: the experts of each MoE layer split over EP ranks (carved out of DP)
+    etp: int | None = None  # expert tensor parallelism; None: TP's size, as in Megatron-LM
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """An HF MoE block as Megatron's ``MoELayer`` builds it."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # of each routed expert
+    layer_freq: tuple[int, ...]  # per layer: 1 MoE, 0 dense (Megatron's moe_layer_freq as a list)
+    # Qwen's norm_topk_prob false: top-k of the softmax over all experts (Megatron's moe_router_pre_softmax);
+    # true, and Mixtral: the top-k probabilities renormalised, which is the softmax over the top-k logits.
+    pre_softmax: bool
+    shared_ffn_hidden_size: int | None = None  # Qwen2-MoE's shared expert
+    shared_gate: bool = False  # its sigmoid gate
+
+    @classmethod
+    def from_hf(cls, config) -> MoESpec:
+        mt = config.model_type
+        if mt == "mixtral":
+            if getattr(config, "router_jitter_noise", 0.0):
+                raise ValueError(
+                    "--train-backend megatron: Mixtral's router_jitter_noise scales the experts' input too, "
+                    "Megatron's moe_input_jitter_eps only the router's: not mapped"
+                )
+            n = config.num_local_experts
+            return cls(n, config.num_experts_per_tok, config.intermediate_size, (1,) * config.num_hidden_layers, False)
+        step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", ()) or ())
+        freq = tuple(0 if i in dense or (i + 1) % step else 1 for i in range(config.num_hidden_layers))
+        shared = getattr(config, "shared_expert_intermediate_size", None) if mt == "qwen2_moe" else None
+        return cls(
+            num_experts=config.num_experts,
+            topk=config.num_experts_per_tok,
+            ffn_hidden_size=config.moe_intermediate_size,
+            layer_freq=freq,
+            pre_softmax=not getattr(config, "norm_topk_prob", False),
+            shared_ffn_hidden_size=shared or None,
+            shared_gate=bool(shared),
+        )
 
 
 @dataclass(frozen=True)
@@ -50,10 +97,13 @@ class ArchSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoESpec | None = None
 
     @classmethod
     def from_hf(cls, config) -> ArchSpec:
         mt = config.model_type
+        if mt not in SUPPORTED and _experts(config):
+            raise ValueError(not_built(mt))
         if mt not in SUPPORTED:
             raise ValueError(f"--train-backend megatron: model_type {mt!r} is not supported (supported: {SUPPORTED})")
         act = getattr(config, "hidden_act", "silu")
@@ -62,7 +112,7 @@ class ArchSpec:
         if getattr(config, "mlp_bias", False):
             raise ValueError("--train-backend megatron: mlp_bias=True is not mapped")
         attention_bias = getattr(config, "attention_bias", False)
-        if attention_bias and mt != "qwen2":
+        if attention_bias and mt not in ("qwen2", "qwen2_moe"):
             # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear.
             raise ValueError("--train-backend megatron: attention_bias=True on a llama-style model is not mapped")
         rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -101,12 +151,18 @@ class ArchSpec:
             rope_scaling_factor=factor,
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2" or bool(attention_bias),
-            qk_norm=mt == "qwen3",
+            qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and getattr(config, "qkv_bias", True)) or bool(attention_bias),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            moe=MoESpec.from_hf(config) if mt in MOE else None,
         )
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
+
+
+def _experts(config) -> int | None:
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return next((n for n in (getattr(config, k, None) for k in keys) if n), None)
 
 
 def have_transformer_engine() -> bool:
@@ -119,20 +175,67 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(arch: ArchSpec, use_te: bool):
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+class LocalRMSNorm:
+    """torch's RMSNorm, as Megatron's local spec builds it (``WrappedTorchNorm``), that also runs under sequence
+    parallelism: each TP rank then normalises its own share of the tokens, so the weight's gradient is a partial
+    sum, which the ``sequence_parallel`` mark has Megatron's ``finalize_model_grads`` all-reduce over TP (what
+    Transformer Engine's norms mark). MoE layers need it: Megatron refuses to train them under TP without
+    sequence parallelism."""
 
-    if use_te:
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _local_norms(spec):
+    """``spec`` (a layer's or block's) with every torch norm of the local spec replaced by ``LocalRMSNorm``."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return LocalRMSNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_local_norms(spec.module), submodules=_local_norms(spec.submodules))
+    if isinstance(spec, list):
+        return [_local_norms(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(
+            spec, **{f.name: _local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+        )
+    return spec
+
+
+def layer_spec(arch: ArchSpec, use_te: bool, config):
+    """The decoder block's spec for ``config`` (MoE and dense layers by ``moe_layer_freq``); Transformer
+    Engine's layers, or the local spec's with ``LocalRMSNorm``."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if arch.moe is not None:
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    elif use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    else:
+        layer = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        # As a block, so that the final norm is ours too (given one layer, Megatron picks it itself).
+        spec = TransformerBlockSubmodules([layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
+    return spec if use_te else _local_norms(spec)
 
 
 def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
     """The TransformerConfig fields the training flags set: activation recompute (--recompute-*), dropout
-    (--attention-dropout, --hidden-dropout) and Transformer Engine's attention (--attention-backend)."""
+    (--attention-dropout, --hidden-dropout), Transformer Engine's attention (--attention-backend) and the MoE
+    layers' router, load balancing and token dispatch (--moe-*; only an MoE model reads them). Grouped GEMM and
+    the fused permutation are Transformer Engine's kernels: without it (on the CPU) they stay off, as the
+    parse-time warning says."""
     from megatron.core.transformer.enums import AttnBackend
 
     m = cfg.megatron
+    te = have_transformer_engine()
     return {
         "recompute_granularity": m.recompute_granularity,
         "recompute_method": m.recompute_method,
@@ -140,6 +243,31 @@ def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
         "hidden_dropout": cfg.hidden_dropout,
         "attention_dropout": cfg.attention_dropout,
         "attention_backend": AttnBackend[m.attention_backend],
+        "moe_router_dtype": m.moe.router_dtype,
+        "moe_aux_loss_coeff": m.moe.aux_loss_coeff,
+        "moe_router_load_balancing_type": m.moe.load_balancing_type,
+        "moe_token_dispatcher_type": m.moe.token_dispatcher_type,
+        "moe_expert_capacity_factor": m.moe.expert_capacity_factor,
+        "moe_token_drop_policy": m.moe.token_drop_policy,
+        "moe_grouped_gemm": m.moe.grouped_gemm and te,
+        "moe_permute_fusion": m.moe.permute_fusion and te,
+    }
+
+
+def moe_fields(arch: ArchSpec) -> dict[str, Any]:
+    """The TransformerConfig fields config.json sets for an MoE model (none for a dense one)."""
+    m = arch.moe
+    if m is None:
+        return {}
+    return {
+        "num_moe_experts": m.num_experts,
+        "moe_router_topk": m.topk,
+        "moe_ffn_hidden_size": m.ffn_hidden_size,
+        "moe_layer_freq": list(m.layer_freq),
+        "moe_router_pre_softmax": m.pre_softmax,
+        "moe_router_score_function": "softmax",
+        "moe_shared_expert_intermediate_size": m.shared_ffn_hidden_size,
+        "moe_shared_expert_gate": m.shared_gate,
     }
 
 
@@ -149,6 +277,8 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # A dense model keeps Megatron's MoE defaults whatever the --moe-* flags say (they warn there).
+    knobs = {k: v for k, v in (knobs or {}).items() if arch.moe is not None or not k.startswith("moe_")}
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -172,6 +302,8 @@ def transformer_config(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
         sequence_parallel=par.sequence_parallel,
         # --bf16 is Megatron's mixed precision: bf16 weights and compute, fp32 master weights in the optimizer.
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -180,7 +312,8 @@ def transformer_config(
         # Every weight is overwritten from the HF checkpoint, but initialisation must stay on: only that
         # path marks the TP-sharded weights (tensor_model_parallel), which the grad norm relies on.
         perform_initialization=True,
-        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **(knobs or {})},
+        **moe_fields(arch),
+        **{"hidden_dropout": 0.0, "attention_dropout": 0.0, **knobs},
     )
 
 
@@ -191,11 +324,13 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
     from megatron.core.models.gpt import GPTModel
 
     use_te = have_transformer_engine()
+    if not use_te:
+        _define_te_gemm()
     cfg = transformer_config(arch, par, bf16, use_cpu_init=not torch.cuda.is_available(), knobs=knobs)
     # Megatron's autograd functions are custom_fwd(device_type="cuda"); torch autocast is not used here.
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=layer_spec(arch, use_te),
+        transformer_layer_spec=layer_spec(arch, use_te, cfg),
         vocab_size=arch.padded_vocab(par.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -210,6 +345,16 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
     )
     model.use_te = use_te
     return model
+
+
+def _define_te_gemm() -> None:
+    """megatron-core 0.16.1's router matmul tests ``te_general_gemm is not None``, a name its module defines only
+    when Transformer Engine imports: without it (the local spec, any device) define it as absent, so the router
+    takes its torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def init_parallel(
@@ -238,6 +383,10 @@ def init_parallel(
         join_process_group(backend, rank, world_size, master_addr, master_port, hosted)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            context_parallel_size=par.cp,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.etp,
         )
     model_parallel_cuda_manual_seed(seed)

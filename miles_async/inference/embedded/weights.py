@@ -3,7 +3,8 @@ updates staged in the trainer's shared memory (``ShmMaps``, ``map_staged``: mapp
 generates, copied in by the engine's commit).
 
 Names are HF parameter names (``model.state_dict()`` keys); for tied embeddings either or both of
-``lm_head.weight`` and ``model.embed_tokens.weight`` may be given.
+``lm_head.weight`` and ``model.embed_tokens.weight`` may be given. An MoE model's routed experts may also be
+named as its checkpoint names them (``checkpoint_aliases``), which is how the trainers stream them.
 """
 
 from __future__ import annotations
@@ -26,13 +27,46 @@ logger = logging.getLogger(__name__)
 
 
 def param_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer by name, every alias of a tied weight included."""
+    """Every parameter and buffer by name, every alias of a tied weight and every checkpoint name of a fused
+    expert parameter included."""
     # remove_duplicate=False keeps every alias of tied weights, so both
     # lm_head.weight and model.embed_tokens.weight resolve.
     table = dict(model.named_parameters(remove_duplicate=False))
     for name, buf in model.named_buffers(remove_duplicate=False):
         table.setdefault(name, buf)
-    return table
+    return {**checkpoint_aliases(model, table), **table}
+
+
+_FUSED_EXPERTS = re.compile(r"^(.*)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")
+
+
+def checkpoint_aliases(model: torch.nn.Module, table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps an MoE layer's routed experts as two fused parameters (``experts.gate_up_proj``
+    ``[experts, 2 x ffn, hidden]``, ``experts.down_proj`` ``[experts, hidden, ffn]``), while its checkpoints (and
+    SGLang, vLLM and the trainers' weight streams) name each expert's projections: ``mlp.experts.<e>.gate_proj``
+    / ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2`` and
+    ``block_sparse_moe.gate``. Each such name, as a view into the fused parameter."""
+    mixtral = getattr(getattr(model, "config", None), "model_type", None) == "mixtral"
+    block, (g, u, d) = (
+        ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
+    out: dict[str, torch.Tensor] = {}
+    for name, t in table.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            continue
+        pre = f"{m.group(1)}.{block}."
+        if m.group(3) is None:
+            if mixtral:
+                out[pre + "gate.weight"] = t
+        elif m.group(3) == "down_proj":
+            out.update({f"{pre}experts.{e}.{d}.weight": t[e] for e in range(t.shape[0])})
+        else:
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{pre}experts.{e}.{g}.weight"] = t[e, :f]
+                out[f"{pre}experts.{e}.{u}.weight"] = t[e, f:]
+    return out
 
 
 def _missing_names(model: torch.nn.Module, given: Iterable[str], known: dict[str, torch.Tensor]) -> list[str]:
