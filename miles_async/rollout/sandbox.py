@@ -43,6 +43,17 @@ def import_path() -> str:
     return os.pathsep.join(dict.fromkeys(os.path.abspath(p) if p else os.getcwd() for p in sys.path))
 
 
+def needed_paths() -> list[str]:
+    """What a worker reads to start: our interpreter's environment and every folder on our import path. A private
+    /tmp would hide those that live under it (a checkout or a cache in /tmp), so ``sandbox_exec`` binds them back,
+    read-only. Outermost folders only: binding one binds what is under it."""
+    paths = {
+        os.path.realpath(p) for p in (sys.prefix, os.path.dirname(sys.executable), *import_path().split(os.pathsep))
+    }
+    paths = sorted(p for p in paths if os.path.isdir(p))
+    return [p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)]
+
+
 def worker_env(folder: str) -> dict[str, str]:
     """A worker's whole environment: the allowlisted variables of ours, and its own folder as home."""
     env = {name: os.environ[name] for name in ALLOWED_ENV if name in os.environ}
@@ -94,6 +105,7 @@ class Sandboxed:
             "limits": limits(cfg),
             "no_network": cfg.no_network,
             "private_tmp": cfg.private_tmp,
+            "needed": needed_paths() if cfg.private_tmp else [],
             "tmp_bytes": cfg.file_size_mb * MB,
             "probe": probe,
         }

@@ -4,8 +4,9 @@ Standard library only, and run as a file without ``site``: it starts in a few mi
 tool could have shadowed. SPEC_JSON (no secrets: the command line is public) holds ``mode``, ``argv`` (the worker
 command), ``folder`` (the worker's own folder), ``parent`` (the pid that must still be our parent), ``report``
 (the descriptor for this program's own messages), ``limits`` (resource -> value), ``no_network``,
-``private_tmp``, ``tmp_bytes`` and ``probe`` (set everything up, then exit 0 instead of running ``argv``). The
-environment it is started with is the worker's: the caller allowlists it.
+``private_tmp``, ``needed`` (folders bound back, read-only, under a private /tmp), ``tmp_bytes`` and ``probe``
+(set everything up, then exit 0 instead of running ``argv``). The environment it is started with is the
+worker's: the caller allowlists it.
 
 Every mode: the parent-death signal (SIGKILL when the parent dies), no new privileges, the folder as working
 directory. ``rlimits-only`` adds the resource limits and execs the worker in this process. ``namespace``:
@@ -204,9 +205,18 @@ def _init(spec: dict, go: int, keep: set[int]) -> None:
     _set_readonly("/", True, recursive=True)
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     if spec["private_tmp"]:
-        for path in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(path):
-                _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=" + str(spec["tmp_bytes"]))
+        private = [path for path in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(path)]
+        # What the worker needs to start (its interpreter, its import path) may live under a folder about to be
+        # hidden: held open now, bound back read-only over the empty one.
+        hidden = [p for p in spec["needed"] if any(p.startswith(d + "/") for d in private)]
+        held = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in hidden}
+        for path in private:
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=" + str(spec["tmp_bytes"]))
+        for path, fd in held.items():
+            os.makedirs(path, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            _set_readonly(path, True, recursive=True)
+            os.close(fd)
     os.makedirs(folder, exist_ok=True)  # absent only where an empty /tmp now hides it
     _mount(f"/proc/self/fd/{folder_fd}", folder, None, MS_BIND)
     _set_readonly(folder, False, recursive=False)  # a bind mount starts with its source's read-only flag

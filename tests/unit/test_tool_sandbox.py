@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from miles_async.config import SandboxConfig
+from miles_async.rollout.sandbox import needed_paths
 from miles_async.rollout.tools import ToolRunner
 from tests.sandbox_helpers import TIGHT, require_namespaces
 
@@ -189,8 +190,12 @@ def test_no_network_and_a_private_tmp_on_request(runner, tmp_path):
     assert reached == "connected"  # the network is there without the flag
     assert unreached == "refused: [Errno 101] Network is unreachable"
     assert wrote == "/tmp/private.txt" and not Path("/tmp/private.txt").exists()
-    # Its /tmp holds what it wrote and the way to its own folder (when that is under /tmp), nothing of ours.
-    assert set(json.loads(where)["tmp"]) <= {"private.txt", Path(folder).relative_to("/").parts[1]}
+    # Its /tmp holds what it wrote, the way to its own folder and to what it needs to start (our interpreter and
+    # import path, read-only, when they are under /tmp: a checkout there), nothing else of ours (tmp_path's file).
+    needed = {Path(p).parts[2] for p in needed_paths() if p.startswith("/tmp/")}
+    assert set(json.loads(where)["tmp"]) <= {"private.txt", Path(folder).relative_to("/").parts[1], *needed}
+    if tmp_path.is_relative_to("/tmp"):
+        assert tmp_path.relative_to("/tmp").parts[0] not in needed | {Path(folder).relative_to("/").parts[1]}
 
 
 def test_killing_the_rollout_process_ends_its_workers_and_their_children(namespaces, tmp_path):
