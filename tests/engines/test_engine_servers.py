@@ -258,19 +258,26 @@ def test_generate_with_logprobs_matches_transformers(backend, engine, tiny_model
     assert_rejected({n: lp[1:] + lp[:1] for n, lp in got.items()}, want, tol, "log-probs one token off")
 
 
+PAUSE_DELAYS_S = (0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
+
+
 async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asyncio.Task, str]:
-    """A long request caught by a pause in place before it finished (a tiny model on an idle CPU can finish
-    480 tokens in well under a second, so a request that beat the pause is let finish and another tried)."""
-    for attempt in range(5):
+    """A long request caught by a pause in place before it finished. A tiny model on an idle CPU can finish 480
+    tokens in a few tenths of a second (vLLM did, on a quiet machine), so a request that beat the pause is let
+    finish and another tried, paused sooner after it was sent."""
+    for attempt, delay in enumerate(PAUSE_DELAYS_S):
         task = asyncio.create_task(c.generate(prompt, LONG, rid=f"{rid}-{attempt}"))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(delay)
         await c.pause("in_place")
         await asyncio.sleep(0.5)
         if not task.done():
             return task, f"{rid}-{attempt}"
         await c.resume()
         await task
-    raise AssertionError("5 requests of 480 tokens all finished within 0.2 s: none could be paused mid-generation")
+    raise AssertionError(
+        f"{len(PAUSE_DELAYS_S)} requests of 480 tokens each finished before a pause {PAUSE_DELAYS_S} s after it was "
+        "sent: none could be paused mid-generation"
+    )
 
 
 def test_pause_in_place_then_continue_completes_the_request(backend, engine, tiny_model):
