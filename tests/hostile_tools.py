@@ -50,7 +50,23 @@ def endless_loop() -> str:
 def setsid_child(marker: str) -> str:
     """Starts ``sleep MARKER`` in a new session, with its own parent gone (a double fork), and returns."""
     subprocess.Popen(["setsid", "sh", "-c", f"sleep {marker} &"], start_new_session=True).wait()
+    # sh may exit before its background child has exec'd sleep (seen on a loaded machine): wait until it has, so
+    # the caller finds it running.
+    deadline = time.monotonic() + 10
+    while not _running(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     return "started"
+
+
+def _running(command: str) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip() == command:
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def setsid_child_and_hang(marker: str) -> str:
