@@ -109,15 +109,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _token(ns: argparse.Namespace) -> Secret | None:
-    if ns.api_server_token_file is not None:
-        path = Path(ns.api_server_token_file)
-        require(path.is_file(), f"--api-server-token-file: file not found: {path}")
-        value = path.read_text().strip()
-        require(bool(value), f"--api-server-token-file: {path} is empty")
+def secret_from(flag: str, path: str | None, env: str) -> Secret | None:
+    """A credential: the content of the file ``flag`` names, else ``$env``, else None."""
+    if path is not None:
+        file = Path(path)
+        require(file.is_file(), f"{flag}: file not found: {file}")
+        value = file.read_text().strip()
+        require(bool(value), f"{flag}: {file} is empty")
         return Secret(value)
-    value = os.environ.get(TOKEN_ENV, "").strip()
+    value = os.environ.get(env, "").strip()
     return Secret(value) if value else None
+
+
+def _token(ns: argparse.Namespace) -> Secret | None:
+    return secret_from("--api-server-token-file", ns.api_server_token_file, TOKEN_ENV)
 
 
 def _ssl_files(ns: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from miles_async.algorithms import reward_types
-from miles_async.config.control import Secret
+from miles_async.config.control import Secret, secret_from
 from miles_async.config.declare import (
     Check,
     When,
@@ -414,21 +412,15 @@ def validate(ns: argparse.Namespace) -> None:
 
 def rm_token(ns: argparse.Namespace) -> Secret | None:
     """The reward server's bearer token: --rm-token-file's content, else $MILES_ASYNC_RM_TOKEN, else None."""
-    if ns.rm_token_file is not None:
-        path = Path(ns.rm_token_file)
-        require(path.is_file(), f"--rm-token-file: file not found: {path}")
-        value = path.read_text().strip()
-        require(bool(value), f"--rm-token-file: {path} is empty")
-    else:
-        value = os.environ.get(RM_TOKEN_ENV, "").strip()
-        if not value:
-            return None
+    token = secret_from("--rm-token-file", ns.rm_token_file, RM_TOKEN_ENV)
+    if token is None:
+        return None
     require(
         "@" not in urlsplit(ns.rm_url).netloc,
         f"--rm-url {redact_url(ns.rm_url)} holds credentials and a bearer token is given too "
         f"(--rm-token-file or ${RM_TOKEN_ENV}): give one of them",
     )
-    return Secret(value)
+    return token
 
 
 def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | None:
