@@ -106,6 +106,23 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.timeout(given if given is not None else cap.seconds))
         if cap.slow:
             item.add_marker(pytest.mark.slow)
+    items[:] = longest_files_first(items, lambda item: _BUDGET.cap(item.nodeid))
+
+
+def longest_files_first(items: list, cap_of) -> list:
+    """Files whole, those with the longest caps first (ties: more slow tests first), the rest in their order.
+    Two workers given files in collection order (--dist loadfile) otherwise meet the 3-minute rehearsal last
+    and one idles while the other runs it."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def weight(tests: list) -> tuple[float, float]:
+        caps = [cap_of(t).seconds for t in tests if cap_of(t).slow]
+        return (max(caps, default=0), sum(caps))
+
+    order = sorted(files.values(), key=lambda tests: tuple(-w for w in weight(tests)))  # stable: ties keep order
+    return [item for tests in order for item in tests]
 
 
 def pytest_collection_finish(session):

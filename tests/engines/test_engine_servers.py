@@ -36,12 +36,23 @@ from tests.tolerance import StepBounds, assert_rejected, assert_within
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match
 
 # Generous: on a fresh machine the first test also waits for the engine's environment to be built (minutes).
-LONG = {"temperature": 0.0, "max_new_tokens": 480, "ignore_eos": True}  # the context is 512
+CONTEXT = 4096
+LONG = {"temperature": 0.0, "max_new_tokens": CONTEXT - 32, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_model_hd32):
-    return tiny_model_hd32
+def tiny_model(tiny_model_hd32, tmp_path_factory):
+    """The tiny llama with a context of 4,096 (its rotary positions need no weights): the pause tests must catch a
+    request mid-generation, and a 480-token request finished before a pause sent 0.01 s after it when two test
+    workers loaded the CPU (vLLM's API server then waits on its engine core)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny_model_long") / "model"
+    shutil.copytree(tiny_model_hd32, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +274,8 @@ PAUSE_DELAYS_S = (0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
 
 async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asyncio.Task, str]:
     """A long request caught by a pause in place before it finished. A tiny model on an idle CPU can finish 480
-    tokens in a few tenths of a second (vLLM did, on a quiet machine), so a request that beat the pause is let
-    finish and another tried, paused sooner after it was sent."""
+    tokens in a few tenths of a second (vLLM did, on a quiet machine), so the requests run to the context's end, and
+    a request that beat the pause is let finish and another tried, paused sooner after it was sent."""
     for attempt, delay in enumerate(PAUSE_DELAYS_S):
         task = asyncio.create_task(c.generate(prompt, LONG, rid=f"{rid}-{attempt}"))
         await asyncio.sleep(delay)
@@ -275,8 +286,8 @@ async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asynci
         await c.resume()
         await task
     raise AssertionError(
-        f"{len(PAUSE_DELAYS_S)} requests of 480 tokens each finished before a pause {PAUSE_DELAYS_S} s after it was "
-        "sent: none could be paused mid-generation"
+        f"{len(PAUSE_DELAYS_S)} requests of {LONG['max_new_tokens']} tokens each finished before a pause "
+        f"{PAUSE_DELAYS_S} s after it was sent: none could be paused mid-generation"
     )
 
 
