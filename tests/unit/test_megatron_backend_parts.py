@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_arch_spec_reads_hf_configs_and_refuses_what_it_cannot_map():
 
 @pytest.fixture
 def setup(tmp_path):
-    return [*minimal_flags(tmp_path), "--n-samples-per-prompt", "2", "--num-rollout", "3"]
+    return [*minimal_flags(tmp_path, num_hidden_layers=2), "--n-samples-per-prompt", "2", "--num-rollout", "3"]
 
 
 def test_megatron_flags_build_the_parallel_layout(setup):
@@ -127,6 +129,9 @@ def test_megatron_flags_build_the_parallel_layout(setup):
     assert (m.tensor_model_parallel_size, m.model_parallel_size, m.use_distributed_optimizer) == (2, 2, True)
     assert cfg.cluster.num_train_workers == 4
     assert parse_args(setup).train.megatron.model_parallel_size == 1
+    pp = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2"]
+    m = parse_args(setup + pp + ["--decoder-last-pipeline-num-layers", "1"]).train.megatron
+    assert (m.pipeline_model_parallel_size, m.model_parallel_size, m.decoder_last_pipeline_num_layers) == (2, 2, 1)
 
 
 @pytest.mark.parametrize(
@@ -139,9 +144,36 @@ def test_megatron_flags_build_the_parallel_layout(setup):
         ),
         (["--train-backend", "megatron", "--tensor-model-parallel-size", "2"], "do not split into TP 2"),
         (
-            ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-            "--pipeline-model-parallel-size > 1 is not supported",
+            ["--train-backend", "megatron", "--pipeline-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+            "--pipeline-model-parallel-size 4 does not split the 2 layers",
         ),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "2",
+            ],
+            "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 does not split the 2 layers",
+        ),
+        (
+            [
+                "--train-backend",
+                "megatron",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ],
+            "the interleaved (virtual pipeline) schedule is not supported",
+        ),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported by the fsdp"),
         (
             ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
             "--context-parallel-size > 1 is not supported",
@@ -156,5 +188,5 @@ def test_megatron_flags_build_the_parallel_layout(setup):
     ],
 )
 def test_megatron_flags_are_validated(setup, extra, fragment):
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         parse_args(setup + extra)
