@@ -205,16 +205,23 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
     if ns.train_backend != "megatron":
         return mcfg
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    require(
-        cp == 1,
-        "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
-        "gathered from whole sequences)",
-    )
+    te = machine.has_module("transformer_engine")
+    if cp > 1:
+        missing = [
+            "the backend's context-parallel data path (each packed sequence split over the CP ranks as Megatron "
+            "splits it, log-probs and the loss gathered back), which is not written yet: log-probs are computed "
+            "from whole sequences"
+        ]
+        if not te:
+            missing.append(
+                "Transformer Engine (megatron-core's context-parallel attention is Transformer Engine's; "
+                "transformer_engine is not installed here)"
+            )
+        require(False, f"--context-parallel-size {cp} > 1 needs " + ", and ".join(missing))
     require(
         num_workers % mcfg.model_parallel_size == 0,
         f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",
     )
-    te = machine.has_module("transformer_engine")
     machine.expect(
         ns.attention_backend == "auto" or te,
         f"--attention-backend {ns.attention_backend} chooses among Transformer Engine's attentions; "
