@@ -134,6 +134,9 @@ def test_megatron_flags_build_the_parallel_layout(setup):
     assert (m.pipeline_model_parallel_size, m.model_parallel_size, m.decoder_last_pipeline_num_layers) == (2, 2, 1)
 
 
+_PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+
+
 @pytest.mark.parametrize(
     "extra, fragment",
     [
@@ -148,29 +151,11 @@ def test_megatron_flags_build_the_parallel_layout(setup):
             "--pipeline-model-parallel-size 4 does not split the 2 layers",
         ),
         (
-            [
-                "--train-backend",
-                "megatron",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--decoder-first-pipeline-num-layers",
-                "2",
-            ],
+            [*_PP2, "--decoder-first-pipeline-num-layers", "2"],
             "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 does not split the 2 layers",
         ),
         (
-            [
-                "--train-backend",
-                "megatron",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--actor-num-gpus-per-node",
-                "2",
-                "--num-layers-per-virtual-pipeline-stage",
-                "1",
-            ],
+            [*_PP2, "--num-layers-per-virtual-pipeline-stage", "1"],
             "the interleaved (virtual pipeline) schedule is not supported",
         ),
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported by the fsdp"),
