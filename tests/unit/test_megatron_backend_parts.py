@@ -182,3 +182,21 @@ def test_context_parallelism_is_refused_naming_what_is_missing(setup):
     with pytest.raises(ConfigError, match=re.escape("--context-parallel-size 2 > 1 needs the backend's")) as e:
         parse_args(setup + argv)
     assert ("Transformer Engine" in str(e.value)) == (not module_installed("transformer_engine"))
+
+
+def test_a_distributed_optimizer_checkpoint_resumes_only_into_its_layout(tmp_path):
+    """megatron_meta.json's layout against the run's: the distributed optimizer's state (its dp_reshardable buffer
+    shards) loads into another data parallelism only; a PP 2 checkpoint loaded into PP 1 otherwise fails deep in
+    torch.distributed.checkpoint ('Global shape mismatch ... bucket_idx_0.param'). The plain optimizer's state and
+    a checkpoint of weights alone reshard to any layout."""
+    from miles_async.backends.megatron.actor import check_optimizer_layout
+
+    meta = {"has_optimizer": True, "tp": 1, "pp": 2, "ep": 1, "dp": 1, "distributed_optimizer": True}
+    one = {"tp": 1, "pp": 1, "ep": 1}
+    with pytest.raises(RuntimeError, match=re.escape("resume with --pipeline-model-parallel-size 2 (this run: 1)")):
+        check_optimizer_layout(meta, one, True, tmp_path)
+    check_optimizer_layout({**meta, "dp": 2}, {"tp": 1, "pp": 2, "ep": 1}, True, tmp_path)
+    check_optimizer_layout({**meta, "distributed_optimizer": False}, one, False, tmp_path)
+    check_optimizer_layout({**meta, "has_optimizer": False}, one, True, tmp_path)
+    with pytest.raises(RuntimeError, match="saved with --use-distributed-optimizer"):
+        check_optimizer_layout(meta, {"tp": 1, "pp": 2, "ep": 1}, False, tmp_path)

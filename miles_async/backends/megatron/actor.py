@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,35 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
     pos = torch.arange(s).expand(b, s).contiguous()
     targets = (prompt_lens[:, None] - 1 + torch.arange(r)[None, :]).clamp(0, s - 1)
     return ids, pos, targets
+
+
+_LAYOUT_FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "ep": "--expert-model-parallel-size",
+}
+
+
+def check_optimizer_layout(meta: dict, layout: dict[str, int], distributed_optimizer: bool, src: Path) -> None:
+    """A checkpoint's optimizer state (``meta``: its megatron_meta.json) loads into this run's ``layout``. The model
+    and the plain optimizer's state reshard to any layout; the distributed optimizer's (dp_reshardable: each
+    rank's shard of its flat gradient buffer, whose order follows the rank's parameters) only to another data
+    parallelism, and not into the other optimizer."""
+    if not meta["has_optimizer"] or "distributed_optimizer" not in meta:
+        return  # weights only, or written before the layout was recorded
+    if meta["distributed_optimizer"] != distributed_optimizer:
+        saved = "with" if meta["distributed_optimizer"] else "without"
+        raise RuntimeError(
+            f"--load {src}: its optimizer state was saved {saved} --use-distributed-optimizer, whose state has "
+            f"another form: resume {saved} it"
+        )
+    changed = {k: v for k, v in layout.items() if distributed_optimizer and meta.get(k, 1) != v}
+    if changed:
+        flags = ", ".join(f"{_LAYOUT_FLAGS[k]} {meta.get(k, 1)} (this run: {v})" for k, v in changed.items())
+        raise RuntimeError(
+            f"--load {src}: its distributed optimizer state is each rank's shard of a layout's gradient buffers, "
+            f"which loads only into the same layout (data parallelism may change): resume with {flags}"
+        )
 
 
 class MegatronTrainActor(PolicyMixin, BaseWorker):
@@ -347,6 +377,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                         "pp": self.stages.size,
                         "ep": self.experts.ep,
                         "dp": self.dp.size,
+                        "distributed_optimizer": self.par.distributed_optimizer,
                         "format": "megatron.core.dist_checkpointing (torch_dist)",
                     }
                 )
@@ -362,6 +393,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                 f"--train-backend fsdp cannot be resumed with --train-backend megatron"
             )
         meta = json.loads((src / "megatron_meta.json").read_text())
+        layout = {"tp": self.tp, "pp": self.stages.size, "ep": self.experts.ep}
+        check_optimizer_layout(meta, layout, self.par.distributed_optimizer, src)
         state = dist_checkpointing.load(
             self._sharded_state(meta["has_optimizer"], is_loading=True), str(src / "megatron")
         )
