@@ -257,8 +257,9 @@ def _check_stages(mcfg: MegatronConfig, num_layers: int, where: str) -> None:
     split = f"--pipeline-model-parallel-size {pp}{' ' + given if given else ''}"
     require(
         rest >= stages and (rest % stages == 0 if stages else rest == 0),
-        f"{split} does not split the {num_layers} layers of {where} into stages of at least one layer "
-        f"({rest} layers left for {stages} evenly split stages)",
+        f"{split} does not split the {num_layers} layers of {where}: {rest} are left for {stages} stages, which "
+        f"take an equal number each, at least one (--decoder-first-pipeline-num-layers and "
+        f"--decoder-last-pipeline-num-layers set the first and last stages' own)",
     )
 
 
