@@ -11,7 +11,7 @@ train on the returns while the actor trains; otherwise ``train`` runs both.
 ``PolicyMixin`` holds all of that orchestration and the per-micro-batch loss assembly
 (policy loss + entropy bonus + KL loss, from ``miles_async.algorithms``); a backend's worker
 supplies only what ``PolicyBackend`` declares (checked when the worker is built): its
-forward pass, one optimizer step, its data-parallel place, and its weights; with
+log-prob pass, one optimizer step, its data-parallel place, and its weights; with
 --keep-old-actor also ``KeepsOldWeights``.
 """
 

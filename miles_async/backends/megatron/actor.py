@@ -3,10 +3,11 @@
 Everything RL-specific (old/ref log-probs, advantages, the per-micro-batch loss) is
 ``PolicyMixin``, shared with the torch backend. This class builds a Megatron
 ``GPTModel`` from the HF checkpoint (``model.py``, ``convert.py``), wraps it in
-Megatron's DDP and optimizer, runs each optimizer step through Megatron's
-forward/backward schedule over token-budgeted micro-batches (``packing.py``), streams
-the weights back to HF names in buckets for the engines and ``--save-hf``, and saves
-resumable checkpoints with Megatron's distributed checkpointing.
+Megatron's DDP and optimizer, runs each optimizer step and each log-prob pass through
+Megatron's schedule over token-budgeted micro-batches (``packing.py``; with pipeline
+stages, 1F1B: ``pipeline.py`` brings the last stage's results to the others), streams
+the weights back to HF names in buckets for the engines and ``--save-hf`` (every stage's,
+from the first), and saves resumable checkpoints with Megatron's distributed checkpointing.
 
 The model is built in ``init_process_group`` (Megatron's tensor parallelism needs the
 process group first); ``TrainGroup.init`` always calls it, also with one worker.
