@@ -11,7 +11,7 @@ train on the returns while the actor trains; otherwise ``train`` runs both.
 ``PolicyMixin`` holds all of that orchestration and the per-micro-batch loss assembly
 (policy loss + entropy bonus + KL loss, from ``miles_async.algorithms``); a backend's worker
 supplies only what ``PolicyBackend`` declares (checked when the worker is built): its
-forward pass, one optimizer step, its data-parallel place, and its weights; with
+log-prob pass, one optimizer step, its data-parallel place, and its weights; with
 --keep-old-actor also ``KeepsOldWeights``.
 """
 
@@ -108,21 +108,17 @@ class PolicyBackend(Protocol):
     ref_model: torch.nn.Module | None  # the reference policy (--ref-load), or None
     optimizer_steps: int
 
-    def _forward(
-        self, model: torch.nn.Module, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs ``[B, R]`` of ``mb``'s responses under ``model``, and their entropy if asked."""
+    def _logprobs_of(
+        self, model: torch.nn.Module, batch: RolloutBatch, idx: list[int], temperature: float
+    ) -> dict[int, list[float]]:
+        """Each of the samples ``idx``'s per-token log-probs of its response under ``model`` (old and ref log-probs;
+        every rank of the worker group returns them)."""
 
     def _train_step(
         self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
     ) -> None:
         """One optimizer step over this worker's samples ``idx``, calling ``loss_of(mb, rows, logprobs, entropy)``
         on each micro-batch's forward outputs."""
-
-    def _per_sample(
-        self, fn: Callable[[MicroBatch], torch.Tensor], batch: RolloutBatch, idx: list[int]
-    ) -> dict[int, list[float]]:
-        """``fn``'s ``[B, R]`` output for each of the samples ``idx``, cut to its response length."""
 
     def _current_lr(self) -> float:
         """The LR of the optimizer step just taken."""
@@ -171,9 +167,6 @@ class PolicyMixin:
             )
 
     # -- log-probs ------------------------------------------------------------------------
-    def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
-        return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
-
     def _logprobs_under_generating_weights(
         self, batch: RolloutBatch, idx: list[int], temperature: float
     ) -> dict[int, list[float]]:

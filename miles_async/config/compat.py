@@ -104,8 +104,6 @@ GROUPS = (
             "--use-rope-scaling --rope-scaling-factor",
             float,
         ),
-        _value("--decoder-last-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
-        _value("--decoder-first-pipeline-num-layers", "pipeline parallelism is 1 stage here", int),
         _value("--wandb-key", WANDB),
         _value("--wandb-host", WANDB),
         _value("--wandb-team", WANDB),

@@ -34,6 +34,8 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: TP's size (Megatron-LM's default)
     moe: moe.MoEConfig = moe.MoEConfig()
+    decoder_first_pipeline_num_layers: int | None = None  # uneven stages; None: an even split
+    decoder_last_pipeline_num_layers: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -47,11 +49,37 @@ FULL_RECOMPUTE = When(
 )
 
 
+PIPELINE = When("--pipeline-model-parallel-size > 1", lambda ns: ns.pipeline_model_parallel_size > 1)
+
 GROUPS = (
     group(
         "megatron (--train-backend megatron)",
         flag("--tensor-model-parallel-size", type=int, default=1, check=at_least(1)),
-        flag("--pipeline-model-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
+        flag(
+            "--pipeline-model-parallel-size",
+            type=int,
+            default=1,
+            check=at_least(1),
+            help="split the layers over this many stages, run through megatron-core's 1F1B schedule",
+        ),
+        *(
+            flag(
+                f"--decoder-{end}-pipeline-num-layers",
+                type=int,
+                default=None,
+                check=at_least(1),
+                effect_needs=PIPELINE,
+                help=f"layers of the {end} pipeline stage (uneven stages); the other stages split the rest evenly",
+            )
+            for end in ("first", "last")
+        ),
+        flag(
+            "--num-layers-per-virtual-pipeline-stage",
+            type=int,
+            default=None,
+            check=at_least(1),
+            help="refused: the interleaved (virtual pipeline) schedule is not run by the megatron backend",
+        ),
         flag("--context-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
         flag(
             "--sequence-parallel",
@@ -128,6 +156,12 @@ GROUPS = (
 
 
 def validate(ns: argparse.Namespace) -> None:
+    require(
+        ns.num_layers_per_virtual_pipeline_stage is None,
+        f"--num-layers-per-virtual-pipeline-stage {ns.num_layers_per_virtual_pipeline_stage}: the interleaved "
+        "(virtual pipeline) schedule is not supported by the megatron backend (each rank builds one model chunk); "
+        "drop it to run the 1F1B schedule over --pipeline-model-parallel-size stages",
+    )
     if ns.train_backend != "megatron" or ns.recompute_granularity is None:
         return
     if ns.recompute_granularity == "selective":
@@ -165,25 +199,29 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         ns.expert_model_parallel_size,
         ns.expert_tensor_parallel_size,
         moe.build(ns, machine),
+        ns.decoder_first_pipeline_num_layers,
+        ns.decoder_last_pipeline_num_layers,
     )
     if ns.train_backend != "megatron":
         return mcfg
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    require(
-        pp == 1,
-        "--pipeline-model-parallel-size > 1 is not supported by the megatron backend yet (weight "
-        "export and the micro-batch path assume one pipeline stage)",
-    )
-    require(
-        cp == 1,
-        "--context-parallel-size > 1 is not supported by the megatron backend yet (log-probs are "
-        "gathered from whole sequences)",
-    )
+    te = machine.has_module("transformer_engine")
+    if cp > 1:
+        missing = [
+            "the backend's context-parallel data path (each packed sequence split over the CP ranks as Megatron "
+            "splits it, log-probs and the loss gathered back), which is not written yet: log-probs are computed "
+            "from whole sequences"
+        ]
+        if not te:
+            missing.append(
+                "Transformer Engine (megatron-core's context-parallel attention is Transformer Engine's; "
+                "transformer_engine is not installed here)"
+            )
+        require(False, f"--context-parallel-size {cp} > 1 needs " + ", and ".join(missing))
     require(
         num_workers % mcfg.model_parallel_size == 0,
         f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",
     )
-    te = machine.has_module("transformer_engine")
     machine.expect(
         ns.attention_backend == "auto" or te,
         f"--attention-backend {ns.attention_backend} chooses among Transformer Engine's attentions; "
@@ -199,11 +237,30 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
     )
     _check_experts(ns, mcfg, config, num_workers)
     num_layers = config.get("num_hidden_layers")
+    if num_layers is not None:
+        _check_stages(mcfg, num_layers, f"{ns.hf_checkpoint}/config.json")
     require(
         layers is None or num_layers is None or layers <= num_layers,
         f"--recompute-num-layers {layers} is more than the model's {num_layers} layers",
     )
     return mcfg
+
+
+def _check_stages(mcfg: MegatronConfig, num_layers: int, where: str) -> None:
+    """The model's layers split over the pipeline stages: at least one each, the middle ones evenly."""
+    pp = mcfg.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    ends = {"first": mcfg.decoder_first_pipeline_num_layers, "last": mcfg.decoder_last_pipeline_num_layers}
+    rest, stages = num_layers - sum(n or 0 for n in ends.values()), pp - sum(n is not None for n in ends.values())
+    given = " ".join(f"--decoder-{end}-pipeline-num-layers {n}" for end, n in ends.items() if n is not None)
+    split = f"--pipeline-model-parallel-size {pp}{' ' + given if given else ''}"
+    require(
+        rest >= stages and (rest % stages == 0 if stages else rest == 0),
+        f"{split} does not split the {num_layers} layers of {where}: {rest} are left for {stages} stages, which "
+        f"take an equal number each, at least one (--decoder-first-pipeline-num-layers and "
+        f"--decoder-last-pipeline-num-layers set the first and last stages' own)",
+    )
 
 
 def _check_experts(ns: argparse.Namespace, mcfg: MegatronConfig, config: dict, num_workers: int) -> None:
@@ -227,11 +284,13 @@ def _check_experts(ns: argparse.Namespace, mcfg: MegatronConfig, config: dict, n
         f"{mcfg.context_parallel_size} x data parallel {dp} (the expert ranks come out of those)",
     )
     require(experts % ep == 0, f"--expert-model-parallel-size {ep} must divide the {experts} experts of {where}")
+    pp = mcfg.pipeline_model_parallel_size
+    layout = " ".join(f"--{flag}-model-parallel-size {n}" for flag, n in (("expert", ep), ("pipeline", pp)) if n > 1)
     require(
-        ep == 1 or ns.moe_token_dispatcher_type != "allgather",
-        f"--expert-model-parallel-size {ep} needs --moe-token-dispatcher-type alltoall (Miles' MoE launchers pass "
-        f"it): the allgather dispatcher gathers equal-sized blocks of tokens, and micro-batches are packed by "
-        f"tokens here (Miles' --use-dynamic-batch-size), so their sizes differ between ranks",
+        not layout or ns.moe_token_dispatcher_type != "allgather",
+        f"{layout} needs --moe-token-dispatcher-type alltoall (Miles' MoE launchers pass it): the allgather "
+        f"dispatcher gathers equal-sized blocks of tokens, and micro-batches are packed by tokens here (Miles' "
+        f"--use-dynamic-batch-size), so their sizes differ between ranks and between micro-batches",
     )
     ffn = config.get("moe_intermediate_size") or config.get("intermediate_size") or etp
     require(

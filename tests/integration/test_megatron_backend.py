@@ -121,13 +121,8 @@ def _misplace(mlp) -> None:
 
 def _megatron_grads(actor) -> dict[str, torch.Tensor]:
     """The step's gradient after the DP all-reduce and clipping (Megatron clips main_grad in place), in HF layout
-    gathered over TP."""
-    from miles_async.backends.megatron.convert import export_hf
-
-    tensors = export_hf(
-        actor.module, actor.arch, actor.tp, actor.tp_group, tensor_of=lambda p: p.main_grad, experts=actor.experts
-    )
-    return {k: v.clone() for k, v in tensors}
+    gathered over TP, EP and the pipeline stages (on the first stage)."""
+    return {k: v.clone() for k, v in actor._export(lambda p: p.main_grad)}
 
 
 def _record_megatron_step(actor) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -107,7 +109,7 @@ def test_arch_spec_reads_hf_configs_and_refuses_what_it_cannot_map():
 
 @pytest.fixture
 def setup(tmp_path):
-    return [*minimal_flags(tmp_path), "--n-samples-per-prompt", "2", "--num-rollout", "3"]
+    return [*minimal_flags(tmp_path, num_hidden_layers=2), "--n-samples-per-prompt", "2", "--num-rollout", "3"]
 
 
 def test_megatron_flags_build_the_parallel_layout(setup):
@@ -127,6 +129,12 @@ def test_megatron_flags_build_the_parallel_layout(setup):
     assert (m.tensor_model_parallel_size, m.model_parallel_size, m.use_distributed_optimizer) == (2, 2, True)
     assert cfg.cluster.num_train_workers == 4
     assert parse_args(setup).train.megatron.model_parallel_size == 1
+    pp = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2"]
+    m = parse_args(setup + pp + ["--decoder-last-pipeline-num-layers", "1"]).train.megatron
+    assert (m.pipeline_model_parallel_size, m.model_parallel_size, m.decoder_last_pipeline_num_layers) == (2, 2, 1)
+
+
+_PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
 
 
 @pytest.mark.parametrize(
@@ -139,13 +147,18 @@ def test_megatron_flags_build_the_parallel_layout(setup):
         ),
         (["--train-backend", "megatron", "--tensor-model-parallel-size", "2"], "do not split into TP 2"),
         (
-            ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-            "--pipeline-model-parallel-size > 1 is not supported",
+            ["--train-backend", "megatron", "--pipeline-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
+            "--pipeline-model-parallel-size 4 does not split the 2 layers",
         ),
         (
-            ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
-            "--context-parallel-size > 1 is not supported",
+            [*_PP2, "--decoder-first-pipeline-num-layers", "2"],
+            "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 2 does not split the 2 layers",
         ),
+        (
+            [*_PP2, "--num-layers-per-virtual-pipeline-stage", "1"],
+            "the interleaved (virtual pipeline) schedule is not supported",
+        ),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported by the fsdp"),
         (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel"),
         (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
         (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
@@ -156,5 +169,34 @@ def test_megatron_flags_build_the_parallel_layout(setup):
     ],
 )
 def test_megatron_flags_are_validated(setup, extra, fragment):
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
         parse_args(setup + extra)
+
+
+def test_context_parallelism_is_refused_naming_what_is_missing(setup):
+    """The backend's CP data path is not written; without Transformer Engine (as on this CPU) its CP attention is
+    missing too, and the message says so."""
+    from miles_async.config.declare import module_installed
+
+    argv = ["--train-backend", "megatron", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+    with pytest.raises(ConfigError, match=re.escape("--context-parallel-size 2 > 1 needs the backend's")) as e:
+        parse_args(setup + argv)
+    assert ("Transformer Engine" in str(e.value)) == (not module_installed("transformer_engine"))
+
+
+def test_a_distributed_optimizer_checkpoint_resumes_only_into_its_layout(tmp_path):
+    """megatron_meta.json's layout against the run's: the distributed optimizer's state (its dp_reshardable buffer
+    shards) loads into another data parallelism only; a PP 2 checkpoint loaded into PP 1 otherwise fails deep in
+    torch.distributed.checkpoint ('Global shape mismatch ... bucket_idx_0.param'). The plain optimizer's state and
+    a checkpoint of weights alone reshard to any layout."""
+    from miles_async.backends.megatron.actor import check_optimizer_layout
+
+    meta = {"has_optimizer": True, "tp": 1, "pp": 2, "ep": 1, "dp": 1, "distributed_optimizer": True}
+    one = {"tp": 1, "pp": 1, "ep": 1}
+    with pytest.raises(RuntimeError, match=re.escape("resume with --pipeline-model-parallel-size 2 (this run: 1)")):
+        check_optimizer_layout(meta, one, True, tmp_path)
+    check_optimizer_layout({**meta, "dp": 2}, {"tp": 1, "pp": 2, "ep": 1}, True, tmp_path)
+    check_optimizer_layout({**meta, "distributed_optimizer": False}, one, False, tmp_path)
+    check_optimizer_layout({**meta, "has_optimizer": False}, one, True, tmp_path)
+    with pytest.raises(RuntimeError, match="saved with --use-distributed-optimizer"):
+        check_optimizer_layout(meta, {"tp": 1, "pp": 2, "ep": 1}, False, tmp_path)

@@ -19,10 +19,7 @@ class _HalfABackend(PolicyMixin):
         self.cfg = cfg
         self._init_policy_state()
 
-    def _forward(self, model, mb, temperature=1.0, with_entropy=False):
-        raise NotImplementedError
-
-    def _per_sample(self, fn, batch, idx):
+    def _logprobs_of(self, model, batch, idx, temperature):
         raise NotImplementedError
 
     def _current_lr(self):

@@ -103,6 +103,9 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         entropy = entropy_from_logits(logits) if with_entropy else None
         return logprobs, entropy
 
+    def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
+        return self._per_sample(lambda mb: self._forward(model, mb, temperature)[0], batch, idx)
+
     @property
     def _shares_prefix(self) -> bool:
         # A 4D block mask is honoured by HF's sdpa and eager attention; flash-attention takes 2D masks only.

@@ -3,10 +3,11 @@
 Everything RL-specific (old/ref log-probs, advantages, the per-micro-batch loss) is
 ``PolicyMixin``, shared with the torch backend. This class builds a Megatron
 ``GPTModel`` from the HF checkpoint (``model.py``, ``convert.py``), wraps it in
-Megatron's DDP and optimizer, runs each optimizer step through Megatron's
-forward/backward schedule over token-budgeted micro-batches (``packing.py``), streams
-the weights back to HF names in buckets for the engines and ``--save-hf``, and saves
-resumable checkpoints with Megatron's distributed checkpointing.
+Megatron's DDP and optimizer, runs each optimizer step and each log-prob pass through
+Megatron's schedule over token-budgeted micro-batches (``packing.py``; with pipeline
+stages, 1F1B: ``pipeline.py`` brings the last stage's results to the others), streams
+the weights back to HF names in buckets for the engines and ``--save-hf`` (every stage's,
+from the first), and saves resumable checkpoints with Megatron's distributed checkpointing.
 
 The model is built in ``init_process_group`` (Megatron's tensor parallelism needs the
 process group first); ``TrainGroup.init`` always calls it, also with one worker.
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +34,7 @@ from miles_async.backends.megatron.model import (
     init_parallel,
     training_knobs,
 )
+from miles_async.backends.megatron.pipeline import Stages
 from miles_async.backends.packing import MicroBatch, even_out
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
 from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
@@ -66,6 +70,35 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
     return ids, pos, targets
 
 
+_LAYOUT_FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "ep": "--expert-model-parallel-size",
+}
+
+
+def check_optimizer_layout(meta: dict, layout: dict[str, int], distributed_optimizer: bool, src: Path) -> None:
+    """A checkpoint's optimizer state (``meta``: its megatron_meta.json) loads into this run's ``layout``. The model
+    and the plain optimizer's state reshard to any layout; the distributed optimizer's (dp_reshardable: each
+    rank's shard of its flat gradient buffer, whose order follows the rank's parameters) only to another data
+    parallelism, and not into the other optimizer."""
+    if not meta["has_optimizer"] or "distributed_optimizer" not in meta:
+        return  # weights only, or written before the layout was recorded
+    if meta["distributed_optimizer"] != distributed_optimizer:
+        saved = "with" if meta["distributed_optimizer"] else "without"
+        raise RuntimeError(
+            f"--load {src}: its optimizer state was saved {saved} --use-distributed-optimizer, whose state has "
+            f"another form: resume {saved} it"
+        )
+    changed = {k: v for k, v in layout.items() if distributed_optimizer and meta.get(k, 1) != v}
+    if changed:
+        flags = ", ".join(f"{_LAYOUT_FLAGS[k]} {meta.get(k, 1)} (this run: {v})" for k, v in changed.items())
+        raise RuntimeError(
+            f"--load {src}: its distributed optimizer state is each rank's shard of a layout's gradient buffers, "
+            f"which loads only into the same layout (data parallelism may change): resume with {flags}"
+        )
+
+
 class MegatronTrainActor(PolicyMixin, BaseWorker):
     def __init__(
         self,
@@ -93,6 +126,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             m.use_distributed_optimizer,
             m.expert_model_parallel_size,
             m.expert_tensor_parallel_size,
+            m.decoder_first_pipeline_num_layers,
+            m.decoder_last_pipeline_num_layers,
         )
         self.bf16 = cfg.dtype == "bfloat16"
         # Built in init_process_group, once Megatron's parallel groups exist.
@@ -114,6 +149,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.experts = ExpertLayout.current()
+        self.stages = Stages.current()
         self.dp = DataParallel(
             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
         )
@@ -198,65 +234,85 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         packed = super()._micro_batches(batch, idx)
         return even_out(packed, all_reduce_max(len(packed), self.dp, self.device)) if self.experts.ep > 1 else packed
 
-    def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
-        ids, pos, targets = self._layout(mb)
-        return self._outputs(self._logits(model, ids, pos), mb, targets, temperature, with_entropy)
-
-    # -- one optimizer step through Megatron's schedule ------------------------------------------
-    def _train_step(
-        self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
-    ) -> None:
+    def _schedule(self, model, batch: RolloutBatch, micro: list[list[int]], on_output, forward_only: bool) -> None:
+        """The micro-batches ``micro`` (rows of ``batch``) through Megatron's schedule: with pipeline stages,
+        activations flow between them; ``on_output(mb, rows, logits, targets)`` runs on the last stage and
+        returns the micro-batch's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        micro = self._micro_batches(batch, idx)
-        step_size = self._step_size(batch, idx)
-        n_micro = len(micro)
 
         def forward_step(data_iterator, model):
             rows = next(data_iterator)
             mb = self._collate(batch, rows or [0])  # no rows: even_out's throw-away pass
             ids, pos, targets = self._layout(mb)
-            logits = self._logits(model, ids, pos)
+            return self._logits(model, ids, pos), lambda output: (on_output(mb, rows, output, targets), {})
 
-            def loss_func(output):
-                logprobs, entropy = self._outputs(output, mb, targets, temperature, with_entropy=True)
-                if not rows:
-                    return (logprobs * 0.0).sum(), {}
-                loss, m = loss_of(mb, rows, logprobs, entropy)
-                m["loss"] = loss.detach()
-                for key, value in m.items():
-                    metrics_acc.setdefault(key, []).append(float(value))
-                # The schedule divides by the number of micro-batches; undo it (the share undoes DDP's mean).
-                return loss * self._share(mb, rows, step_size) * n_micro, {}
-
-            return logits, loss_func
-
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        seq = max(len(batch.tokens[i]) for i in idx)
         get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(micro),
-            model=[self.model],
-            num_microbatches=n_micro,
-            seq_length=seq,
+            model=[model],
+            num_microbatches=len(micro),
+            # Each micro-batch's shape differs: the stages exchange it first (variable_seq_lengths).
+            seq_length=max(len(batch.tokens[i]) for rows in micro for i in rows or [0]),
             micro_batch_size=1,
-            forward_only=False,
+            forward_only=forward_only,
         )
+
+    def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+
+        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, targets: torch.Tensor):
+            logprobs, _ = self._outputs(logits, mb, targets, temperature, with_entropy=False)
+            for r, i in enumerate(rows):
+                out[i] = logprobs[r, : batch.response_lengths[i]].float().cpu().tolist()
+            return logprobs.new_zeros(())
+
+        self._schedule(model, batch, self._micro_batches(batch, idx), on_output, forward_only=True)
+        return self.stages.from_last(out)
+
+    # -- one optimizer step through Megatron's schedule ------------------------------------------
+    def _train_step(
+        self, batch: RolloutBatch, idx: list[int], temperature: float, loss_of: LossOfOutputs, metrics_acc: dict
+    ) -> None:
+        micro = self._micro_batches(batch, idx)
+        step_size = self._step_size(batch, idx)
+        n_micro = len(micro)
+        step_metrics: dict[str, list[float]] = {}
+
+        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, targets: torch.Tensor):
+            logprobs, entropy = self._outputs(logits, mb, targets, temperature, with_entropy=True)
+            if not rows:
+                return (logprobs * 0.0).sum()
+            loss, m = loss_of(mb, rows, logprobs, entropy)
+            m["loss"] = loss.detach()
+            for key, value in m.items():
+                step_metrics.setdefault(key, []).append(float(value))
+            # The schedule divides by the number of micro-batches; undo it (the share undoes DDP's mean).
+            return loss * self._share(mb, rows, step_size) * n_micro
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._schedule(self.model, batch, micro, on_output, forward_only=False)
+        for key, values in self.stages.from_last(step_metrics).items():  # the loss is the last stage's
+            metrics_acc.setdefault(key, []).extend(values)
         self._set_lr()
         _, grad_norm, _ = self.optimizer.step()
         metrics_acc.setdefault("grad_norm", []).append(float(grad_norm) if grad_norm is not None else 0.0)
         self.optimizer_steps += 1
 
     # -- weights ------------------------------------------------------------------------------
-    def _export(self):
-        """(HF name, full tensor) of the policy; every TP rank of DP replica 0 must consume it, and under expert
+    def _export(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p):
+        """(HF name, full tensor) of the policy (``tensor_of``: what of each parameter, its weight by default), on
+        the first pipeline stage; every TP rank of DP replica 0 on every stage must consume it, and under expert
         parallelism every rank (the EP groups span the DP replicas)."""
-        return export_hf(self.module, self.arch, self.tp, self.tp_group, experts=self.experts)
+        return self.stages.to_first(
+            lambda: export_hf(self.module, self.arch, self.tp, self.tp_group, tensor_of, experts=self.experts),
+            self.device,
+        )
 
     def _weight_source(self) -> WeightSource:
-        # Global rank 0 sends; the other TP ranks of its replica take part in each parameter's TP gather, and with
-        # EP > 1 all ranks in the experts' gathers (each replica's TP gathers then run in their own groups).
+        # Global rank 0 (a first stage) sends; the other TP ranks of its replica take part in each parameter's TP
+        # gather and the later stages send theirs to the first, and with EP > 1 all ranks take part in the
+        # experts' gathers (each replica's TP gathers and stages' sends then run in their own groups).
         gathers = self.dp.rank == 0 or self.experts.ep > 1
         return WeightSource(self._export, sends=self.rank == 0, gathers=gathers)
 
@@ -319,8 +375,10 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                         "optimizer_steps": self.optimizer_steps,
                         "has_optimizer": save_optimizer,
                         "tp": self.tp,
+                        "pp": self.stages.size,
                         "ep": self.experts.ep,
                         "dp": self.dp.size,
+                        "distributed_optimizer": self.par.distributed_optimizer,
                         "format": "megatron.core.dist_checkpointing (torch_dist)",
                     }
                 )
@@ -336,6 +394,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                 f"--train-backend fsdp cannot be resumed with --train-backend megatron"
             )
         meta = json.loads((src / "megatron_meta.json").read_text())
+        layout = {"tp": self.tp, "pp": self.stages.size, "ep": self.experts.ep}
+        check_optimizer_layout(meta, layout, self.par.distributed_optimizer, src)
         state = dist_checkpointing.load(
             self._sharded_state(meta["has_optimizer"], is_loading=True), str(src / "megatron")
         )
@@ -352,5 +412,6 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         load_rng_state(src, self.rank)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The whole policy under HF names (tests and tools; every TP rank must call it, with EP every rank)."""
+        """The whole policy under HF names on the first pipeline stage (tests and tools; every TP rank of every
+        stage must call it, with EP every rank)."""
         return {k: v.clone() for k, v in self._export()}

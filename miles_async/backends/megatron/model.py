@@ -39,6 +39,9 @@ class ParallelSizes:
     distributed_optimizer: bool = False
     ep: int = 1  # expert parallelism: the experts of each MoE layer split over EP ranks (carved out of DP)
     etp: int | None = None  # expert tensor parallelism; None: TP's size, as in Megatron-LM
+    # Uneven pipeline stages: the first's and the last's layers (None: an even split of what the others leave).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,9 @@ def transformer_config(
 
     # A dense model keeps Megatron's MoE defaults whatever the --moe-* flags say (they warn there).
     knobs = {k: v for k, v in (knobs or {}).items() if arch.moe is not None or not k.startswith("moe_")}
+    if arch.moe is None and par.pp > 1:
+        # megatron-core refuses its default allgather dispatcher with variable_seq_lengths, even with no MoE layer.
+        knobs["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -301,6 +307,12 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        num_layers_in_first_pipeline_stage=par.first_stage_layers if par.pp > 1 else None,
+        num_layers_in_last_pipeline_stage=par.last_stage_layers if par.pp > 1 else None,
+        # What the stages exchange: the activations in the parameters' dtype, of each micro-batch's own shape
+        # (micro-batches are packed by tokens, so their lengths differ) sent ahead of it.
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        variable_seq_lengths=par.pp > 1,
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
