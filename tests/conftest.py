@@ -30,6 +30,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL with its processor (miles_async/assets/tiny_vlm.py)."""
+    from miles_async.assets.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 

@@ -1,0 +1,247 @@
+"""A vision-language model end to end on the embedded engine and the torch backend, with a tiny random Qwen2-VL:
+the engine's log-probs for image prompts equal the trainer's, a weight update reaches the vision tower, and bad
+image input is refused with errors naming the record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_async.arguments import parse_args
+from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.rollout.batch import to_train_batch
+from miles_async.rollout.data_source import DataError, load_prompts
+from miles_async.rollout.generate import encode_item
+from miles_async.rollout.sample import Sample
+from miles_async.vision.hf import load_processor
+from miles_async.weights.update import WeightUpdate
+from tests.tolerance import StepBounds, assert_rejected, assert_within
+
+# Two images of different sizes (their grids differ: 16 and 8 patches per frame) and a text-only prompt share the
+# engine's batch and the trainer's micro-batch.
+IMAGES = {
+    "red.png": ((16, 16), (220, 30, 30)),
+    "blue.png": ((16, 8), (20, 40, 230)),
+    "green.png": ((16, 16), (0, 200, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("vlm_data")
+    for name, (size, color) in IMAGES.items():
+        img = Image.new("RGB", size, color)
+        img.putpixel((1, 1), (255, 255, 255))  # not flat: the tower's attention sees differing patches
+        img.save(root / name)
+    records = [
+        {"prompt": "what color?", "images": ["red.png"], "label": "red"},
+        {"prompt": "and this one?", "images": ["blue.png"], "label": "blue"},
+        {"prompt": "say 7", "images": [], "label": "7"},
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_vlm, data, tmp_path_factory):
+    return parse_args(
+        [
+            "--use-tis",
+            "--num-rollout",
+            "4",
+            "--hf-checkpoint",
+            str(tiny_vlm),
+            "--prompt-data",
+            str(data / "train.jsonl"),
+            "--multimodal-keys",
+            '{"image": "images"}',
+            "--apply-chat-template",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            "float32",
+            "--lr",
+            "5e-2",
+            "--update-weight-buffer-size",
+            "20000",
+            "--output-dir",
+            str(tmp_path_factory.mktemp("vlm_out")),
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, tmp_path_factory):
+    with EmbeddedEngineProcess(cfg.engine, 0, str(tmp_path_factory.mktemp("vlm_engine"))) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def prompts(cfg, tiny_vlm):
+    """The dataset's items and their prompt tokens, as the rollout makes them."""
+    from transformers import AutoTokenizer
+
+    items = load_prompts(cfg.rollout.data.path, "prompt", "label", image_key=cfg.rollout.data.image_key)
+    processor = load_processor(str(tiny_vlm))
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    return [(item, encode_item(tok, processor, item, True)) for item in items]
+
+
+def _generate(engine, cfg, requests: list[tuple[list[int], list[str]]], n_tokens: int = 6) -> list[dict]:
+    async def go():
+        async with EngineClient(engine.url, timeout=60, api_key=cfg.engine.api_key) as c:
+            return await asyncio.gather(
+                *[
+                    c.generate(ids, {"temperature": 1.0, "max_new_tokens": n_tokens}, image_data=images)
+                    for ids, images in requests
+                ]
+            )
+
+    return asyncio.run(go())
+
+
+def _trainer_logprobs(actor, rows: list[tuple[list[int], list[str], list[int]]]) -> dict[int, list[float]]:
+    samples = [
+        Sample(uid=str(i), group_index=i, index=0, prompt="", prompt_tokens=p, response_tokens=r, images=imgs, reward=0)
+        for i, (p, imgs, r) in enumerate(rows)
+    ]
+    batch = to_train_batch([[s] for s in samples])
+    return actor._logprobs_of(actor.module, batch, list(range(len(samples))), 1.0)
+
+
+def _engine_logprobs(outputs: list[dict]) -> dict[int, list[float]]:
+    return {i: [x[0] for x in o["meta_info"]["output_token_logprobs"]] for i, o in enumerate(outputs)}
+
+
+def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_the_tower(
+    cfg, engine, prompts, tiny_vlm, data
+):
+    """The key check of a VLM: the engine (vision tower at prefill, 3-D positions, a KV cache across decode steps)
+    and the trainer (whole rows, pixels from the same processor) give the same per-token log-probs. Negative
+    control: the trainer's log-probs with another image of the same size (the same tokens) must not pass. Then a
+    trained policy's weights, the vision tower's included, reach the engine, and the log-probs agree again."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    requests = [(ids, list(item.images)) for item, ids in prompts]
+    outputs = _generate(engine, cfg, requests)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    tol = StepBounds.of(tiny_vlm, [p + r for p, _, r in rows]).logprob
+    assert_within(_engine_logprobs(outputs), _trainer_logprobs(actor, rows), tol, "engine vs trainer log-probs")
+    other = [(rows[0][0], [str(data / "green.png")], rows[0][2])]  # red.png's size: the same tokens
+    stale = {0: _trainer_logprobs(actor, other)[0]}
+    assert_rejected(stale, {0: _engine_logprobs(outputs)[0]}, tol, "the same tokens with another image")
+
+    tower = {n: p.detach().clone() for n, p in actor.module.named_parameters() if ".visual." in f".{n}"}
+    samples = [
+        Sample(
+            uid=str(g),
+            group_index=g,
+            index=i,
+            prompt="",
+            prompt_tokens=p,
+            response_tokens=r[: len(r) if i == 0 else 1],
+            rollout_logprobs=_engine_logprobs(outputs)[g][: len(r) if i == 0 else 1],  # --use-tis weighs by them
+            images=imgs,
+            reward=0.0 if i == 0 else 1.0,
+        )
+        for g, (p, imgs, r) in enumerate(rows)
+        for i in range(2)
+    ]
+    batch = to_train_batch([samples[g * 2 : g * 2 + 2] for g in range(len(rows))])
+    for step in range(2):
+        actor.train(step, batch)
+    moved = [n for n, p in actor.module.named_parameters() if n in tower and not p.detach().equal(tower[n])]
+    assert moved, "training moved no parameter of the vision tower"
+    update = WeightUpdate(
+        version=2,
+        route="http",
+        dtype="float32",
+        timeout=60,
+        targets=(engine.url,),
+        bucket_bytes=cfg.train.update_weight_buffer_size,
+        api_key=cfg.engine.api_key,
+    )
+    assert actor.push_weights(update)["weights/bytes"] > 0
+    after = _generate(engine, cfg, requests)
+    assert all(o["meta_info"]["weight_version"] == 2 for o in after)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
+    trained = _trainer_logprobs(actor, rows)
+    assert_within(_engine_logprobs(after), trained, tol, "engine vs trainer log-probs after the update")
+
+
+def test_bad_image_requests_are_refused(cfg, engine, prompts):
+    """/generate names image_data's problem: an unreadable image, and images whose patches do not fill the
+    prompt's placeholders."""
+    (_, ids), (blue, _) = prompts[0], prompts[1]
+    with pytest.raises(EngineError, match=r"image_data: \[0\]: image file not found"):
+        _generate(engine, cfg, [(ids, ["/nonexistent.png"])])
+    with pytest.raises(EngineError, match="image_data: input_ids hold 4 image placeholder tokens .* fill 2"):
+        _generate(engine, cfg, [(ids, list(blue.images))])
+
+
+def _write(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_bad_image_data_names_file_line_and_key(tmp_path, data, tiny_vlm):
+    """A missing file, an unreadable image, a wrong key and an image count that does not match the placeholders
+    each fail naming the data file, the record's line and the key."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    ok = {"prompt": "hi", "images": [str(data / "red.png")]}
+    cases = [
+        ({"prompt": "hi", "images": ["missing.png"]}, r"bad.jsonl:2: 'images'\[0\]: image file not found: missing.png"),
+        ({"prompt": "hi", "images": ["broken.png"]}, r"bad.jsonl:2: 'images'\[0\]: not a readable image: broken.png"),
+        ({"prompt": "hi", "pictures": ["red.png"]}, r"bad.jsonl:2: missing key 'images' \(--multimodal-keys"),
+        ({"prompt": "hi", "images": [7]}, r"bad.jsonl:2: 'images' \(--multimodal-keys\) must be an image reference"),
+    ]
+    for record, message in cases:
+        path = _write(tmp_path / "bad.jsonl", [ok, record])
+        with pytest.raises(DataError, match=message):
+            load_prompts(path, "prompt", None, image_key="images")
+    # Two placeholders written in the prompt, one image: found when the prompt is tokenized.
+    text = "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>two?"
+    items = load_prompts(
+        _write(tmp_path / "bad.jsonl", [ok, {**ok, "prompt": text}]), "prompt", None, None, image_key="images"
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    with pytest.raises(DataError, match=r"bad.jsonl:2: the prompt has 2 image placeholder\(s\) .* for 1 image"):
+        encode_item(tok, load_processor(str(tiny_vlm)), items[1], False)
+
+
+def test_megatron_refuses_vision_language_runs(tiny_vlm, data):
+    from miles_async.config.declare import ConfigError
+
+    with pytest.raises(ConfigError, match="--multimodal-keys.*megatron.*no vision tower"):
+        parse_args(
+            [
+                "--hf-checkpoint",
+                str(tiny_vlm),
+                "--prompt-data",
+                str(data / "train.jsonl"),
+                "--train-backend",
+                "megatron",
+                "--use-tis",
+                "--num-rollout",
+                "4",
+                "--rollout-batch-size",
+                "1",
+                "--multimodal-keys",
+                '{"image": "images"}',
+                "--rm-type",
+                "first_integer",
+            ]
+        )
