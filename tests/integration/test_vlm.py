@@ -180,6 +180,37 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     assert_within(_engine_logprobs(after), trained, tol, "engine vs trainer log-probs after the update")
 
 
+def test_freeze_vision_tower_trains_the_language_model_only(cfg, prompts):
+    """--freeze-vision-tower: a step moves the language model and leaves every vision tower weight as loaded."""
+    import dataclasses
+
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    actor = FSDPTrainActor(
+        dataclasses.replace(cfg.train, freeze_vision_tower=True), rank=0, world_size=1, total_optimizer_steps=10
+    )
+    before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    (item, ids) = prompts[0]
+    samples = [
+        Sample(
+            uid="0",
+            group_index=0,
+            index=i,
+            prompt="",
+            prompt_tokens=ids,
+            response_tokens=[10 + i, 11],
+            rollout_logprobs=[-3.0, -3.0],
+            images=list(item.images),
+            reward=float(i),
+        )
+        for i in range(2)
+    ]
+    actor.train(0, to_train_batch([samples]))
+    changed = {n for n, p in actor.module.named_parameters() if not p.detach().equal(before[n])}
+    assert changed and all(".visual." not in f".{n}" for n in changed), sorted(changed)
+    assert any(n.startswith("model.language_model.") for n in changed)
+
+
 def test_bad_image_requests_are_refused(cfg, engine, prompts):
     """/generate names image_data's problem: an unreadable image, and images whose patches do not fill the
     prompt's placeholders."""

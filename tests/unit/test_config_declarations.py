@@ -13,7 +13,6 @@ from miles_async.config.capabilities import CAPABILITIES, Capability, check_capa
 from miles_async.config.declare import at_least, check_needs, check_values, flag, when_flag, without_effect
 from tests.flag_helpers import minimal_flags
 
-
 # A value for a feature flag whose default (None) gives no numeric one to step from.
 EXAMPLE_VALUES = {"--multimodal-keys": '{"image": "images"}'}
 
