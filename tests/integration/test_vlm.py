@@ -21,12 +21,13 @@ from miles_async.vision.hf import load_processor
 from miles_async.weights.update import WeightUpdate
 from tests.tolerance import StepBounds, assert_rejected, assert_within
 
-# Two images of different sizes (their grids differ: 16 and 8 patches per frame) and a text-only prompt share the
-# engine's batch and the trainer's micro-batch.
+# Two images of different sizes (8x8 and 4x2 patches: 16 and 2 placeholder tokens) and a text-only prompt share the
+# engine's batch and the trainer's micro-batch. The larger image's 3-D positions span 4 where its tokens span 16: a
+# decode step without the rope delta is 12 positions off.
 IMAGES = {
-    "red.png": ((16, 16), (220, 30, 30)),
+    "red.png": ((32, 32), (220, 30, 30)),
     "blue.png": ((16, 8), (20, 40, 230)),
-    "green.png": ((16, 16), (0, 200, 0)),
+    "green.png": ((32, 32), (0, 200, 0)),
 }
 
 
@@ -129,10 +130,13 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     """The key check of a VLM: the engine (vision tower at prefill, 3-D positions, a KV cache across decode steps)
     and the trainer (whole rows, pixels from the same processor) give the same per-token log-probs. Negative
     control: the trainer's log-probs with another image of the same size (the same tokens) must not pass. Then a
-    trained policy's weights, the vision tower's included, reach the engine, and the log-probs agree again."""
+    trained policy's weights, the vision tower's included, reach the engine, and the log-probs agree again, also
+    for a sample resumed from its partial response."""
     from miles_async.backends.fsdp.actor import FSDPTrainActor
 
     requests = [(ids, list(item.images)) for item, ids in prompts]
+    # The first prompt's tokens with another image of the same size: the engine must not share its prefill.
+    requests.append((prompts[0][1], [str(data / "green.png")]))
     outputs = _generate(engine, cfg, requests)
     rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
@@ -179,6 +183,58 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     trained = _trainer_logprobs(actor, rows)
     assert_within(_engine_logprobs(after), trained, tol, "engine vs trainer log-probs after the update")
 
+    # A partial rollout resumed: the engine continues prompt + response so far with the prompt's images, and its
+    # 3-D positions carry on from the image's, as the trainer's do over the whole row.
+    ids, images = requests[0]
+    first = _generate(engine, cfg, [(ids, images)], n_tokens=3)[0]
+    rest = _generate(engine, cfg, [(ids + first["output_ids"], images)], n_tokens=3)[0]
+    resumed = {0: _engine_logprobs([first])[0] + _engine_logprobs([rest])[0]}
+    whole = _trainer_logprobs(actor, [(ids, images, first["output_ids"] + rest["output_ids"])])
+    assert_within(resumed, whole, tol, "a resumed image sample's log-probs vs the trainer's")
+
+
+def test_engine_decode_positions_are_the_trainers(tiny_vlm, prompts):
+    """Qwen2-VL's 3-D positions: the engine's prefill and each decode step (1-D position plus the row's rope delta)
+    give every token the position the trainer's whole-row ``get_rope_index`` gives it, for a large image (delta
+    -12), a small one and no image, left padded in one batch. (The tiny random model is nearly blind to positions,
+    so the log-prob comparisons alone would let an offset of a few positions pass.)"""
+    import torch
+
+    from miles_async.backends.fsdp.vision import VisionInputs
+    from miles_async.backends.packing import collate
+    from miles_async.inference.embedded.batch import prefill_inputs
+    from miles_async.inference.embedded.model import CausalLM
+    from miles_async.inference.embedded.records import SamplingParams, Seq
+    from miles_async.inference.embedded.vision import decode_positions, prepare_images, vision_prefill
+
+    lm = CausalLM(str(tiny_vlm), torch.float32)
+    response = [10, 11, 12, 13]
+    seqs = []
+    for item, ids in prompts:
+        images = prepare_images(lm, list(item.images), ids) if item.images else None
+        seqs.append(
+            Seq(
+                rid="r",
+                prompt=ids,
+                params=SamplingParams(),
+                future=None,
+                submitted_at=0.0,
+                image_refs=images.refs if images else (),
+                pixels=images.pixels if images else None,
+            )
+        )
+    ids, mask, flat = prefill_inputs([tuple(s.prompt) for s in seqs], lm.pad_id)
+    engine_prefill, _ = vision_prefill(lm, seqs, ids, mask)
+    assert [s.rope_delta for s in seqs] == [-12, 0, 0]  # the 1x2 merged patches of blue span 2 positions
+
+    mb = collate([s.prompt for s in seqs], [response] * 3, [[1] * 4] * 3, lm.pad_id)
+    VisionInputs(str(tiny_vlm), lm.model).attach(mb, [list(item.images) for item, _ in prompts], ["a", "b", "c"])
+    p = ids.shape[1]
+    assert torch.equal(mb.position_ids[:, :, :p], engine_prefill)
+    for step in range(len(response)):
+        one_d = torch.tensor([[len(s.prompt) + step] for s in seqs])  # the batch's 1-D position of the step's token
+        assert torch.equal(decode_positions(seqs, one_d)[:, :, 0], mb.position_ids[:, :, p + step]), step
+
 
 def test_freeze_vision_tower_trains_the_language_model_only(cfg, prompts):
     """--freeze-vision-tower: a step moves the language model and leaves every vision tower weight as loaded."""
@@ -217,7 +273,7 @@ def test_bad_image_requests_are_refused(cfg, engine, prompts):
     (_, ids), (blue, _) = prompts[0], prompts[1]
     with pytest.raises(EngineError, match=r"image_data: \[0\]: image file not found"):
         _generate(engine, cfg, [(ids, ["/nonexistent.png"])])
-    with pytest.raises(EngineError, match="image_data: input_ids hold 4 image placeholder tokens .* fill 2"):
+    with pytest.raises(EngineError, match="image_data: input_ids hold 16 image placeholder tokens .* fill 2"):
         _generate(engine, cfg, [(ids, list(blue.images))])
 
 
