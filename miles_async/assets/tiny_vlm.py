@@ -29,7 +29,7 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from miles_async.vision.hf import _image_only
+    from miles_async.vision.hf import image_only
 
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["</s>", "<|im_start|>", *VISION_TOKENS]})
@@ -68,7 +68,7 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0) -> Path:
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
     )
-    processor = _image_only(Qwen2VLProcessor)(image_processor, tokenizer, chat_template=VLM_CHAT_TEMPLATE)
+    processor = image_only(Qwen2VLProcessor)(image_processor, tokenizer, chat_template=VLM_CHAT_TEMPLATE)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -51,7 +51,7 @@ def load_processor(model_path: str) -> Any:
         # ImportError: the video processor's torchvision; OSError: a folder saved without a video processor.
         first = e
     try:
-        return _image_only(_processor_class(model_path)).from_pretrained(model_path, local_files_only=True)
+        return image_only(_processor_class(model_path)).from_pretrained(model_path, local_files_only=True)
     except Exception as e:
         raise RuntimeError(f"{model_path}: the model's processor does not load ({first}; images only: {e})") from e
 
@@ -73,7 +73,10 @@ def _processor_class(model_path: str) -> type:
     return cls
 
 
-def _image_only(cls: type) -> type:
+def image_only(cls: type) -> type:
+    """Processor class ``cls`` (a Qwen-VL processor) without its video processor: it builds and loads without
+    torchvision."""
+
     # ProcessorMixin takes its attributes from __init__'s parameter names: leaving out video_processor leaves the
     # processor without one (zip drops the None passed for it).
     class ImageOnly(cls):  # type: ignore[misc, valid-type]

@@ -8,6 +8,7 @@ entropy, and takes the optimizer step through ``TrainWorker``.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +29,8 @@ from miles_async.weights.source import WeightSource
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
+
+logger = logging.getLogger(__name__)
 
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
@@ -82,6 +85,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
             self.ref_model.to(self.device)
         # A vision-language policy: its micro-batches carry their images' pixels and 3-D positions.
         self._vision = VisionInputs(cfg.model_path, self.module) if is_vision_model(cfg.model_path) else None
+        if self._vision is not None and cfg.shared_prefix and rank == 0:
+            logger.warning("--shared-prefix: a vision-language policy computes each sample's prompt on its own row")
         self._init_policy_state()
         # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None
