@@ -381,9 +381,29 @@ GROUPS = (
 )
 
 
+def validate_multimodal(ns: argparse.Namespace) -> None:
+    """--multimodal-keys: a model with a vision tower, and none of the paths that do not carry images yet."""
+    from miles_async.vision.hf import is_vision_model
+
+    if ns.multimodal_keys is None:
+        return
+    require(
+        ns.hf_checkpoint is None or is_vision_model(ns.hf_checkpoint),
+        f"--multimodal-keys: --hf-checkpoint {ns.hf_checkpoint} has no vision tower (no vision_config in its "
+        "config.json); image prompts need a vision-language model",
+    )
+    require(ns.tools_path is None, "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images yet")
+    require(
+        ns.advantage_estimator != "ppo",
+        "--multimodal-keys with --advantage-estimator ppo: the critic of a vision-language policy is not built yet",
+    )
+
+
 def validate(ns: argparse.Namespace) -> None:
-    """The reward and the plugins: each imports (a PluginError names the flag otherwise)."""
+    """The reward and the plugins: each imports (a PluginError names the flag otherwise); image prompts' limits."""
     from miles_async.utils.plugins import load_function
+
+    validate_multimodal(ns)
 
     require(
         ns.rm_type != REMOTE_RM_TYPE or ns.rm_url is not None,

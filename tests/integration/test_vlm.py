@@ -309,26 +309,23 @@ def test_bad_image_data_names_file_line_and_key(tmp_path, data, tiny_vlm):
         encode_item(tok, load_processor(str(tiny_vlm)), items[1], False)
 
 
-def test_megatron_refuses_vision_language_runs(tiny_vlm, data):
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train-backend", "megatron"], "--multimodal-keys.*megatron.*no vision tower"),
+        (["--advantage-estimator", "ppo"], "--multimodal-keys with --advantage-estimator ppo: the critic"),
+        (
+            ["--tools-path", "x:y", "--apply-chat-template"],
+            "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images",
+        ),
+    ],
+)
+def test_vision_language_runs_refuse_what_does_not_carry_images(tiny_vlm, tiny_model, data, extra, message):
     from miles_async.config.declare import ConfigError
 
-    with pytest.raises(ConfigError, match="--multimodal-keys.*megatron.*no vision tower"):
-        parse_args(
-            [
-                "--hf-checkpoint",
-                str(tiny_vlm),
-                "--prompt-data",
-                str(data / "train.jsonl"),
-                "--train-backend",
-                "megatron",
-                "--use-tis",
-                "--num-rollout",
-                "4",
-                "--rollout-batch-size",
-                "1",
-                "--multimodal-keys",
-                '{"image": "images"}',
-                "--rm-type",
-                "first_integer",
-            ]
-        )
+    base = ["--prompt-data", str(data / "train.jsonl"), "--multimodal-keys", '{"image": "images"}', "--use-tis"]
+    base += ["--num-rollout", "4", "--rollout-batch-size", "1", "--rm-type", "first_integer"]
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--hf-checkpoint", str(tiny_vlm), *base, *extra])
+    with pytest.raises(ConfigError, match="--multimodal-keys: --hf-checkpoint .* has no vision tower"):
+        parse_args(["--hf-checkpoint", str(tiny_model), *base])
