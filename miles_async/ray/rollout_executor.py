@@ -169,7 +169,12 @@ class RolloutExecutor:
                 self.producer.load_state_dict(loaded["fully_async"])
         self.eval_datasets = {
             name: load_prompts(
-                path, eval_cfg.input_key, eval_cfg.label_key, eval_cfg.metadata_key, f"--eval-prompt-data ({name})"
+                path,
+                eval_cfg.input_key,
+                eval_cfg.label_key,
+                eval_cfg.metadata_key,
+                f"--eval-prompt-data ({name})",
+                image_key=eval_cfg.image_key,
             )
             for name, path in eval_cfg.datasets
         }

@@ -327,5 +327,7 @@ def test_vision_language_runs_refuse_what_does_not_carry_images(tiny_vlm, tiny_m
     base += ["--num-rollout", "4", "--rollout-batch-size", "1", "--rm-type", "first_integer"]
     with pytest.raises(ConfigError, match=message):
         parse_args(["--hf-checkpoint", str(tiny_vlm), *base, *extra])
+    # The eval datasets' records load their images from the same column as the training data's.
+    assert parse_args(["--hf-checkpoint", str(tiny_vlm), *base]).eval.image_key == "images"
     with pytest.raises(ConfigError, match="--multimodal-keys: --hf-checkpoint .* has no vision tower"):
         parse_args(["--hf-checkpoint", str(tiny_model), *base])
