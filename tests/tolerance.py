@@ -88,10 +88,13 @@ def vision_depth(config: Any, seq_len: int) -> int:
     vc = getattr(config, "vision_config", None)
     if vc is None:
         return 0
-    embed, merge = vc.embed_dim, vc.spatial_merge_size
+    # Qwen2-VL names the tower's width embed_dim and its MLP by a ratio; Qwen2.5-VL hidden_size and intermediate_size.
+    embed = getattr(vc, "embed_dim", None) or vc.hidden_size
+    ffn = int(embed * vc.mlp_ratio) if getattr(vc, "mlp_ratio", None) else vc.intermediate_size
+    merge = vc.spatial_merge_size
     patches = seq_len * merge * merge
     patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size
-    per_block = 4 * embed + embed // vc.num_heads + 2 * patches + embed + int(embed * vc.mlp_ratio)
+    per_block = 4 * embed + embed // vc.num_heads + 2 * patches + embed + ffn
     return patch + vc.depth * (per_block + _ELEMENTWISE_PER_LAYER) + embed + 2 * embed * merge * merge
 
 

@@ -193,11 +193,13 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     assert_within(resumed, whole, tol, "a resumed image sample's log-probs vs the trainer's")
 
 
-def test_engine_decode_positions_are_the_trainers(tiny_vlm, prompts):
+@pytest.mark.parametrize("model", ["tiny_vlm", "tiny_vlm_2_5"])
+def test_engine_decode_positions_are_the_trainers(model, prompts, request):
     """Qwen2-VL's 3-D positions: the engine's prefill and each decode step (1-D position plus the row's rope delta)
     give every token the position the trainer's whole-row ``get_rope_index`` gives it, for a large image (delta
     -12), a small one and no image, left padded in one batch. (The tiny random model is nearly blind to positions,
-    so the log-prob comparisons alone would let an offset of a few positions pass.)"""
+    so the log-prob comparisons alone would let an offset of a few positions pass.) Qwen2-VL and Qwen2.5-VL: the
+    prompts' tokens are the same, their processors being the same."""
     import torch
 
     from miles_async.backends.fsdp.vision import VisionInputs
@@ -207,6 +209,7 @@ def test_engine_decode_positions_are_the_trainers(tiny_vlm, prompts):
     from miles_async.inference.embedded.records import SamplingParams, Seq
     from miles_async.inference.embedded.vision import decode_positions, prepare_images, vision_prefill
 
+    tiny_vlm = request.getfixturevalue(model)
     lm = CausalLM(str(tiny_vlm), torch.float32)
     response = [10, 11, 12, 13]
     seqs = []
@@ -234,6 +237,16 @@ def test_engine_decode_positions_are_the_trainers(tiny_vlm, prompts):
     for step in range(len(response)):
         one_d = torch.tensor([[len(s.prompt) + step] for s in seqs])  # the batch's 1-D position of the step's token
         assert torch.equal(decode_positions(seqs, one_d)[:, :, 0], mb.position_ids[:, :, p + step]), step
+
+    # The engine's prefill (vision tower included) predicts the first response token as the trainer's forward does.
+    with torch.inference_mode():
+        _, pixels = vision_prefill(lm, seqs, ids, mask)
+        engine = lm.forward(ids, mask, engine_prefill, lm.new_cache(), last_only=True, pixels=pixels)
+        out = lm.model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, **mb.pixels
+        )
+    tol = StepBounds.of(tiny_vlm, [s.prompt for s in seqs]).logprob
+    assert_within(engine.log_softmax(-1), out.logits[:, p - 1].float().log_softmax(-1), tol, "prefill log-probs")
 
 
 def test_freeze_vision_tower_trains_the_language_model_only(cfg, prompts):
