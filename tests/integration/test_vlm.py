@@ -124,6 +124,42 @@ def _engine_logprobs(outputs: list[dict]) -> dict[int, list[float]]:
     return {i: [x[0] for x in o["meta_info"]["output_token_logprobs"]] for i, o in enumerate(outputs)}
 
 
+def _train_and_push(actor, rows, outputs: list[dict], cfg, engine, version: int, steps: int = 2) -> None:
+    """Train ``actor`` a few steps rewarding a one-token cut of each output over the output itself, then push its
+    weights to ``engine`` as ``version``."""
+    logprobs = _engine_logprobs(outputs)
+    groups = [
+        [
+            Sample(
+                uid=str(g),
+                group_index=g,
+                index=i,
+                prompt="",
+                prompt_tokens=p,
+                response_tokens=r[:n],
+                rollout_logprobs=logprobs[g][:n],  # --use-tis weighs by them
+                images=imgs,
+                reward=float(i),
+            )
+            for i, n in enumerate([len(r), 1])
+        ]
+        for g, (p, imgs, r) in enumerate(rows)
+    ]
+    batch = to_train_batch(groups)
+    for step in range(steps):
+        actor.train(step, batch)
+    update = WeightUpdate(
+        version=version,
+        route="http",
+        dtype="float32",
+        timeout=60,
+        targets=(engine.url,),
+        bucket_bytes=cfg.train.update_weight_buffer_size,
+        api_key=cfg.engine.api_key,
+    )
+    assert actor.push_weights(update)["weights/bytes"] > 0
+
+
 def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_the_tower(
     cfg, engine, prompts, tiny_vlm, data
 ):
@@ -147,36 +183,9 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     assert_rejected(stale, {0: _engine_logprobs(outputs)[0]}, tol, "the same tokens with another image")
 
     tower = {n: p.detach().clone() for n, p in actor.module.named_parameters() if ".visual." in f".{n}"}
-    samples = [
-        Sample(
-            uid=str(g),
-            group_index=g,
-            index=i,
-            prompt="",
-            prompt_tokens=p,
-            response_tokens=r[: len(r) if i == 0 else 1],
-            rollout_logprobs=_engine_logprobs(outputs)[g][: len(r) if i == 0 else 1],  # --use-tis weighs by them
-            images=imgs,
-            reward=0.0 if i == 0 else 1.0,
-        )
-        for g, (p, imgs, r) in enumerate(rows)
-        for i in range(2)
-    ]
-    batch = to_train_batch([samples[g * 2 : g * 2 + 2] for g in range(len(rows))])
-    for step in range(2):
-        actor.train(step, batch)
+    _train_and_push(actor, rows, outputs, cfg, engine, version=2)
     moved = [n for n, p in actor.module.named_parameters() if n in tower and not p.detach().equal(tower[n])]
     assert moved, "training moved no parameter of the vision tower"
-    update = WeightUpdate(
-        version=2,
-        route="http",
-        dtype="float32",
-        timeout=60,
-        targets=(engine.url,),
-        bucket_bytes=cfg.train.update_weight_buffer_size,
-        api_key=cfg.engine.api_key,
-    )
-    assert actor.push_weights(update)["weights/bytes"] > 0
     after = _generate(engine, cfg, requests)
     assert all(o["meta_info"]["weight_version"] == 2 for o in after)
     rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
@@ -191,6 +200,33 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     resumed = {0: _engine_logprobs([first])[0] + _engine_logprobs([rest])[0]}
     whole = _trainer_logprobs(actor, [(ids, images, first["output_ids"] + rest["output_ids"])])
     assert_within(resumed, whole, tol, "a resumed image sample's log-probs vs the trainer's")
+
+
+def test_lora_on_the_language_model_reaches_the_engine(cfg, engine, prompts, tiny_vlm):
+    """--lora-rank on a VLM: adapters on the language model only (the vision tower takes none and stays as
+    loaded), and the merged weights the engine gets give the trainer's log-probs for image prompts."""
+    import dataclasses
+
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.config.train import LoraSettings
+
+    lora = LoraSettings(4, 16.0, 0.0, ("all-linear",), False)
+    actor = FSDPTrainActor(dataclasses.replace(cfg.train, lora=lora), rank=0, world_size=1, total_optimizer_steps=10)
+    adapted = [n for n, _ in actor.module.named_parameters() if ".lora_" in n]
+    assert adapted and all(n.startswith("model.language_model.") for n in adapted), adapted
+    requests = [(ids, list(item.images)) for item, ids in prompts]
+    outputs = _generate(engine, cfg, requests)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
+    _train_and_push(actor, rows, outputs, cfg, engine, version=5)
+    after = _generate(engine, cfg, requests)
+    assert all(o["meta_info"]["weight_version"] == 5 for o in after)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
+    tol = StepBounds.of(tiny_vlm, [p + r for p, _, r in rows]).logprob
+    trained = _trainer_logprobs(actor, rows)
+    assert_within(_engine_logprobs(after), trained, tol, "engine vs LoRA trainer log-probs")
+    # Negative control: the adapters moved the log-probs beyond the tolerance, so unmerged weights would fail.
+    base = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    assert_rejected(_trainer_logprobs(base, rows), trained, tol, "the log-probs without the adapters")
 
 
 @pytest.mark.parametrize("model", ["tiny_vlm", "tiny_vlm_2_5"])

@@ -86,7 +86,10 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         # A vision-language policy: its micro-batches carry their images' pixels and 3-D positions.
         self._vision = VisionInputs(cfg.model_path, self.module) if is_vision_model(cfg.model_path) else None
         if self._vision is not None and cfg.shared_prefix and rank == 0:
-            logger.warning("--shared-prefix: a vision-language policy computes each sample's prompt on its own row")
+            logger.warning(
+                "--shared-prefix: a vision-language policy computes each sample's prompt on its own row "
+                "(--no-shared-prefix says so and silences this)"
+            )
         self._init_policy_state()
         # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None

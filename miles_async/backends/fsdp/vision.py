@@ -22,13 +22,20 @@ from miles_async.vision.rope import padded_positions
 _PIXEL_CACHE_SIZE = 512
 
 
+def find_vision_tower(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """The model's vision encoder and projector (Qwen2-VL's ``visual``, which holds its merger) and its qualified
+    name, or None for a text model."""
+    for name, m in model.named_modules():
+        if name.split(".")[-1] == "visual":
+            return name, m
+    return None
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
-    """The model's vision encoder and projector (Qwen2-VL's ``visual``, which holds its merger)."""
-    for m in (model, getattr(model, "model", None)):
-        tower = getattr(m, "visual", None)
-        if isinstance(tower, torch.nn.Module):
-            return tower
-    raise ValueError(f"--freeze-vision-tower: {type(model).__name__} has no vision tower ('visual') to freeze")
+    found = find_vision_tower(model)
+    if found is None:
+        raise ValueError(f"--freeze-vision-tower: {type(model).__name__} has no vision tower ('visual') to freeze")
+    return found[1]
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> None:
