@@ -30,6 +30,22 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL with its processor (miles_async/assets/tiny_vlm.py)."""
+    from miles_async.assets.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_2_5(tmp_path_factory) -> Path:
+    """The tiny VLM in Qwen2.5-VL's layout (windowed vision attention), with the same tokenizer and processor."""
+    from miles_async.assets.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm_2_5"), seed=0, arch="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 

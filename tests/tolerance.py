@@ -80,6 +80,24 @@ def transformer_depth(config: Any, seq_len: int) -> int:
     return config.num_hidden_layers * per_layer + 2 * hidden + 2
 
 
+def vision_depth(config: Any, seq_len: int) -> int:
+    """Chained roundings of a vision-language model's image embeddings (Qwen2-VL's tower: an HF config with a
+    ``vision_config``), 0 without one: the patch embedding (channels x frames x patch area), per block the
+    reductions of a pre-norm transformer layer over up to ``seq_len`` * merge area patches, then the merger's
+    norm and its two projections."""
+    vc = getattr(config, "vision_config", None)
+    if vc is None:
+        return 0
+    # Qwen2-VL names the tower's width embed_dim and its MLP by a ratio; Qwen2.5-VL hidden_size and intermediate_size.
+    embed = getattr(vc, "embed_dim", None) or vc.hidden_size
+    ffn = int(embed * vc.mlp_ratio) if getattr(vc, "mlp_ratio", None) else vc.intermediate_size
+    merge = vc.spatial_merge_size
+    patches = seq_len * merge * merge
+    patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size * vc.patch_size
+    per_block = 4 * embed + embed // vc.num_heads + 2 * patches + embed + ffn
+    return patch + vc.depth * (per_block + _ELEMENTWISE_PER_LAYER) + embed + 2 * embed * merge * merge
+
+
 def forward_tolerance(depth: int, scale: float) -> float:
     """How far two float32 computations of a quantity ``depth`` roundings deep, over terms of total size
     ``scale``, can differ: 2 gamma_depth * scale."""
@@ -103,11 +121,13 @@ class StepBounds:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        forward = transformer_depth(config, max(len(r) for r in rows)) + config.vocab_size + 2
+        text = config.get_text_config()  # a VLM's language model; a causal LM's own config
+        longest = max(len(r) for r in rows)
+        forward = transformer_depth(text, longest) + vision_depth(config, longest) + text.vocab_size + 2
         return cls(
             forward,
             2 * forward + sum(len(r) for r in rows),
-            config.vocab_size,
+            text.vocab_size,
             (group_size - 1) / math.sqrt(group_size),
         )
 

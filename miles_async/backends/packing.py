@@ -38,11 +38,12 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 class MicroBatch:
     input_ids: torch.Tensor  # [B, P + R]
     attention_mask: torch.Tensor  # [B, P + R]
-    position_ids: torch.Tensor  # [B, P + R]
+    position_ids: torch.Tensor  # [B, P + R]; a VLM's [3, B, P + R] (vision/rope.py)
     response_ids: torch.Tensor  # [B, R]
     response_mask: torch.Tensor  # [B, R] float: 1 where the token is trained
     max_response_len: int
     shared: SharedPrefixLayout | None = None  # the same rows with one copy of each prompt (shared_prefix.py)
+    pixels: dict[str, torch.Tensor] | None = None  # a VLM's rows' images in row order: pixel_values, image_grid_thw
 
 
 def collate(

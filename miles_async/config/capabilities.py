@@ -108,6 +108,16 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",), why="use --use-tis or --use-rollout-logprobs instead"),
     Capability("--lora-rank", TRAIN_BACKEND, ("fsdp",), why="the megatron backend trains no adapters yet"),
     *(
+        Capability(name, TRAIN_BACKEND, ("fsdp",), why="the megatron backend builds no vision tower (VLMs) yet")
+        for name in ("--multimodal-keys", "--freeze-vision-tower")
+    ),
+    Capability(
+        "--multimodal-keys",
+        ROLLOUT_BACKEND,
+        ("embedded",),
+        why="image prompts reach only the embedded engine's /generate so far",
+    ),
+    *(
         Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
         for name in (
             "--tensor-model-parallel-size",

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from miles_async.config.declare import at_least, flag, group, when_flag, within
-from miles_async.config.rollout import SamplingConfig
+from miles_async.config.rollout import SamplingConfig, parse_multimodal_keys
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class EvalConfig:
     label_key: str
     metadata_key: str | None = None
     failures_allowed: int = 0  # evals that may fail before the run exits non-zero
+    image_key: str | None = None  # --multimodal-keys' image column, as in the training data
 
 
 def _pairs(name: str, values: list[str] | None) -> str | None:
@@ -80,4 +81,5 @@ def build(ns: argparse.Namespace, eval_datasets: tuple[tuple[str, str], ...]) ->
         label_key=ns.label_key,
         metadata_key=ns.metadata_key,
         failures_allowed=ns.eval_failures_allowed,
+        image_key=parse_multimodal_keys(ns.multimodal_keys).get("image"),
     )

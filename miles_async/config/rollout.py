@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -99,6 +100,7 @@ class DataConfig:
     max_prompt_len: int | None
     shuffle: bool
     seed: int
+    image_key: str | None = None  # --multimodal-keys' image column: each record's image references
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,14 @@ GROUPS = (
             "named by its rm_type, choices and correct_letter for gpqa) in rollouts and evals",
         ),
         flag("--apply-chat-template", action="store_true"),
+        flag(
+            "--multimodal-keys",
+            default=None,
+            check=lambda name, v: _multimodal_problem(name, v),
+            help='JSON mapping a modality to the column holding it, as Miles\' \'{"image": "images"}\': each '
+            "record's image (a path, relative to the data file's folder or absolute, a data: URI or base64) or list "
+            "of them, for a vision-language model's processor",
+        ),
         flag(
             "--rollout-max-prompt-len",
             type=int,
@@ -371,9 +381,29 @@ GROUPS = (
 )
 
 
+def validate_multimodal(ns: argparse.Namespace) -> None:
+    """--multimodal-keys: a model with a vision tower, and none of the paths that do not carry images yet."""
+    from miles_async.vision.hf import is_vision_model
+
+    if ns.multimodal_keys is None:
+        return
+    require(
+        ns.hf_checkpoint is None or is_vision_model(ns.hf_checkpoint),
+        f"--multimodal-keys: --hf-checkpoint {ns.hf_checkpoint} has no vision tower (no vision_config in its "
+        "config.json); image prompts need a vision-language model",
+    )
+    require(ns.tools_path is None, "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images yet")
+    require(
+        ns.advantage_estimator != "ppo",
+        "--multimodal-keys with --advantage-estimator ppo: the critic of a vision-language policy is not built yet",
+    )
+
+
 def validate(ns: argparse.Namespace) -> None:
-    """The reward and the plugins: each imports (a PluginError names the flag otherwise)."""
+    """The reward and the plugins: each imports (a PluginError names the flag otherwise); image prompts' limits."""
     from miles_async.utils.plugins import load_function
+
+    validate_multimodal(ns)
 
     require(
         ns.rm_type != REMOTE_RM_TYPE or ns.rm_url is not None,
@@ -438,6 +468,33 @@ def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | N
     return DynamicSamplingConfig(path, name, ns.over_sampling_batch_size or ns.rollout_batch_size, ns.zero_variance_tol)
 
 
+MULTIMODAL_MODALITIES = ("image",)
+
+
+def parse_multimodal_keys(raw: str | None) -> dict[str, str]:
+    """--multimodal-keys as {modality: column}; ``ValueError`` saying what is wrong."""
+    if raw is None:
+        return {}
+    try:
+        keys = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f'not JSON ({e}); expected e.g. \'{{"image": "images"}}\'') from e
+    if not isinstance(keys, dict) or not keys or not all(isinstance(v, str) and v for v in keys.values()):
+        raise ValueError('expected a JSON object of modality to column name, e.g. \'{"image": "images"}\'')
+    unknown = sorted(set(keys) - set(MULTIMODAL_MODALITIES))
+    if unknown:
+        raise ValueError(f"unsupported modality {unknown}; supported: {list(MULTIMODAL_MODALITIES)}")
+    return keys
+
+
+def _multimodal_problem(name: str, raw: str | None) -> str | None:
+    try:
+        parse_multimodal_keys(raw)
+    except ValueError as e:
+        return f"{name}: {e}"
+    return None
+
+
 def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> RolloutConfig:
     return RolloutConfig(
         data=DataConfig(
@@ -449,6 +506,7 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             ns.rollout_max_prompt_len,
             ns.rollout_shuffle,
             ns.rollout_seed,
+            parse_multimodal_keys(ns.multimodal_keys).get("image"),
         ),
         reward=RewardConfig(
             None if ns.rm_type == REMOTE_RM_TYPE else ns.rm_type,

@@ -76,6 +76,7 @@ class TrainConfig:
     shared_prefix: bool = False  # the policy's passes compute each group's prompt once (backends/shared_prefix.py)
     cpu_offload: bool = False  # sharded torch backend: shards, gradients and optimizer state in host memory
     lora: LoraSettings | None = None  # the policy trains LoRA adapters only (torch backend)
+    freeze_vision_tower: bool = False  # a VLM policy trains its language model only
 
 
 SHARED_PREFIX = flag(
@@ -199,6 +200,12 @@ GROUPS = (
                 "--train-backend", "megatron", why="the HF models of the torch backend have no hidden dropout"
             ),
             help="as --attention-dropout, for Megatron's residual dropout",
+        ),
+        flag(
+            "--freeze-vision-tower",
+            action="store_true",
+            help="a vision-language policy trains its language model only; its vision encoder and projector keep "
+            "the checkpoint's weights",
         ),
         flag("--seed", type=int, default=1234),
     ),
@@ -391,6 +398,7 @@ def build(
         )
         if ns.lora_rank > 0
         else None,
+        freeze_vision_tower=ns.freeze_vision_tower,
     )
 
 

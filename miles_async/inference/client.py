@@ -165,8 +165,10 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
         timeout: float | None = None,
+        image_data: list[str] | None = None,
     ) -> dict[str, Any]:
-        """POST /generate; returns SGLang's response dict (text, output_ids, meta_info)."""
+        """POST /generate; returns SGLang's response dict (text, output_ids, meta_info). ``image_data``: a VLM
+        prompt's images (paths, data: URIs or base64), as SGLang takes them."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -174,6 +176,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if image_data:
+            body["image_data"] = list(image_data)
         out = await self._request("POST", "/generate", json_body=body, timeout=timeout)
         if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
             normalize_meta(out["meta_info"], len(out.get("output_ids") or []))

@@ -142,16 +142,22 @@ class Router:
                 pass
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        image_data: list[str] | None = None,
     ) -> dict[str, Any]:
         errors: list[str] = []
+        images = {"image_data": image_data} if image_data else {}  # only a VLM prompt's client needs to take it
         if not self.clients and not self.retry:
             raise NoEngineError(self.fatal or "the router has no engine yet (set_engines gives it them)")
         for attempt in range(1, self.max_attempts + 1):
             url = await self._acquire() if self.retry else min(self.clients, key=lambda u: self.outstanding[u])
             self.outstanding[url] += 1
             task = asyncio.ensure_future(
-                self.clients[url].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+                self.clients[url].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **images)
             )
             self._inflight[url].add(task)
             try:
@@ -247,11 +253,18 @@ class SGLangRouter:
         self.fatal = fatal or self.fatal
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict, return_logprob: bool = True, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        image_data: list[str] | None = None,
     ) -> dict[str, Any]:
         if self.fatal is not None:
             raise NoEngineError(self.fatal)
-        return await self.client.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+        return await self.client.generate(
+            input_ids, sampling_params, return_logprob=return_logprob, rid=rid, image_data=image_data
+        )
 
     async def close(self) -> None:
         await self.client.close()

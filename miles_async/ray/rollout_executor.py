@@ -22,24 +22,26 @@ from miles_async.rollout.eval import evaluate
 from miles_async.rollout.filters import BatchAssembler, filter_args, load_group_filter
 from miles_async.rollout.fully_async import FullyAsyncProducer
 from miles_async.rollout.gc_policy import tune_gc_for_rollouts
-from miles_async.rollout.generate import GenerateContext, encode_prompt, generate_sample
+from miles_async.rollout.generate import GenerateContext, encode_item, generate_sample
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_rollout
 from miles_async.rollout.staleness import StalenessManager
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
 from miles_async.utils.plugins import load_function
+from miles_async.vision.hf import is_vision_model, load_processor
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "rollout_state.json"
 
 
-def _filter_long_prompts(items: list[PromptItem], tokenizer, cfg: RolloutConfig) -> list[PromptItem]:
+def _filter_long_prompts(items: list[PromptItem], tokenizer, processor, cfg: RolloutConfig) -> list[PromptItem]:
     limit = cfg.data.max_prompt_len
     if limit is None:
         return items
-    kept = [it for it in items if len(encode_prompt(tokenizer, it.prompt, cfg.data.apply_chat_template)) <= limit]
+    template = cfg.data.apply_chat_template
+    kept = [it for it in items if len(encode_item(tokenizer, processor, it, template)) <= limit]
     if len(kept) < len(items):
         logger.warning(
             "dropped %d of %d prompts longer than --rollout-max-prompt-len %d",
@@ -69,6 +71,8 @@ class RolloutExecutor:
         # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
         self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        # A vision-language model's processor makes image prompts' tokens (the engines and the trainer load it too).
+        self.processor = load_processor(cfg.tokenizer_path) if is_vision_model(cfg.tokenizer_path) else None
         ft = engine.fault_tolerance
         # Without fault tolerance the engine set is fixed and nothing is retried, so no cooldown applies.
         retry = {"retry": True, "cooldown": ft.health_check_interval} if ft is not None else {}
@@ -85,9 +89,10 @@ class RolloutExecutor:
                 cfg.data, cfg.rollout_batch_size
             )
         else:
-            items = load_prompts(cfg.data.path, cfg.data.input_key, cfg.data.label_key, cfg.data.metadata_key)
+            d = cfg.data
+            items = load_prompts(d.path, d.input_key, d.label_key, d.metadata_key, image_key=d.image_key)
             self.data_source = DataSource(
-                cfg.data, cfg.rollout_batch_size, _filter_long_prompts(items, self.tokenizer, cfg)
+                d, cfg.rollout_batch_size, _filter_long_prompts(items, self.tokenizer, self.processor, cfg)
             )
         loaded = None
         if load_dir is not None and load_rollout_id is not None:
@@ -106,7 +111,9 @@ class RolloutExecutor:
             else generate_rollout
         )
         self.reward = RewardModel(cfg.reward)
-        gctx = GenerateContext(self.router, self.tokenizer, Toolbox(tools) if tools is not None else None)
+        gctx = GenerateContext(
+            self.router, self.tokenizer, Toolbox(tools) if tools is not None else None, processor=self.processor
+        )
         self.ctx = RolloutContext(
             self.data_source,
             gctx,
@@ -162,7 +169,12 @@ class RolloutExecutor:
                 self.producer.load_state_dict(loaded["fully_async"])
         self.eval_datasets = {
             name: load_prompts(
-                path, eval_cfg.input_key, eval_cfg.label_key, eval_cfg.metadata_key, f"--eval-prompt-data ({name})"
+                path,
+                eval_cfg.input_key,
+                eval_cfg.label_key,
+                eval_cfg.metadata_key,
+                f"--eval-prompt-data ({name})",
+                image_key=eval_cfg.image_key,
             )
             for name, path in eval_cfg.datasets
         }

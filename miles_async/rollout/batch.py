@@ -22,11 +22,12 @@ class RolloutBatch:
     rewards: list[float]
     group_index: list[int]
     uids: list[str]
+    images: list[list[str]] | None = None  # each sample's image references (Sample.images); None: no sample has one
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         for f in fields(self):
-            if len(getattr(self, f.name)) != n:
+            if getattr(self, f.name) is not None and len(getattr(self, f.name)) != n:
                 raise ValueError(f"RolloutBatch: {len(getattr(self, f.name))} {f.name} for {n} samples")
         for i, (tokens, p, r, mask) in enumerate(
             zip(self.tokens, self.prompt_lengths, self.response_lengths, self.loss_masks)
@@ -56,6 +57,7 @@ def to_train_batch(groups: list[list[Sample]]) -> RolloutBatch:
         rewards=[float(s.reward) for s in samples],
         group_index=[s.group_index for s in samples],
         uids=[s.uid for s in samples],
+        images=[list(s.images) for s in samples] if any(s.images for s in samples) else None,
     )
 
 

@@ -1,4 +1,9 @@
-"""Prompt data: JSONL / Parquet loading with line-precise errors, and a resumable epoch iterator."""
+"""Prompt data: JSONL / Parquet loading with line-precise errors, and a resumable epoch iterator.
+
+With --multimodal-keys a record's images are checked as the file loads (each must exist and decode) and kept by
+reference: a path becomes absolute (relative ones are read from the data file's folder), a data: URI or base64
+string stays as it is.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import json
 import random
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,9 @@ class PromptItem:
     prompt: Any  # a string, or a list of chat messages
     label: Any
     metadata: dict
+    images: tuple[str, ...] = ()  # --multimodal-keys: the prompt's images by reference, in placeholder order
+    # "file:line" of the record, for errors found after loading (a prompt's image placeholders); not its identity.
+    where: str = field(default="", compare=False)
 
 
 def _iter_records(path: str, flag: str) -> Iterator[tuple[int, dict]]:
@@ -57,8 +65,37 @@ def _iter_records(path: str, flag: str) -> Iterator[tuple[int, dict]]:
             yield i, rec
 
 
+def _image_refs(rec: dict, key: str, where: str, base_dir: Path) -> tuple[str, ...]:
+    """The record's images under --multimodal-keys' ``key``, each checked to load; DataError naming the record."""
+    from miles_async.vision.images import ImageError, load_image, resolve_path
+
+    if key not in rec:
+        raise DataError(f"{where}: missing key '{key}' (--multimodal-keys image column); keys present: {sorted(rec)}")
+    raw = rec[key]
+    refs = [raw] if isinstance(raw, str) else raw
+    if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+        raise DataError(
+            f"{where}: '{key}' (--multimodal-keys) must be an image reference or a list of them "
+            f"(paths, data: URIs or base64), got {type(raw).__name__}"
+        )
+    out = []
+    for i, ref in enumerate(refs):
+        try:
+            load_image(ref, base_dir)
+        except ImageError as e:
+            raise DataError(f"{where}: '{key}'[{i}]: {e}") from e
+        is_path = not ref.startswith("data:") and resolve_path(ref, base_dir).is_file()
+        out.append(str(resolve_path(ref, base_dir).resolve()) if is_path else ref)
+    return tuple(out)
+
+
 def load_prompts(
-    path: str, input_key: str, label_key: str | None, metadata_key: str | None = None, flag: str = "--prompt-data"
+    path: str,
+    input_key: str,
+    label_key: str | None,
+    metadata_key: str | None = None,
+    flag: str = "--prompt-data",
+    image_key: str | None = None,
 ) -> list[PromptItem]:
     items: list[PromptItem] = []
     seen: set[str] = set()
@@ -81,7 +118,10 @@ def load_prompts(
                 f"{flag}: {path}:{line_no}: '{metadata_key}' (--metadata-key) must be an object, got "
                 f"{type(metadata).__name__}"
             )
-        items.append(PromptItem(uid, rec[input_key], rec.get(label_key) if label_key else None, metadata or {}))
+        where = f"{flag}: {path}:{line_no}"
+        images = _image_refs(rec, image_key, where, Path(path).parent) if image_key else ()
+        label = rec.get(label_key) if label_key else None
+        items.append(PromptItem(uid, rec[input_key], label, metadata or {}, images, f"{path}:{line_no}"))
     if not items:
         raise DataError(f"{flag}: {path} holds no prompts")
     return items
@@ -106,7 +146,11 @@ class DataSource:
         self.cfg = cfg
         self.batch_size = batch_size
         self.items = (
-            items if items is not None else load_prompts(cfg.path, cfg.input_key, cfg.label_key, cfg.metadata_key)
+            items
+            if items is not None
+            else load_prompts(
+                cfg.path, cfg.input_key, cfg.label_key, cfg.metadata_key, image_key=getattr(cfg, "image_key", None)
+            )
         )
         if len(self.items) < batch_size:
             raise DataError(f"--prompt-data: {len(self.items)} usable prompts, fewer than the batch {batch_size}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_async.inference.router import Router
+from miles_async.rollout.data_source import DataError, PromptItem
 from miles_async.rollout.sample import Sample, SampleStatus
 
 GenerateFn = Callable[["GenerateContext", Sample, dict], Awaitable[Sample]]
@@ -38,6 +39,7 @@ class GenerateContext:
     router: Router
     tokenizer: Any
     tools: Any = None  # a rollout.multi_turn.Toolbox under --tools-path; None: no tools
+    processor: Any = None  # a vision-language model's processor (vision/hf.py): image prompts' tokens
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -48,6 +50,23 @@ def encode_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> lis
     if not isinstance(prompt, str):
         raise ValueError("a chat-message prompt needs --apply-chat-template")
     return tokenizer.encode(prompt)
+
+
+def encode_item(tokenizer: Any, processor: Any, item: PromptItem, apply_chat_template: bool) -> list[int]:
+    """A data source item's prompt tokens; with images, through the model's processor, each image's placeholder
+    expanded to its patches. ``DataError`` naming the record when its images do not fit its prompt."""
+    if not item.images:
+        return encode_prompt(tokenizer, item.prompt, apply_chat_template)
+    from miles_async.vision.hf import PromptImageMismatch
+    from miles_async.vision.hf import encode_prompt as encode_with_images
+    from miles_async.vision.images import ImageError, load_image
+
+    if processor is None:
+        raise DataError(f"{item.where}: the prompt has images but the model has no vision tower (no vision_config)")
+    try:
+        return encode_with_images(processor, item.prompt, [load_image(r) for r in item.images], apply_chat_template)
+    except (PromptImageMismatch, ImageError, ValueError) as e:
+        raise DataError(f"--prompt-data: {item.where}: {e}") from e
 
 
 def apply_engine_output(sample: Sample, out: dict, append: bool = False) -> Sample:
@@ -122,7 +141,8 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         # A resumed sample keeps its first start time: the metrics measure the whole generation.
         sample.started_at = time.time()
         input_ids, params = sample.prompt_tokens, sampling_params
-    out = await ctx.router.generate(input_ids, params, return_logprob=True)
+    images = {"image_data": list(sample.images)} if sample.images else {}  # a text-only router need not take it
+    out = await ctx.router.generate(input_ids, params, return_logprob=True, **images)
     apply_engine_output(sample, out, append=resuming)
     if resuming and ctx.tokenizer is not None:
         # Decoding pieces separately can split a multi-byte character at the resume point.

@@ -15,7 +15,7 @@ from typing import Any
 
 from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.dynamic_sampling import DynamicSampler
-from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_prompt
+from miles_async.rollout.generate import GenerateContext, GenerateFn, encode_item
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.utils.async_utils import gather_fail_fast
@@ -46,7 +46,8 @@ class RolloutContext:
     def prompt_tokens(self, item: PromptItem) -> list[int]:
         tokens = self.prompt_token_cache.get(item.uid)
         if tokens is None:
-            tokens = encode_prompt(self.generate_ctx.tokenizer, item.prompt, self.apply_chat_template)
+            ctx = self.generate_ctx
+            tokens = encode_item(ctx.tokenizer, ctx.processor, item, self.apply_chat_template)
             self.prompt_token_cache[item.uid] = tokens
         return tokens
 
@@ -105,6 +106,7 @@ async def generate_group(
             prompt=item.prompt,
             label=item.label,
             metadata=dict(item.metadata),
+            images=list(item.images),
             prompt_tokens=list(tokens),
         )
         for i in range(n)

@@ -32,6 +32,9 @@ class Sample:
     prompt: str | list[dict[str, str]]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)  # the dataset's; the framework never writes it
+    # A VLM prompt's images by reference (paths, data: URIs or base64, from --multimodal-keys), in the order of
+    # their placeholders in prompt_tokens: the engine and the trainer each load the pixels from them.
+    images: list[str] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     response_tokens: list[int] = field(default_factory=list)
     response: str = ""

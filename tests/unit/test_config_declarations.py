@@ -13,9 +13,14 @@ from miles_async.config.capabilities import CAPABILITIES, Capability, check_capa
 from miles_async.config.declare import at_least, check_needs, check_values, flag, when_flag, without_effect
 from tests.flag_helpers import minimal_flags
 
+# A value for a feature flag whose default (None) gives no numeric one to step from.
+EXAMPLE_VALUES = {"--multimodal-keys": '{"image": "images"}'}
+
 
 def _feature_args(row: Capability) -> list[str]:
     """Command-line words that ask for the row's feature."""
+    if row.feature in EXAMPLE_VALUES:
+        return [row.feature, EXAMPLE_VALUES[row.feature]]
     if row.value is not None:
         return [row.feature, row.value]
     if row.feature.endswith("-*"):

@@ -19,6 +19,7 @@ PACKAGE = "miles_async"
 # Low to high: a module may import from its own layer's package and from lower layers only; packages that share
 # a layer are siblings and import nothing from each other. The loop (train_async.py) sits above all of them.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("vision",),  # a vision-language model's HF side (images, processor, 3-D positions): imports nothing of ours
     ("utils", "assets"),  # checkpoint, tracking, plots, async helpers; tiny models and task data
     ("algorithms",),  # advantages, losses and reward types: pure functions
     ("inference",),  # the engines: each declares its client, launcher and weight routes (engines.py)

@@ -8,6 +8,7 @@ entropy, and takes the optimizer step through ``TrainWorker``.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,17 +16,21 @@ import torch
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.lora import adapter_tensors, add_adapters, merged_parameters, write_adapter
 from miles_async.backends.fsdp.sharding import full_parameters, local_tensor, shard_model
+from miles_async.backends.fsdp.vision import VisionInputs, forward_kwargs, freeze_vision_tower
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
+from miles_async.vision.hf import is_vision_model, model_class
 from miles_async.weights.disk import write_hf_checkpoint
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
+
+logger = logging.getLogger(__name__)
 
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 
@@ -43,6 +48,7 @@ def response_logits(
             position_ids=mb.position_ids.to(device),
             logits_to_keep=mb.max_response_len + 1,
             use_cache=False,
+            **forward_kwargs(mb, device),
         )
         return out.logits[:, :-1, :].float()  # position t predicts response token t
     mask = layout.attention_mask.to(device)
@@ -59,6 +65,8 @@ def response_logits(
 
 
 class FSDPTrainActor(PolicyMixin, TrainWorker):
+    _vision: VisionInputs | None = None  # set once the module is built, for a vision-language policy
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -75,6 +83,13 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         super().__init__(cfg, rank, world_size, total_optimizer_steps, load_dir, load_rollout_id)
         if self.ref_model is not None:
             self.ref_model.to(self.device)
+        # A vision-language policy: its micro-batches carry their images' pixels and 3-D positions.
+        self._vision = VisionInputs(cfg.model_path, self.module) if is_vision_model(cfg.model_path) else None
+        if self._vision is not None and cfg.shared_prefix and rank == 0:
+            logger.warning(
+                "--shared-prefix: a vision-language policy computes each sample's prompt on its own row "
+                "(--no-shared-prefix says so and silences this)"
+            )
         self._init_policy_state()
         # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None
@@ -84,19 +99,38 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     @staticmethod
     def _causal_lm(path: str, **config: float) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        if not config or not is_vision_model(path):
+            return model_class(path).from_pretrained(path, dtype=torch.float32, **config)
+        # A VLM's config nests its language model's: the settings are that one's.
+        from transformers import AutoConfig
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **config)
+        composite = AutoConfig.from_pretrained(path)
+        for key, value in config.items():
+            setattr(composite.get_text_config(), key, value)
+        return model_class(path).from_pretrained(path, config=composite, dtype=torch.float32)
 
     def _build_module(self) -> torch.nn.Module:
         # --attention-dropout: HF attention applies it in training passes only (log-probs run in eval mode).
         model = self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
+        if self.cfg.freeze_vision_tower:
+            freeze_vision_tower(model)
         return add_adapters(model, self.cfg.lora) if self.cfg.lora is not None else model
+
+    def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
+        mb = super()._collate(batch, idx)
+        if self._vision is not None:
+            images = [batch.images[i] if batch.images is not None else [] for i in idx]
+            self._vision.attach(mb, images, [batch.uids[i] for i in idx])
+        return mb
 
     # -- forward passes --------------------------------------------------------------------
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16"):
             logits = response_logits(model, mb, self.device, self.module.config._attn_implementation)
+        if self._vision is not None:  # the tokens the engine never samples (vision.hf.unsampled_token_ids)
+            # The lowest finite logit, not -inf: its probability is 0 all the same, and the entropy's p * log p
+            # stays 0 instead of 0 * -inf.
+            logits[..., self._vision.unsampled_ids] = torch.finfo(logits.dtype).min
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = logprobs_from_logits(logits, mb.response_ids.to(self.device))
@@ -109,7 +143,12 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     @property
     def _shares_prefix(self) -> bool:
         # A 4D block mask is honoured by HF's sdpa and eager attention; flash-attention takes 2D masks only.
-        return self.cfg.shared_prefix and self.module.config._attn_implementation in SHARED_PREFIX_ATTENTION
+        # A VLM's rows keep their own prompts: the shared layout has no place for each prompt's image positions yet.
+        return (
+            self.cfg.shared_prefix
+            and self._vision is None
+            and self.module.config._attn_implementation in SHARED_PREFIX_ATTENTION
+        )
 
     # -- backend hooks of PolicyMixin ---------------------------------------------------------
     def _train_step(

@@ -11,12 +11,14 @@ kernels. SGLang and vLLM could load the adapter instead (fewer bytes per update)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from miles_async.backends.fsdp.sharding import full_tensor
+from miles_async.backends.fsdp.vision import find_vision_tower
 from miles_async.config.train import LoraSettings
 
 ADAPTER = "default"  # peft's name of the one adapter
@@ -40,10 +42,14 @@ def _peft_config(lora: LoraSettings, base_model: str | None = None):
 
 def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     """``model`` with LoRA adapters on its target linear layers (B starts at zero, so the model is unchanged),
-    everything else frozen."""
+    everything else frozen; a VLM's vision tower takes none."""
     from peft import inject_adapter_in_model
 
     config = _peft_config(lora)
+    tower = find_vision_tower(model)
+    if tower is not None:
+        # A VLM's adapters go on its language model: the vision tower stays as loaded (as Miles and verl do).
+        config.exclude_modules = rf"{re.escape(tower[0])}(\..*)?"
     try:
         model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft names the modules it could not find

@@ -47,6 +47,7 @@ from miles_async.inference.embedded.records import (
     resolve,
 )
 from miles_async.inference.embedded.sampling import sample_tokens
+from miles_async.inference.embedded.vision import Images, decode_positions, prepare_images, vision_prefill
 from miles_async.inference.embedded.weights import (
     ShmMaps,
     StagedWeights,
@@ -160,8 +161,10 @@ class Engine:
         input_ids: list[int],
         params: SamplingParams,
         rid: str | None = None,
+        images: Images | None = None,
     ) -> concurrent.futures.Future:
-        """Queue a generation; the future resolves to a ``GenerationResult``."""
+        """Queue a generation; the future resolves to a ``GenerationResult``. ``images``: a VLM prompt's images
+        (``prepare_images``), whose placeholders ``input_ids`` holds already expanded."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seq = Seq(
             rid=rid if rid is not None else uuid.uuid4().hex,
@@ -170,9 +173,17 @@ class Engine:
             future=fut,
             submitted_at=time.monotonic(),
             stop_ids=frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids),
+            image_refs=images.refs if images is not None else (),
+            pixels=images.pixels if images is not None else None,
         )
         self._post(_Command("submit", fut, seq))
         return fut
+
+    def prepare_images(self, refs: list[str], input_ids: list[int]) -> Images:
+        """Load a request's images and compute their pixel inputs (off the decode thread: this is IO and image
+        processing); ``ImageRequestError`` when the model takes no images, an image does not load, or the prompt's
+        placeholders do not match the images' patches."""
+        return prepare_images(self.lm, refs, input_ids)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> concurrent.futures.Future:
         """Finish one request (or all) with its partial output; resolves to the number aborted."""
@@ -477,12 +488,25 @@ class Engine:
 
         # RL rollouts send each prompt n_samples_per_prompt times: prefill every distinct
         # context once and copy its cache rows, which divides prefill work by the group size.
-        row_of: dict[tuple[int, ...], int] = {}
-        expand = [row_of.setdefault(tuple(seq.prompt + seq.output), len(row_of)) for seq in batch]
-        n = len(row_of)
-        ids, mask, positions = prefill_inputs(list(row_of), self.lm.pad_id)
+        # A VLM row's context includes its images: the same tokens with other images are another row.
+        row_of: dict[tuple, int] = {}
+        distinct: list[Seq] = []
+        expand = []
+        for seq in batch:
+            key = (tuple(seq.prompt + seq.output), seq.image_refs)
+            if key not in row_of:
+                row_of[key] = len(distinct)
+                distinct.append(seq)
+            expand.append(row_of[key])
+        n = len(distinct)
+        ids, mask, positions = prefill_inputs([key[0] for key in row_of], self.lm.pad_id)
+        pixels = None
+        if self.lm.is_vision:
+            positions, pixels = vision_prefill(self.lm, distinct, ids, mask)
+            for seq, row in zip(batch, expand):
+                seq.rope_delta = distinct[row].rope_delta
         cache = self.lm.new_cache()
-        logits = self.lm.forward(ids, mask, positions, cache, last_only=True)
+        logits = self.lm.forward(ids, mask, positions, cache, last_only=True, pixels=pixels)
         if n < len(batch):
             idx = torch.tensor(expand, dtype=torch.long)
             select_rows(cache, idx)
@@ -496,6 +520,8 @@ class Engine:
     def _decode_step(self) -> None:
         rows = self._batch.rows
         last, positions, mask = self._batch.step_inputs()
+        if self.lm.is_vision:
+            positions = decode_positions(rows, positions)
         logits = self.lm.forward(last, mask, positions, self._batch.cache, last_only=False)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
@@ -515,6 +541,8 @@ class Engine:
                         ban_cols.append(t)
         if ban_rows:
             logits[ban_rows, ban_cols] = float("-inf")
+        if self.lm.unsampled_ids:  # a VLM's image placeholder (vision.hf.unsampled_token_ids)
+            logits[:, self.lm.unsampled_ids] = float("-inf")
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
         top_ps = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
         top_ks = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long)

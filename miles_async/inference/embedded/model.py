@@ -1,6 +1,10 @@
 """The embedded engine's model: one Hugging Face causal LM on the CPU, loaded from a local folder, and one forward
 pass of it over a batch that shares a ``DynamicCache``.
 
+A vision-language model (Qwen2-VL layout: a config with a ``vision_config``) loads with its processor; its prefill
+takes the rows' pixel inputs and runs the vision tower, and every pass takes Qwen2-VL's 3-D positions
+(``miles_async.vision.rope``), which the scheduler computes per row.
+
 Only caches made of plain full-attention ``DynamicLayer`` s are supported (Llama, Qwen2/2.5/3,
 Mistral without sliding window, ...); sliding-window or linear-attention layers would need
 position-aware merging and are refused at start-up.
@@ -22,12 +26,15 @@ class CausalLM:
     """The model, its tokenizer (for the ``text`` of results only) and what the scheduler needs to know of it."""
 
     def __init__(self, model_path: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
-        from transformers import AutoModelForCausalLM
+        from miles_async.vision.hf import is_vision_model, load_processor, model_class, unsampled_token_ids
 
         self.dtype = dtype
         self.attn_implementation = attn_implementation
+        self.is_vision = is_vision_model(model_path)
+        # The image processor the data source and the trainer use too: the same patches, the same placeholders.
+        self.processor = load_processor(model_path) if self.is_vision else None
         # local_files_only: this engine must never reach for the model hub.
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = model_class(model_path).from_pretrained(
             model_path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
         self.model.eval()
@@ -37,10 +44,12 @@ class CausalLM:
         self.config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.eos_token_ids = _eos_ids(self.model)
-        self.context_len = int(getattr(self.config, "max_position_embeddings", 0) or 0) or None
-        pad = getattr(self.config, "pad_token_id", None)
+        text_config = self.config.get_text_config()  # a VLM's language model's; a causal LM's own
+        self.context_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        pad = getattr(text_config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self.tokenizer = _load_tokenizer(model_path)
+        self.unsampled_ids = unsampled_token_ids(self.config) if self.is_vision else []
 
         params = inspect.signature(self.model.forward).parameters
         # transformers 5.x renamed past_key_values -> cache; accept either so
@@ -65,15 +74,23 @@ class CausalLM:
             )
 
     def forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        last_only: bool,
+        pixels: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The float32 logits of each row's last position; ``cache`` grows by the input's length."""
+        """The float32 logits of each row's last position; ``cache`` grows by the input's length. ``pixels``: the
+        rows' images, in row order (``pixel_values``, ``image_grid_thw``), for a prefill."""
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": mask,
             "position_ids": positions,
             self._cache_kwarg: cache,
             "use_cache": True,
+            **(pixels or {}),
         }
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1

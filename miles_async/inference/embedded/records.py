@@ -64,6 +64,12 @@ class Seq:
     versions: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()
     finished: bool = False
+    # A VLM request's images: their references as sent (what a prefill may be shared by) and their pixel inputs
+    # (``pixel_values``, ``image_grid_thw``), kept so a flushed or retracted row is prefilled again with them.
+    image_refs: tuple[str, ...] = ()
+    pixels: dict[str, Any] | None = None
+    # Qwen2-VL: the row's last 3-D position + 1 - its length, set at prefill; a decode step's position adds it.
+    rope_delta: int = 0
 
     @property
     def context_len(self) -> int:

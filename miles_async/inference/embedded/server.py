@@ -15,7 +15,8 @@ Endpoints (JSON unless noted):
 - ``GET  /health``                      200 when the model is loaded and the decode thread is alive, else 500
 - ``GET  /get_model_info``              model_path, weight_version, is_generation
 - ``GET  /get_load``                    running/waiting counts and batching counters
-- ``POST /generate``                    SGLang-shaped single request (``input_ids`` only, no text prompts)
+- ``POST /generate``                    SGLang-shaped single request (``input_ids`` only, no text prompts; a VLM's
+  images as ``image_data``: paths, data: URIs or base64, the prompt's placeholders already expanded)
 - ``POST /pause_generation``            ``{"mode": "abort" | "in_place" | "retract"}``
 - ``POST /continue_generation``
 - ``POST /abort_request``               ``{"rid": str}`` or ``{"abort_all": true}``
@@ -57,7 +58,6 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -70,13 +70,9 @@ from aiohttp import web
 
 from miles_async.inference.auth import authorized, is_exempt, read_key_file
 from miles_async.inference.embedded.engine import Engine
-from miles_async.inference.embedded.records import (
-    EngineDeadError,
-    GenerationResult,
-    RequestRejectedError,
-    SamplingParams,
-    UnknownParameterError,
-)
+from miles_async.inference.embedded.records import EngineDeadError, RequestRejectedError, UnknownParameterError
+from miles_async.inference.embedded.schema import BadRequest, format_result, parse_generate, parse_version
+from miles_async.inference.embedded.vision import ImageRequestError
 from miles_async.utils.plugins import PluginError, load_function
 
 logger = logging.getLogger("miles_async.inference.embedded.server")
@@ -98,24 +94,6 @@ MAX_JSON_BYTES = 64 * 1024**2
 RAW_BODY_ROUTES = frozenset({"/update_weights_from_tensor"})
 RAW_TYPE = "application/octet-stream"
 JSON_KEY = web.RequestKey("json", dict)
-
-# Sampling params we accept only at their neutral value: silently ignoring a
-# penalty the caller relies on would change the rollout policy unnoticed.
-_NEUTRAL_PARAMS: dict[str, float] = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "n": 1,
-}
-# Accepted and ignored: they only shape text, which we barely produce.
-_IGNORED_PARAMS = {"no_stop_trim", "spaces_between_special_tokens"}
-
-
-class BadRequest(Exception):
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -148,117 +126,6 @@ class _TooLarge(Exception):
     def __init__(self, limit: int):
         self.limit = limit
         super().__init__(f"body: larger than this route's limit of {limit} bytes")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
-def parse_sampling_params(raw: Any) -> SamplingParams:
-    """Validate an SGLang ``sampling_params`` dict; raises ``BadRequest`` naming the field."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest("sampling_params", "must be an object")
-    p = SamplingParams()
-    for key, value in raw.items():
-        name = f"sampling_params.{key}"
-        if value is None:
-            continue  # SGLang treats null as "use the default"
-        if key == "temperature":
-            if not _is_number(value) or value < 0:
-                raise BadRequest(name, "must be a number >= 0")
-            p.temperature = float(value)
-        elif key == "top_p":
-            if not _is_number(value) or not 0 < value <= 1:
-                raise BadRequest(name, "must be in (0, 1]")
-            p.top_p = float(value)
-        elif key == "top_k":
-            if not _is_int(value) or value == 0 or value < -1:
-                raise BadRequest(name, "must be a positive int or -1 (disabled)")
-            p.top_k = int(value)
-        elif key == "max_new_tokens":
-            if not _is_int(value) or value < 0:
-                raise BadRequest(name, "must be an int >= 0")
-            p.max_new_tokens = int(value)
-        elif key == "min_new_tokens":
-            if not _is_int(value) or value < 0:
-                raise BadRequest(name, "must be an int >= 0")
-            p.min_new_tokens = int(value)
-        elif key == "stop_token_ids":
-            if not isinstance(value, list) or not all(_is_int(t) for t in value):
-                raise BadRequest(name, "must be a list of ints")
-            p.stop_token_ids = [int(t) for t in value]
-        elif key == "ignore_eos":
-            if not isinstance(value, bool):
-                raise BadRequest(name, "must be a bool")
-            p.ignore_eos = value
-        elif key == "skip_special_tokens":
-            if not isinstance(value, bool):
-                raise BadRequest(name, "must be a bool")
-            p.skip_special_tokens = value
-        elif key == "stop":
-            if value not in ("", []):
-                raise BadRequest(name, "string stops are not supported by the embedded engine; use stop_token_ids")
-        elif key in _NEUTRAL_PARAMS:
-            if not _is_number(value) or value != _NEUTRAL_PARAMS[key]:
-                raise BadRequest(name, f"only the neutral value {_NEUTRAL_PARAMS[key]} is supported")
-        elif key in _IGNORED_PARAMS:
-            pass
-        else:
-            raise BadRequest(name, "unsupported sampling parameter")
-    return p
-
-
-def parse_generate(
-    body: dict[str, Any], vocab_size: int, context_len: int | None
-) -> tuple[list[int], SamplingParams, bool, str | None]:
-    """Validate a /generate body; raises ``BadRequest`` naming the offending field."""
-    if "input_ids" not in body:
-        raise BadRequest("input_ids", "is required (text prompts are not supported)")
-    ids = body["input_ids"]
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("input_ids", "must be a non-empty list of ints (batched requests are not supported)")
-    if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-        raise BadRequest("input_ids", f"must contain ints in [0, {vocab_size})")
-    if context_len is not None and len(ids) >= context_len:
-        raise BadRequest("input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_len}")
-    params = parse_sampling_params(body.get("sampling_params"))
-    return_logprob = body.get("return_logprob", False)
-    if not isinstance(return_logprob, bool):
-        raise BadRequest("return_logprob", "must be a bool")
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise BadRequest("rid", "must be a string")
-    for key in ("text", "input_embeds", "image_data", "stream"):
-        if body.get(key):
-            raise BadRequest(key, "is not supported by the embedded engine")
-    return list(ids), params, return_logprob, rid
-
-
-def format_result(res: GenerationResult, return_logprob: bool) -> dict[str, Any]:
-    finish: dict[str, Any] = {"type": res.finish_type}
-    if res.finish_type == "stop":
-        finish["matched"] = res.finish_matched
-    elif res.finish_type == "length":
-        finish["length"] = len(res.output_ids)
-    meta: dict[str, Any] = {
-        "id": res.rid,
-        "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": len(res.output_ids),
-        "cached_tokens": 0,
-        "finish_reason": finish,
-        "weight_version": res.weight_version,
-        "output_token_weight_versions": res.output_weight_versions,
-        "e2e_latency": res.e2e_latency,
-    }
-    if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids)]
-    return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
 
 
 def _engine(request: web.Request) -> Engine:
@@ -302,10 +169,17 @@ async def get_load(request: web.Request) -> web.Response:
 
 async def generate(request: web.Request) -> web.Response:
     engine = _engine(request)
-    ids, params, return_logprob, rid = parse_generate(await _json_body(request), engine.vocab_size, engine.context_len)
+    req = parse_generate(await _json_body(request), engine.vocab_size, engine.context_len)
+    images = None
+    if req.image_data:
+        try:
+            # Decoding and resizing images is CPU and IO work; keep it off the event loop.
+            images = await asyncio.to_thread(engine.prepare_images, req.image_data, req.input_ids)
+        except ImageRequestError as exc:
+            raise BadRequest("image_data", str(exc)) from exc
     # A server-side rid lets us abort the request if the client disconnects.
-    rid = rid if rid is not None else uuid.uuid4().hex
-    fut = engine.submit(ids, params, rid)
+    rid = req.rid if req.rid is not None else uuid.uuid4().hex
+    fut = engine.submit(req.input_ids, req.params, rid, images)
     try:
         result = await _await(fut)
     except asyncio.CancelledError:
@@ -317,7 +191,7 @@ async def generate(request: web.Request) -> web.Response:
         raise
     except RequestRejectedError as exc:
         return _error(400, f"rid: {exc}")
-    return web.json_response(format_result(result, return_logprob))
+    return web.json_response(format_result(result, req.return_logprob))
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -353,26 +227,13 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": "cache flushed"})
 
 
-def _parse_version(value: Any, field: str) -> int | None:
-    if value is None or value == "":
-        return None
-    if _is_int(value):
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise BadRequest(field, "must be an int")
-
-
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = _engine(request)
     body = await _json_body(request)
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
         raise BadRequest("model_path", "is required and must be a string")
-    version = _parse_version(body.get("weight_version"), "weight_version")
+    version = parse_version(body.get("weight_version"), "weight_version")
     try:
         # Reading the checkpoint is slow IO; keep it off the event loop.
         fut = await asyncio.to_thread(engine.update_weights_from_disk, path, version)
@@ -392,7 +253,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     from safetensors.torch import load as load_safetensors
 
     engine = _engine(request)
-    version = _parse_version(request.query.get("weight_version"), "weight_version")
+    version = parse_version(request.query.get("weight_version"), "weight_version")
     flush = request.query.get("flush", "0").lower() in ("1", "true", "yes")
     raw = await request.read()
     if not raw:
@@ -420,7 +281,7 @@ async def stage_weights_from_shm(request: web.Request) -> web.Response:
     """Map the trainer's shared-memory update and check it while generation goes on (``Engine.stage_weights``)."""
     engine = _engine(request)
     body = await _json_body(request)
-    version = _parse_version(body.get("weight_version"), "weight_version")
+    version = parse_version(body.get("weight_version"), "weight_version")
     if version is None:
         raise BadRequest("weight_version", "required: the version the staged weights become")
     try:
@@ -436,7 +297,7 @@ async def commit_staged_weights(request: web.Request) -> web.Response:
     """Apply the staged update between two decode steps; ``{"weight_version": V, "flush": bool}``."""
     engine = _engine(request)
     body = await _json_body(request)
-    version = _parse_version(body.get("weight_version"), "weight_version")
+    version = parse_version(body.get("weight_version"), "weight_version")
     if version is None:
         raise BadRequest("weight_version", "required: the version that was staged")
     try:

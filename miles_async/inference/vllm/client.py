@@ -96,7 +96,14 @@ class VLLMEngineClient(EngineClient):
         return_logprob: bool = True,
         rid: str | None = None,
         timeout: float | None = None,
+        image_data: list[str] | None = None,
     ) -> dict[str, Any]:
+        if image_data:
+            raise EngineError(
+                self.base_url,
+                "/inference/v1/generate",
+                "image prompts are not wired to vLLM's multimodal API yet; use --rollout-backend embedded",
+            )
         body: dict[str, Any] = {
             "token_ids": list(input_ids),
             "sampling_params": vllm_sampling_params(sampling_params, return_logprob),

@@ -1,0 +1,101 @@
+"""A tiny random Qwen2-VL or Qwen2.5-VL (a vision tower of one block, the tiny LM's text side) with its processor,
+for fast tests.
+
+Built from a config in about a second and saved as an ordinary HF folder: ``AutoModelForImageTextToText`` and the
+processor (``miles_async.vision.hf.load_processor``) load it as they would a real Qwen2-VL checkpoint. Images are
+cut into 4-pixel patches and at most 32x32 pixels, so an image costs a handful of tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_async.assets.tiny_model import build_tiny_tokenizer
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+
+# ChatML whose message content may be a list of parts; an image part becomes Qwen2-VL's placeholder.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+VLM_ARCHES = ("qwen2_vl", "qwen2_5_vl")
+
+# The vision tower of each layout: one block, 32 wide, 4-pixel patches merged 2x2 into the LM's 64 dimensions.
+_VISION = {
+    "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
+    # Qwen2.5-VL: windowed attention (a window of 2x2 merged patches) except in its full-attention blocks.
+    "qwen2_5_vl": dict(
+        depth=1,
+        hidden_size=32,
+        out_hidden_size=64,
+        intermediate_size=64,
+        num_heads=2,
+        window_size=16,
+        fullatt_block_indexes=[0],
+    ),
+}
+
+
+def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
+    """Write a random tiny Qwen2-VL (or Qwen2.5-VL) and its processor to ``out_dir``; the same seed and arch give
+    the same weights."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from miles_async.vision.hf import image_only
+
+    if arch not in VLM_ARCHES:
+        raise ValueError(f"unknown VLM arch {arch!r}; expected one of {VLM_ARCHES}")
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[arch]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
+    processor_cls = getattr(transformers, f"{prefix}Processor")
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["</s>", "<|im_start|>", *VISION_TOKENS]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    vision_start, vision_end, image_pad = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    config = config_cls(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            # head_dim 16: 8 rotary frequencies split over (temporal, height, width).
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            tie_word_embeddings=True,
+            **special,
+        ),
+        vision_config=dict(patch_size=4, spatial_merge_size=2, **_VISION[arch]),
+        image_token_id=image_pad,
+        video_token_id=tokenizer.unk_token_id,
+        vision_start_token_id=vision_start,
+        vision_end_token_id=vision_end,
+        tie_word_embeddings=True,
+        **special,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    model.generation_config = GenerationConfig(**special)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    processor = image_only(processor_cls)(image_processor, tokenizer, chat_template=VLM_CHAT_TEMPLATE)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir

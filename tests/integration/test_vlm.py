@@ -1,0 +1,382 @@
+"""A vision-language model end to end on the embedded engine and the torch backend, with a tiny random Qwen2-VL:
+the engine's log-probs for image prompts equal the trainer's, a weight update reaches the vision tower, and bad
+image input is refused with errors naming the record."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_async.arguments import parse_args
+from miles_async.inference.client import EngineClient, EngineError
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.rollout.batch import to_train_batch
+from miles_async.rollout.data_source import DataError, load_prompts
+from miles_async.rollout.generate import encode_item
+from miles_async.rollout.sample import Sample
+from miles_async.vision.hf import load_processor
+from miles_async.weights.update import WeightUpdate
+from tests.tolerance import StepBounds, assert_rejected, assert_within
+
+# Two images of different sizes (8x8 and 4x2 patches: 16 and 2 placeholder tokens) and a text-only prompt share the
+# engine's batch and the trainer's micro-batch. The larger image's 3-D positions span 4 where its tokens span 16: a
+# decode step without the rope delta is 12 positions off.
+IMAGES = {
+    "red.png": ((32, 32), (220, 30, 30)),
+    "blue.png": ((16, 8), (20, 40, 230)),
+    "green.png": ((32, 32), (0, 200, 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("vlm_data")
+    for name, (size, color) in IMAGES.items():
+        img = Image.new("RGB", size, color)
+        img.putpixel((1, 1), (255, 255, 255))  # not flat: the tower's attention sees differing patches
+        img.save(root / name)
+    records = [
+        {"prompt": "what color?", "images": ["red.png"], "label": "red"},
+        {"prompt": "and this one?", "images": ["blue.png"], "label": "blue"},
+        {"prompt": "say 7", "images": [], "label": "7"},
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_vlm, data, tmp_path_factory):
+    return parse_args(
+        [
+            "--use-tis",
+            "--num-rollout",
+            "4",
+            "--hf-checkpoint",
+            str(tiny_vlm),
+            "--prompt-data",
+            str(data / "train.jsonl"),
+            "--multimodal-keys",
+            '{"image": "images"}',
+            "--apply-chat-template",
+            "--rollout-batch-size",
+            "1",
+            "--n-samples-per-prompt",
+            "2",
+            "--rm-type",
+            "first_integer",
+            "--rollout-dtype",
+            "float32",
+            "--lr",
+            "5e-2",
+            "--update-weight-buffer-size",
+            "20000",
+            "--output-dir",
+            str(tmp_path_factory.mktemp("vlm_out")),
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(cfg, tmp_path_factory):
+    with EmbeddedEngineProcess(cfg.engine, 0, str(tmp_path_factory.mktemp("vlm_engine"))) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def prompts(cfg, tiny_vlm):
+    """The dataset's items and their prompt tokens, as the rollout makes them."""
+    from transformers import AutoTokenizer
+
+    items = load_prompts(cfg.rollout.data.path, "prompt", "label", image_key=cfg.rollout.data.image_key)
+    processor = load_processor(str(tiny_vlm))
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    return [(item, encode_item(tok, processor, item, True)) for item in items]
+
+
+def _generate(engine, cfg, requests: list[tuple[list[int], list[str]]], n_tokens: int = 6) -> list[dict]:
+    async def go():
+        async with EngineClient(engine.url, timeout=60, api_key=cfg.engine.api_key) as c:
+            return await asyncio.gather(
+                *[
+                    c.generate(ids, {"temperature": 1.0, "max_new_tokens": n_tokens}, image_data=images)
+                    for ids, images in requests
+                ]
+            )
+
+    return asyncio.run(go())
+
+
+def _trainer_logprobs(actor, rows: list[tuple[list[int], list[str], list[int]]]) -> dict[int, list[float]]:
+    samples = [
+        Sample(uid=str(i), group_index=i, index=0, prompt="", prompt_tokens=p, response_tokens=r, images=imgs, reward=0)
+        for i, (p, imgs, r) in enumerate(rows)
+    ]
+    batch = to_train_batch([[s] for s in samples])
+    return actor._logprobs_of(actor.module, batch, list(range(len(samples))), 1.0)
+
+
+def _engine_logprobs(outputs: list[dict]) -> dict[int, list[float]]:
+    return {i: [x[0] for x in o["meta_info"]["output_token_logprobs"]] for i, o in enumerate(outputs)}
+
+
+def _train_and_push(actor, rows, outputs: list[dict], cfg, engine, version: int, steps: int = 2) -> None:
+    """Train ``actor`` a few steps rewarding a one-token cut of each output over the output itself, then push its
+    weights to ``engine`` as ``version``."""
+    logprobs = _engine_logprobs(outputs)
+    groups = [
+        [
+            Sample(
+                uid=str(g),
+                group_index=g,
+                index=i,
+                prompt="",
+                prompt_tokens=p,
+                response_tokens=r[:n],
+                rollout_logprobs=logprobs[g][:n],  # --use-tis weighs by them
+                images=imgs,
+                reward=float(i),
+            )
+            for i, n in enumerate([len(r), 1])
+        ]
+        for g, (p, imgs, r) in enumerate(rows)
+    ]
+    batch = to_train_batch(groups)
+    for step in range(steps):
+        actor.train(step, batch)
+    update = WeightUpdate(
+        version=version,
+        route="http",
+        dtype="float32",
+        timeout=60,
+        targets=(engine.url,),
+        bucket_bytes=cfg.train.update_weight_buffer_size,
+        api_key=cfg.engine.api_key,
+    )
+    assert actor.push_weights(update)["weights/bytes"] > 0
+
+
+def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_the_tower(
+    cfg, engine, prompts, tiny_vlm, data
+):
+    """The key check of a VLM: the engine (vision tower at prefill, 3-D positions, a KV cache across decode steps)
+    and the trainer (whole rows, pixels from the same processor) give the same per-token log-probs. Negative
+    control: the trainer's log-probs with another image of the same size (the same tokens) must not pass. Then a
+    trained policy's weights, the vision tower's included, reach the engine, and the log-probs agree again, also
+    for a sample resumed from its partial response."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    requests = [(ids, list(item.images)) for item, ids in prompts]
+    # The first prompt's tokens with another image of the same size: the engine must not share its prefill.
+    requests.append((prompts[0][1], [str(data / "green.png")]))
+    outputs = _generate(engine, cfg, requests)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
+    actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    tol = StepBounds.of(tiny_vlm, [p + r for p, _, r in rows]).logprob
+    assert_within(_engine_logprobs(outputs), _trainer_logprobs(actor, rows), tol, "engine vs trainer log-probs")
+    other = [(rows[0][0], [str(data / "green.png")], rows[0][2])]  # red.png's size: the same tokens
+    stale = {0: _trainer_logprobs(actor, other)[0]}
+    assert_rejected(stale, {0: _engine_logprobs(outputs)[0]}, tol, "the same tokens with another image")
+
+    tower = {n: p.detach().clone() for n, p in actor.module.named_parameters() if ".visual." in f".{n}"}
+    _train_and_push(actor, rows, outputs, cfg, engine, version=2)
+    moved = [n for n, p in actor.module.named_parameters() if n in tower and not p.detach().equal(tower[n])]
+    assert moved, "training moved no parameter of the vision tower"
+    after = _generate(engine, cfg, requests)
+    assert all(o["meta_info"]["weight_version"] == 2 for o in after)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
+    trained = _trainer_logprobs(actor, rows)
+    assert_within(_engine_logprobs(after), trained, tol, "engine vs trainer log-probs after the update")
+
+    # A partial rollout resumed: the engine continues prompt + response so far with the prompt's images, and its
+    # 3-D positions carry on from the image's, as the trainer's do over the whole row.
+    ids, images = requests[0]
+    first = _generate(engine, cfg, [(ids, images)], n_tokens=3)[0]
+    rest = _generate(engine, cfg, [(ids + first["output_ids"], images)], n_tokens=3)[0]
+    resumed = {0: _engine_logprobs([first])[0] + _engine_logprobs([rest])[0]}
+    whole = _trainer_logprobs(actor, [(ids, images, first["output_ids"] + rest["output_ids"])])
+    assert_within(resumed, whole, tol, "a resumed image sample's log-probs vs the trainer's")
+
+
+def test_lora_on_the_language_model_reaches_the_engine(cfg, engine, prompts, tiny_vlm):
+    """--lora-rank on a VLM: adapters on the language model only (the vision tower takes none and stays as
+    loaded), and the merged weights the engine gets give the trainer's log-probs for image prompts."""
+    import dataclasses
+
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.config.train import LoraSettings
+
+    lora = LoraSettings(4, 16.0, 0.0, ("all-linear",), False)
+    actor = FSDPTrainActor(dataclasses.replace(cfg.train, lora=lora), rank=0, world_size=1, total_optimizer_steps=10)
+    adapted = [n for n, _ in actor.module.named_parameters() if ".lora_" in n]
+    assert adapted and all(n.startswith("model.language_model.") for n in adapted), adapted
+    requests = [(ids, list(item.images)) for item, ids in prompts]
+    outputs = _generate(engine, cfg, requests)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
+    _train_and_push(actor, rows, outputs, cfg, engine, version=5)
+    after = _generate(engine, cfg, requests)
+    assert all(o["meta_info"]["weight_version"] == 5 for o in after)
+    rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
+    tol = StepBounds.of(tiny_vlm, [p + r for p, _, r in rows]).logprob
+    trained = _trainer_logprobs(actor, rows)
+    assert_within(_engine_logprobs(after), trained, tol, "engine vs LoRA trainer log-probs")
+    # Negative control: the adapters moved the log-probs beyond the tolerance, so unmerged weights would fail.
+    base = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+    assert_rejected(_trainer_logprobs(base, rows), trained, tol, "the log-probs without the adapters")
+
+
+@pytest.mark.parametrize("model", ["tiny_vlm", "tiny_vlm_2_5"])
+def test_engine_decode_positions_are_the_trainers(model, prompts, request):
+    """Qwen2-VL's 3-D positions: the engine's prefill and each decode step (1-D position plus the row's rope delta)
+    give every token the position the trainer's whole-row ``get_rope_index`` gives it, for a large image (delta
+    -12), a small one and no image, left padded in one batch. (The tiny random model is nearly blind to positions,
+    so the log-prob comparisons alone would let an offset of a few positions pass.) Qwen2-VL and Qwen2.5-VL: the
+    prompts' tokens are the same, their processors being the same."""
+    import torch
+
+    from miles_async.backends.fsdp.vision import VisionInputs
+    from miles_async.backends.packing import collate
+    from miles_async.inference.embedded.batch import prefill_inputs
+    from miles_async.inference.embedded.model import CausalLM
+    from miles_async.inference.embedded.records import SamplingParams, Seq
+    from miles_async.inference.embedded.vision import decode_positions, prepare_images, vision_prefill
+
+    tiny_vlm = request.getfixturevalue(model)
+    lm = CausalLM(str(tiny_vlm), torch.float32)
+    response = [10, 11, 12, 13]
+    seqs = []
+    for item, ids in prompts:
+        images = prepare_images(lm, list(item.images), ids) if item.images else None
+        seqs.append(
+            Seq(
+                rid="r",
+                prompt=ids,
+                params=SamplingParams(),
+                future=None,
+                submitted_at=0.0,
+                image_refs=images.refs if images else (),
+                pixels=images.pixels if images else None,
+            )
+        )
+    ids, mask, flat = prefill_inputs([tuple(s.prompt) for s in seqs], lm.pad_id)
+    engine_prefill, _ = vision_prefill(lm, seqs, ids, mask)
+    assert [s.rope_delta for s in seqs] == [-12, 0, 0]  # the 1x2 merged patches of blue span 2 positions
+
+    mb = collate([s.prompt for s in seqs], [response] * 3, [[1] * 4] * 3, lm.pad_id)
+    VisionInputs(str(tiny_vlm), lm.model).attach(mb, [list(item.images) for item, _ in prompts], ["a", "b", "c"])
+    p = ids.shape[1]
+    assert torch.equal(mb.position_ids[:, :, :p], engine_prefill)
+    for step in range(len(response)):
+        one_d = torch.tensor([[len(s.prompt) + step] for s in seqs])  # the batch's 1-D position of the step's token
+        assert torch.equal(decode_positions(seqs, one_d)[:, :, 0], mb.position_ids[:, :, p + step]), step
+
+    # The engine's prefill (vision tower included) predicts the first response token as the trainer's forward does.
+    with torch.inference_mode():
+        _, pixels = vision_prefill(lm, seqs, ids, mask)
+        engine = lm.forward(ids, mask, engine_prefill, lm.new_cache(), last_only=True, pixels=pixels)
+        out = lm.model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, **mb.pixels
+        )
+    tol = StepBounds.of(tiny_vlm, [s.prompt for s in seqs]).logprob
+    assert_within(engine.log_softmax(-1), out.logits[:, p - 1].float().log_softmax(-1), tol, "prefill log-probs")
+
+
+def test_freeze_vision_tower_trains_the_language_model_only(cfg, prompts):
+    """--freeze-vision-tower: a step moves the language model and leaves every vision tower weight as loaded."""
+    import dataclasses
+
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    actor = FSDPTrainActor(
+        dataclasses.replace(cfg.train, freeze_vision_tower=True), rank=0, world_size=1, total_optimizer_steps=10
+    )
+    before = {n: p.detach().clone() for n, p in actor.module.named_parameters()}
+    (item, ids) = prompts[0]
+    samples = [
+        Sample(
+            uid="0",
+            group_index=0,
+            index=i,
+            prompt="",
+            prompt_tokens=ids,
+            response_tokens=[10 + i, 11],
+            rollout_logprobs=[-3.0, -3.0],
+            images=list(item.images),
+            reward=float(i),
+        )
+        for i in range(2)
+    ]
+    actor.train(0, to_train_batch([samples]))
+    changed = {n for n, p in actor.module.named_parameters() if not p.detach().equal(before[n])}
+    assert changed and all(".visual." not in f".{n}" for n in changed), sorted(changed)
+    assert any(n.startswith("model.language_model.") for n in changed)
+
+
+def test_bad_image_requests_are_refused(cfg, engine, prompts):
+    """/generate names image_data's problem: an unreadable image, and images whose patches do not fill the
+    prompt's placeholders."""
+    (_, ids), (blue, _) = prompts[0], prompts[1]
+    with pytest.raises(EngineError, match=r"image_data: \[0\]: image file not found"):
+        _generate(engine, cfg, [(ids, ["/nonexistent.png"])])
+    with pytest.raises(EngineError, match="image_data: input_ids hold 16 image placeholder tokens .* fill 2"):
+        _generate(engine, cfg, [(ids, list(blue.images))])
+
+
+def _write(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_bad_image_data_names_file_line_and_key(tmp_path, data, tiny_vlm):
+    """A missing file, an unreadable image, a wrong key and an image count that does not match the placeholders
+    each fail naming the data file, the record's line and the key."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    ok = {"prompt": "hi", "images": [str(data / "red.png")]}
+    cases = [
+        ({"prompt": "hi", "images": ["missing.png"]}, r"bad.jsonl:2: 'images'\[0\]: image file not found: missing.png"),
+        ({"prompt": "hi", "images": ["broken.png"]}, r"bad.jsonl:2: 'images'\[0\]: not a readable image: broken.png"),
+        ({"prompt": "hi", "pictures": ["red.png"]}, r"bad.jsonl:2: missing key 'images' \(--multimodal-keys"),
+        ({"prompt": "hi", "images": [7]}, r"bad.jsonl:2: 'images' \(--multimodal-keys\) must be an image reference"),
+    ]
+    for record, message in cases:
+        path = _write(tmp_path / "bad.jsonl", [ok, record])
+        with pytest.raises(DataError, match=message):
+            load_prompts(path, "prompt", None, image_key="images")
+    # Two placeholders written in the prompt, one image: found when the prompt is tokenized.
+    text = "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>two?"
+    items = load_prompts(
+        _write(tmp_path / "bad.jsonl", [ok, {**ok, "prompt": text}]), "prompt", None, None, image_key="images"
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_vlm)
+    with pytest.raises(DataError, match=r"bad.jsonl:2: the prompt has 2 image placeholder\(s\) .* for 1 image"):
+        encode_item(tok, load_processor(str(tiny_vlm)), items[1], False)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train-backend", "megatron"], "--multimodal-keys.*megatron.*no vision tower"),
+        (["--advantage-estimator", "ppo"], "--multimodal-keys with --advantage-estimator ppo: the critic"),
+        (
+            ["--tools-path", "x:y", "--apply-chat-template"],
+            "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images",
+        ),
+    ],
+)
+def test_vision_language_runs_refuse_what_does_not_carry_images(tiny_vlm, tiny_model, data, extra, message):
+    from miles_async.config.declare import ConfigError
+
+    base = ["--prompt-data", str(data / "train.jsonl"), "--multimodal-keys", '{"image": "images"}', "--use-tis"]
+    base += ["--num-rollout", "4", "--rollout-batch-size", "1", "--rm-type", "first_integer"]
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--hf-checkpoint", str(tiny_vlm), *base, *extra])
+    # The eval datasets' records load their images from the same column as the training data's.
+    assert parse_args(["--hf-checkpoint", str(tiny_vlm), *base]).eval.image_key == "images"
+    with pytest.raises(ConfigError, match="--multimodal-keys: --hf-checkpoint .* has no vision tower"):
+        parse_args(["--hf-checkpoint", str(tiny_model), *base])
