@@ -4,9 +4,9 @@ It builds the site (``mkdocs build --strict``), serves it on a loopback port, an
 (``apt-get install -y chromium``; run as root it needs ``--no-sandbox``):
 
 1. takes screenshots of the home page and of the flag reference (``docs/assets/screenshots/``);
-2. opens the site with ``?q=--max-staleness-steps`` (Material opens its search with that query on load), lets the
-   page run (``--virtual-time-budget``) and dumps the DOM: a search result must appear and link to the flag's entry
-   in the reference (``reference/flags/#max-staleness-steps``).
+2. opens the site with ``?q=--max-staleness-steps`` (Material opens its search with that query on load) and reads
+   the page over the DevTools protocol until the results appear: one must link to the flag's entry in the
+   reference (``reference/flags/#max-staleness-steps``).
 
 The result goes into ``docs/build-notes.md`` between its markers. Exit 0 when both pages were captured and the
 search result links to the entry, else 1 naming what failed. Not part of the test command (it needs Chromium).
@@ -15,17 +15,23 @@ search result links to the entry, else 1 naming what failed. Not part of the tes
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import functools
-import html.parser
+import itertools
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "docs" / "assets" / "screenshots"
@@ -33,25 +39,12 @@ NOTES = ROOT / "docs" / "build-notes.md"
 NOTES_START, NOTES_END = "<!-- screenshots:start -->", "<!-- screenshots:end -->"
 QUERY = "--max-staleness-steps"
 ENTRY = "reference/flags/#max-staleness-steps"
-TIMEOUT_S = 90
+TIMEOUT_S = 60
 
 
 class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
-
-
-class _SearchResults(html.parser.HTMLParser):
-    """The hrefs of Material's search results (``a.md-search-result__link``) in a dumped DOM."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.links: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "a" and "md-search-result__link" in (a.get("class") or "").split():
-            self.links.append(a.get("href") or "")
 
 
 def chromium() -> str:
@@ -66,6 +59,68 @@ def _browser(binary: str, *args: str) -> subprocess.CompletedProcess:
     sandbox = ["--no-sandbox"] if os.geteuid() == 0 else []  # Chromium's sandbox refuses to run as root
     cmd = [binary, "--headless", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900", *sandbox, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+async def search_results(binary: str, url: str, typed: str | None = None) -> list[str]:
+    """The hrefs of Material's search results (``a.md-search-result__link``) once they appear on ``url`` (after
+    typing ``typed`` into the search box, if given), read over the DevTools protocol: the search index is built in
+    a web worker, which --dump-dom's virtual time does not wait for. [] when none appears within the deadline."""
+    with tempfile.TemporaryDirectory() as profile:
+        sandbox = ["--no-sandbox"] if os.geteuid() == 0 else []
+        cmd = [binary, "--headless", "--disable-gpu", *sandbox, f"--user-data-dir={profile}"]
+        proc = subprocess.Popen([*cmd, "--remote-debugging-port=0", url], stderr=subprocess.DEVNULL)
+        try:
+            port_file = Path(profile) / "DevToolsActivePort"
+            deadline = time.monotonic() + TIMEOUT_S
+            while not port_file.is_file() or not port_file.read_text().strip():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"Chromium exited ({proc.returncode}) without a DevTools port")
+                await _before(deadline)
+            port = port_file.read_text().split()[0]
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
+                    page = next(t for t in await r.json() if t["type"] == "page")
+                async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                    calls = itertools.count(1)
+                    if typed is not None:  # as a user does: into the search box, then type
+                        box = "document.querySelector('[data-md-component=search-query]')"
+                        while not await _evaluate(ws, next(calls), f"document.readyState == 'complete' && !!{box}"):
+                            await _before(deadline)
+                        await _evaluate(ws, next(calls), f"{box}.focus(), true")
+                        await _call(ws, next(calls), "Input.insertText", {"text": typed})
+                    expr = "Array.from(document.querySelectorAll('a.md-search-result__link'), a => a.href)"
+                    while not (links := await _evaluate(ws, next(calls), expr)):
+                        if time.monotonic() > deadline:
+                            return []
+                        await asyncio.sleep(0.25)
+                    return list(links)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+async def _before(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"the page was not ready within {TIMEOUT_S} s")
+    await asyncio.sleep(0.25)
+
+
+async def _call(ws: aiohttp.ClientWebSocketResponse, call: int, method: str, params: dict) -> dict:
+    await ws.send_json({"id": call, "method": method, "params": params})
+    return await asyncio.wait_for(_reply(ws, call), timeout=TIMEOUT_S)
+
+
+async def _evaluate(ws: aiohttp.ClientWebSocketResponse, call: int, expression: str) -> object:
+    reply = await _call(ws, call, "Runtime.evaluate", {"expression": expression, "returnByValue": True})
+    return reply["result"]["result"].get("value")
+
+
+async def _reply(ws: aiohttp.ClientWebSocketResponse, call: int) -> dict:
+    async for msg in ws:
+        data = json.loads(msg.data)
+        if data.get("id") == call:
+            return data
+    raise RuntimeError("the DevTools connection closed")
 
 
 def build(site: Path) -> None:
@@ -93,15 +148,19 @@ def check(site: Path, binary: str) -> tuple[list[str], list[str]]:
                 f"screenshot of `/{page}`: `docs/assets/screenshots/{name}`"
                 + ("" if ok else f" missing or blank ({proc.stderr.strip()[-300:]})")
             )
-        proc = _browser(binary, "--dump-dom", "--virtual-time-budget=15000", f"{base}?q={QUERY}")
-        results = _SearchResults()
-        results.feed(proc.stdout)
-        hits = [link for link in results.links if link.split("?")[0].endswith(ENTRY)]
-        line = f"search `{QUERY}`: {len(results.links)} results, first {results.links[:1]}"
-        if hits:
-            passed.append(f"{line}; one links to the flag's entry (`{hits[0]}`)")
-        else:
-            failed.append(f"{line}; none links to `{ENTRY}`")
+        for how, url, typed in (
+            ("typed into the search box", base, QUERY),
+            ("as a ?q= link", f"{base}?q={QUERY}", None),
+        ):
+            links = asyncio.run(search_results(binary, url, typed))
+            # A result's href carries the highlighted words (?h=...) between the page and the entry's anchor.
+            hits = [i for i, link in enumerate(links) if re.sub(r"\?[^#]*", "", link) == base + ENTRY]
+            line = f"search `{QUERY}` {how}: {len(links)} results"
+            if hits:
+                entry = links[hits[0]].replace(base, "/")
+                passed.append(f"{line}; result {hits[0] + 1} links to the flag's entry (`{entry}`)")
+            else:
+                failed.append(f"{line}; none links to `/{ENTRY}` (first: {links[:2]})")
     finally:
         server.shutdown()
         server.server_close()
