@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,8 +80,7 @@ def _type(f: Flag) -> str:
 
 def _help(f: Flag) -> str:
     text = str(f.options.get("help", ""))
-    text = text.replace("%(default)s", str(f.default)).replace("%%", "%")
-    return text.replace("<", "&lt;").replace("*", "\\*")
+    return _escape(text.replace("%(default)s", str(f.default)).replace("%%", "%"))
 
 
 def _effect(f: Flag, rows: list[Capability]) -> list[str]:
@@ -102,8 +102,15 @@ def _effect(f: Flag, rows: list[Capability]) -> list[str]:
     return lines
 
 
+FLAG_NAME = re.compile(r"(?<![\w`-])(--[a-z0-9][a-z0-9-]*(?:\*|<[a-z]+>)?)")
+
+
 def _escape(text: str) -> str:
-    return text.replace("<", "&lt;").replace("*", "\\*")
+    """Prose from the code as Markdown: flag names as code, and the rest with ``<`` and ``*`` taken literally."""
+    parts = FLAG_NAME.split(text)
+    return "".join(
+        f"`{part}`" if i % 2 else part.replace("<", "&lt;").replace("*", "\\*") for i, part in enumerate(parts)
+    )
 
 
 def render_flags(upstream: dict[str, frozenset[str]] | None = None) -> str:

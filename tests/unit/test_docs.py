@@ -47,6 +47,7 @@ FOREIGN_FLAGS = {
         "--tensor-parallel-size",
     },
     "the tool sandbox's unshare": {"--fork"},
+    "Chromium": {"--no-sandbox"},
     "the launchers": {"--dry-run"},
     "benchmarks.run, benchmarks.soak, benchmarks.train_step": {"--only", "--out", "--runs", "--variants"},
 }
