@@ -117,7 +117,7 @@ def headline(entry: dict) -> list[tuple[str, str]]:
     old = entry["results"][f"@{entry['baseline']} (float32)"]["step"]
     return [
         (
-            f"quickstart median step: this tree vs {entry['baseline']} (issue 17's code)",
+            f"quickstart median step: the measured commit vs the older {entry['baseline']}, which ran it in float32",
             f"{new:.1f} s vs {old:.1f} s ({entry['speedup']:.2f}x)",
         )
     ]

@@ -104,9 +104,26 @@ GROUPS = (
             check=at_least(0),
             help="KL to --ref-load as a per-token reward penalty (reinforce_plus_plus, ppo)",
         ),
-        flag("--eps-clip", type=float, default=0.2, check=positive()),
-        flag("--eps-clip-high", type=float, default=None),
-        flag("--eps-clip-c", type=float, default=None, check=above(1, " (the dual clip's lower bound)")),
+        flag(
+            "--eps-clip",
+            help="PPO's clip range of the ratio: [1 - eps, 1 + eps]",
+            type=float,
+            default=0.2,
+            check=positive(),
+        ),
+        flag(
+            "--eps-clip-high",
+            help="the clip's upper bound, 1 + this (DAPO's clip-higher; default: --eps-clip)",
+            type=float,
+            default=None,
+        ),
+        flag(
+            "--eps-clip-c",
+            help="dual clip: bound the loss of negative-advantage tokens at this times the advantage (> 1)",
+            type=float,
+            default=None,
+            check=above(1, " (the dual clip's lower bound)"),
+        ),
         flag(
             "--policy-loss-type",
             default=None,
@@ -114,21 +131,42 @@ GROUPS = (
             help="default: gspo for --advantage-estimator gspo, else ppo",
         ),
         flag(
-            "--loss-agg-mode", default="token_mean", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+            "--loss-agg-mode",
+            help="how token losses are averaged: over all tokens, per sequence then over sequences, or summed per "
+            "sequence",
+            default="token_mean",
+            choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
         ),
         flag(
             "--use-kl-loss",
+            help="add a KL penalty to the reference model (--ref-load) to the loss",
             action="store_true",
             effect_needs=When("--kl-loss-coef > 0", lambda ns: ns.kl_loss_coef > 0),
         ),
-        flag("--kl-loss-coef", type=float, default=0.0, effect_needs=USE_KL_LOSS),
+        flag("--kl-loss-coef", help="weight of the KL loss", type=float, default=0.0, effect_needs=USE_KL_LOSS),
         flag(
-            "--kl-loss-type", default="low_var_kl", choices=("k1", "k2", "k3", "low_var_kl"), effect_needs=USE_KL_LOSS
+            "--kl-loss-type",
+            help="the KL estimator of the KL loss",
+            default="low_var_kl",
+            choices=("k1", "k2", "k3", "low_var_kl"),
+            effect_needs=USE_KL_LOSS,
         ),
-        flag("--entropy-coef", type=float, default=0.0),
+        flag("--entropy-coef", help="weight of the entropy bonus", type=float, default=0.0),
         flag("--use-tis", action="store_true", help="truncated importance sampling against rollout log-probs"),
-        flag("--tis-clip", type=float, default=2.0, effect_needs=USE_TIS),
-        flag("--tis-clip-low", type=float, default=0.0, effect_needs=USE_TIS),
+        flag(
+            "--tis-clip",
+            help="upper bound of the truncated importance weight (old / rollout policy)",
+            type=float,
+            default=2.0,
+            effect_needs=USE_TIS,
+        ),
+        flag(
+            "--tis-clip-low",
+            help="lower bound of the truncated importance weight",
+            type=float,
+            default=0.0,
+            effect_needs=USE_TIS,
+        ),
         flag(
             "--tis-level",
             default="token",

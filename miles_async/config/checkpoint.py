@@ -38,7 +38,14 @@ GROUPS = (
         "model and checkpoints",
         flag("--load", default=None, help="checkpoint folder to resume from (its latest complete iteration)"),
         flag("--save", default=None, help="checkpoint folder"),
-        flag("--save-interval", type=int, default=None, check=at_least(1), needs=SAVE),
+        flag(
+            "--save-interval",
+            help="save a checkpoint to --save every N rollouts (and always at the end)",
+            type=int,
+            default=None,
+            check=at_least(1),
+            needs=SAVE,
+        ),
         flag("--save-hf", default=None, help="write the final policy as an HF folder here"),
         flag(
             "--save-trigger-sentinel",
@@ -46,7 +53,12 @@ GROUPS = (
             needs=SAVE,
             help="when this file exists after a step, save then delete it (preemption)",
         ),
-        flag("--no-save-optim", action="store_true", effect_needs=SAVE),
+        flag(
+            "--no-save-optim",
+            help="leave the optimizer state out of checkpoints (smaller; a resume starts the optimizer afresh)",
+            action="store_true",
+            effect_needs=SAVE,
+        ),
         ASYNC_SAVE,
     ),
 )

@@ -33,7 +33,13 @@ GROUPS = (
             help="seconds to wait for Ray to grant the placement groups (on a cluster with GPUs); then the run "
             "fails, naming the group it could not place",
         ),
-        flag("--actor-num-nodes", type=int, default=1, check=at_least(1)),
+        flag(
+            "--actor-num-nodes",
+            help="nodes the training workers run on (--actor-num-gpus-per-node workers each)",
+            type=int,
+            default=1,
+            check=at_least(1),
+        ),
         flag(
             "--actor-num-gpus-per-node",
             type=int,

@@ -45,8 +45,20 @@ def cpu_threads(ns: argparse.Namespace, cpu_count: int) -> int:
 GROUPS = (
     group(
         "rollout data",
-        flag("--num-rollout", type=int, default=None, check=at_least(1)),
-        flag("--num-epoch", type=int, default=None, check=at_least(1)),
+        flag(
+            "--num-rollout",
+            help="rollouts (training steps' worth of data) to run; or give --num-epoch",
+            type=int,
+            default=None,
+            check=at_least(1),
+        ),
+        flag(
+            "--num-epoch",
+            help="passes over --prompt-data to run, when --num-rollout is not given",
+            type=int,
+            default=None,
+            check=at_least(1),
+        ),
     ),
     group(
         "fully async",
@@ -96,7 +108,13 @@ GROUPS = (
     ),
     group(
         "training",
-        flag("--update-weights-interval", type=int, default=1, check=at_least(1)),
+        flag(
+            "--update-weights-interval",
+            help="push the trainer's weights to the engines every N rollouts",
+            type=int,
+            default=1,
+            check=at_least(1),
+        ),
     ),
     group(
         "critic (--advantage-estimator ppo)",
@@ -111,7 +129,13 @@ GROUPS = (
     ),
     group(
         "logging and debugging",
-        flag("--debug-exit-after-rollout", type=int, default=None, check=at_least(1)),
+        flag(
+            "--debug-exit-after-rollout",
+            help="stop cleanly after N rollouts of this process (for debugging a launcher)",
+            type=int,
+            default=None,
+            check=at_least(1),
+        ),
     ),
 )
 

@@ -54,7 +54,13 @@ PIPELINE = When("--pipeline-model-parallel-size > 1", lambda ns: ns.pipeline_mod
 GROUPS = (
     group(
         "megatron (--train-backend megatron)",
-        flag("--tensor-model-parallel-size", type=int, default=1, check=at_least(1)),
+        flag(
+            "--tensor-model-parallel-size",
+            help="tensor-parallel size of the megatron backend",
+            type=int,
+            default=1,
+            check=at_least(1),
+        ),
         flag(
             "--pipeline-model-parallel-size",
             type=int,
@@ -118,7 +124,14 @@ GROUPS = (
             help="full recompute: checkpoint --recompute-num-layers layers per chunk (uniform) or the first "
             "--recompute-num-layers layers (block)",
         ),
-        flag("--recompute-num-layers", type=int, default=None, check=at_least(1), effect_needs=FULL_RECOMPUTE),
+        flag(
+            "--recompute-num-layers",
+            help="layers per recomputed chunk (with --recompute-granularity full)",
+            type=int,
+            default=None,
+            check=at_least(1),
+            effect_needs=FULL_RECOMPUTE,
+        ),
         flag(
             "--attention-backend",
             default="auto",

@@ -332,11 +332,23 @@ VALUE_FLAGS = (
 GROUPS = (
     group(
         "model architecture (Megatron-LM's flags, checked against --hf-checkpoint's config.json)",
-        _archflag("--num-layers", int, check=at_least(1)),
-        _archflag("--hidden-size", int, check=at_least(1)),
+        _archflag(
+            "--num-layers",
+            int,
+            check=at_least(1),
+            help="transformer layers (Megatron-LM's spelling; checked against config.json's num_hidden_layers)",
+        ),
+        _archflag(
+            "--hidden-size", int, check=at_least(1), help="hidden size (checked against config.json's hidden_size)"
+        ),
         _archflag("--ffn-hidden-size", int, check=at_least(1), help="Megatron-LM's default: 4 x --hidden-size"),
-        _archflag("--num-attention-heads", int, check=at_least(1)),
-        _archflag("--group-query-attention"),
+        _archflag(
+            "--num-attention-heads",
+            int,
+            check=at_least(1),
+            help="attention heads (checked against config.json's num_attention_heads)",
+        ),
+        _archflag("--group-query-attention", help="grouped-query attention, with --num-query-groups key/value heads"),
         _archflag("--num-query-groups", int, check=at_least(1), help="with --group-query-attention"),
         _archflag(
             "--kv-channels",
@@ -345,9 +357,14 @@ GROUPS = (
             help="head dimension; Megatron-LM's default: --hidden-size / --num-attention-heads",
         ),
         _archflag("--swiglu", help="gated SiLU MLP (without it Megatron-LM builds a GELU MLP)"),
-        _archflag("--qk-layernorm"),
-        _archflag("--disable-bias-linear"),
-        _archflag("--add-qkv-bias"),
+        _archflag(
+            "--qk-layernorm", help="normalise queries and keys per head (Qwen3), as config.json's model type says"
+        ),
+        _archflag(
+            "--disable-bias-linear",
+            help="no biases on the linear layers (checked against config.json's attention_bias / mlp_bias)",
+        ),
+        _archflag("--add-qkv-bias", help="biases on the query/key/value projections only (Qwen2)"),
         _archflag("--normalization", str, choices=("LayerNorm", "RMSNorm"), help="Megatron-LM's default: LayerNorm"),
         _archflag("--norm-epsilon", float, help="Megatron-LM's default: 1e-5"),
         _archflag(
@@ -363,7 +380,12 @@ GROUPS = (
         _archflag("--rotary-percent", float, help="Megatron-LM's default: 1.0"),
         _archflag("--use-rope-scaling", help="llama3-style RoPE frequency scaling"),
         _archflag("--rope-scaling-factor", float, help="with --use-rope-scaling; Megatron-LM's default: 8.0"),
-        _archflag("--max-position-embeddings", int, check=at_least(1)),
+        _archflag(
+            "--max-position-embeddings",
+            int,
+            check=at_least(1),
+            help="the longest sequence (checked against config.json's max_position_embeddings)",
+        ),
         _archflag(
             "--vocab-size",
             int,
@@ -378,13 +400,26 @@ GROUPS = (
             help="Megatron-LM's vocabulary padding, used to compare --vocab-size with config.json (the backends "
             "pad the embedding to a multiple of TP and never train or sample the padding)",
         ),
-        _archflag("--untie-embeddings-and-output-weights"),
+        _archflag(
+            "--untie-embeddings-and-output-weights",
+            help="separate input embedding and output head (config.json's tie_word_embeddings false)",
+        ),
         _archflag("--num-experts", int, check=at_least(1), help="MoE: experts per MoE layer"),
         _archflag("--moe-router-topk", int, check=at_least(1), help="MoE; Megatron-LM's default: 2"),
         _archflag("--moe-ffn-hidden-size", int, check=at_least(1), help="MoE; default: --ffn-hidden-size"),
-        _archflag("--moe-shared-expert-intermediate-size", int, check=at_least(1)),
+        _archflag(
+            "--moe-shared-expert-intermediate-size",
+            int,
+            check=at_least(1),
+            help="MoE: the shared expert's hidden size (Qwen2-MoE)",
+        ),
         _archflag("--moe-layer-freq", str, help="MoE: an int N (every N-th layer) or a list such as [0]*3+[1]*45"),
-        _archflag("--moe-router-score-function", str, choices=("softmax", "sigmoid")),
+        _archflag(
+            "--moe-router-score-function",
+            str,
+            choices=("softmax", "sigmoid"),
+            help="MoE: the router's score function; Megatron-LM's default: softmax",
+        ),
     ),
 )
 

@@ -93,6 +93,7 @@ GROUPS = (
         ),
         flag(
             "--moe-router-load-balancing-type",
+            help="MoE: the router's load-balancing loss",
             default="aux_loss",
             choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
             effect_needs=MOE_MODEL,

@@ -157,15 +157,23 @@ GROUPS = (
     group(
         "rollout data",
         flag("--prompt-data", default=None, check=given(), help="JSONL or Parquet prompt file"),
-        flag("--input-key", default="prompt"),
-        flag("--label-key", default="label"),
+        flag(
+            "--input-key",
+            help="the prompt's field in each JSONL record (a string, or chat messages with --apply-chat-template)",
+            default="prompt",
+        ),
+        flag("--label-key", help="the field holding the answer the reward compares with", default="label"),
         flag(
             "--metadata-key",
             default="metadata",
             help="the key of each record's metadata object (Miles' default), given to the reward (a reward type "
             "named by its rm_type, choices and correct_letter for gpqa) in rollouts and evals",
         ),
-        flag("--apply-chat-template", action="store_true"),
+        flag(
+            "--apply-chat-template",
+            help="wrap each prompt in the tokenizer's chat template (a user turn and the generation prompt)",
+            action="store_true",
+        ),
         flag(
             "--multimodal-keys",
             default=None,
@@ -181,10 +189,15 @@ GROUPS = (
             check=at_least(1),
             help="drop prompts longer than this (tokens)",
         ),
-        flag("--rollout-shuffle", action="store_true"),
+        flag(
+            "--rollout-shuffle",
+            help="shuffle the prompts each epoch (seeded by --rollout-seed; checkpoints keep the order)",
+            action="store_true",
+        ),
         # A --data-source-path plugin receives the seed with the rest of the data config.
         flag(
             "--rollout-seed",
+            help="seed of the prompt order",
             type=int,
             default=42,
             effect_needs=When(
@@ -207,11 +220,35 @@ GROUPS = (
             "whenever the groups kept and still generating cannot fill --rollout-batch-size, and stops once that "
             "many are kept; the groups still generating then are cancelled and their prompts drawn again next",
         ),
-        flag("--n-samples-per-prompt", type=int, default=1, check=at_least(1)),
-        flag("--rollout-max-response-len", type=int, default=128, check=at_least(1)),
-        flag("--rollout-temperature", type=float, default=1.0, check=at_least(0)),
-        flag("--rollout-top-p", type=float, default=1.0, check=within(0, 1, low_open=True)),
-        flag("--rollout-top-k", type=int, default=-1),
+        flag(
+            "--n-samples-per-prompt",
+            help="responses generated per prompt: the group GRPO compares within",
+            type=int,
+            default=1,
+            check=at_least(1),
+        ),
+        flag(
+            "--rollout-max-response-len",
+            help="the most tokens generated per response (all turns together in multi-turn rollouts)",
+            type=int,
+            default=128,
+            check=at_least(1),
+        ),
+        flag(
+            "--rollout-temperature",
+            help="sampling temperature of training rollouts",
+            type=float,
+            default=1.0,
+            check=at_least(0),
+        ),
+        flag(
+            "--rollout-top-p",
+            help="nucleus sampling of training rollouts (1.0: off)",
+            type=float,
+            default=1.0,
+            check=within(0, 1, low_open=True),
+        ),
+        flag("--rollout-top-k", help="top-k sampling of training rollouts (-1: off)", type=int, default=-1),
         flag(
             "--rollout-stop-token-ids",
             type=int,
@@ -222,7 +259,13 @@ GROUPS = (
             help="token ids that end a response besides the tokenizer's EOS (kept in the response, as EOS is), "
             "in rollouts and evals",
         ),
-        flag("--rollout-max-concurrent-requests", type=int, default=256, check=at_least(1)),
+        flag(
+            "--rollout-max-concurrent-requests",
+            help="the most generation requests in flight to the engines at once",
+            type=int,
+            default=256,
+            check=at_least(1),
+        ),
         flag(
             "--rollout-timeout",
             type=float,
@@ -374,9 +417,22 @@ GROUPS = (
             ),
             help="rewards within this of each other count as equal (the filter reads it as args.zero_variance_tol)",
         ),
-        flag("--custom-generate-function-path", default=None),
-        flag("--rollout-function-path", default=None),
-        flag("--data-source-path", default=None),
+        flag(
+            "--custom-generate-function-path",
+            help="module:function generating one sample: async fn(ctx, sample, sampling_params) -> Sample",
+            default=None,
+        ),
+        flag(
+            "--rollout-function-path",
+            help="module:function producing a whole rollout: async fn(ctx, rollout_id) -> list[list[Sample]]",
+            default=None,
+        ),
+        flag(
+            "--data-source-path",
+            help="module:class of a data source: cls(data_config, batch_size) with next_batch, state_dict and "
+            "load_state_dict",
+            default=None,
+        ),
     ),
 )
 

@@ -30,15 +30,21 @@ GROUPS = (
         flag("--output-dir", default=None, help="metrics JSONL, plot and logs (default: outputs/<time>)"),
         flag(
             "--use-wandb",
+            help="log metrics to Weights & Biases (log in with `wandb login` or WANDB_API_KEY)",
             action="store_true",
             check=importable("wandb", "the wandb package: pip install 'miles_async[wandb]'"),
         ),
-        flag("--wandb-project", default="miles-async", effect_needs=USE_WANDB),
-        flag("--wandb-group", default=None, effect_needs=USE_WANDB),
-        flag("--wandb-run-name", default=None, effect_needs=USE_WANDB),
-        flag("--use-tensorboard", action="store_true"),
-        flag("--tensorboard-dir", default=None, effect_needs=when_flag("--use-tensorboard")),
-        flag("--no-plot", action="store_true"),
+        flag("--wandb-project", help="the wandb project", default="miles-async", effect_needs=USE_WANDB),
+        flag("--wandb-group", help="the wandb group", default=None, effect_needs=USE_WANDB),
+        flag("--wandb-run-name", help="the wandb run's name", default=None, effect_needs=USE_WANDB),
+        flag("--use-tensorboard", help="log metrics to TensorBoard", action="store_true"),
+        flag(
+            "--tensorboard-dir",
+            help="the TensorBoard log folder (default: under --output-dir)",
+            default=None,
+            effect_needs=when_flag("--use-tensorboard"),
+        ),
+        flag("--no-plot", help="skip the reward/accuracy plot written at the end", action="store_true"),
     ),
 )
 

@@ -150,7 +150,14 @@ GROUPS = (
         ),
         flag("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
         flag("--global-batch-size", type=int, default=None, check=at_least(1), help="samples per optimizer step"),
-        flag("--num-steps-per-rollout", type=int, default=None, check=at_least(1)),
+        flag(
+            "--num-steps-per-rollout",
+            help="optimizer steps per rollout (it must divide rollout-batch-size x n-samples-per-prompt); or give "
+            "--global-batch-size",
+            type=int,
+            default=None,
+            check=at_least(1),
+        ),
         flag(
             "--max-tokens-per-gpu",
             type=int,
@@ -207,7 +214,12 @@ GROUPS = (
             help="a vision-language policy trains its language model only; its vision encoder and projector keep "
             "the checkpoint's weights",
         ),
-        flag("--seed", type=int, default=1234),
+        flag(
+            "--seed",
+            help="seed of the training workers' random state (each rank adds its rank)",
+            type=int,
+            default=1234,
+        ),
     ),
     group(
         "LoRA (torch backend)",
@@ -274,17 +286,36 @@ GROUPS = (
             help="adam: AdamW (decoupled weight decay, as Megatron's); sgd: SGD with --sgd-momentum, weight "
             "decay as L2",
         ),
-        flag("--sgd-momentum", type=float, default=0.9, check=within(0, 1), effect_needs=SGD),
-        flag("--lr", type=float, default=1e-6, check=positive()),
+        flag(
+            "--sgd-momentum",
+            help="momentum of --optimizer sgd",
+            type=float,
+            default=0.9,
+            check=within(0, 1),
+            effect_needs=SGD,
+        ),
+        flag("--lr", help="peak learning rate", type=float, default=1e-6, check=positive()),
         flag(
             "--min-lr",
+            help="the learning rate the decay ends at",
             type=float,
             default=0.0,
             check=at_least(0),
             effect_needs=when_value("--lr-decay-style", "linear", "cosine"),
         ),
-        flag("--lr-warmup-iters", type=int, default=0, check=at_least(0)),
-        flag("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine")),
+        flag(
+            "--lr-warmup-iters",
+            help="optimizer steps of linear warm-up from 0 to --lr",
+            type=int,
+            default=0,
+            check=at_least(0),
+        ),
+        flag(
+            "--lr-decay-style",
+            help="learning-rate schedule after warm-up: constant, or linear / cosine down to --min-lr",
+            default="constant",
+            choices=("constant", "linear", "cosine"),
+        ),
         flag(
             "--lr-decay-iters",
             type=int,
@@ -294,11 +325,31 @@ GROUPS = (
             help="optimizer steps the decay spans, warm-up included (Megatron's); then --min-lr holds. "
             "Default: the whole run. A fixed span keeps a shorter run on the same schedule as a longer one",
         ),
-        flag("--weight-decay", type=float, default=0.0),
-        flag("--adam-beta1", type=float, default=0.9, check=within(0, 1), effect_needs=ADAM),
-        flag("--adam-beta2", type=float, default=0.98, check=within(0, 1), effect_needs=ADAM),
-        flag("--adam-eps", type=float, default=1e-8, check=positive(), effect_needs=ADAM),
-        flag("--clip-grad", type=float, default=1.0, check=at_least(0, " (0 disables clipping)")),
+        flag("--weight-decay", help="AdamW's decoupled weight decay", type=float, default=0.0),
+        flag(
+            "--adam-beta1",
+            help="Adam's first-moment decay",
+            type=float,
+            default=0.9,
+            check=within(0, 1),
+            effect_needs=ADAM,
+        ),
+        flag(
+            "--adam-beta2",
+            help="Adam's second-moment decay",
+            type=float,
+            default=0.98,
+            check=within(0, 1),
+            effect_needs=ADAM,
+        ),
+        flag("--adam-eps", help="Adam's epsilon", type=float, default=1e-8, check=positive(), effect_needs=ADAM),
+        flag(
+            "--clip-grad",
+            help="clip the gradients' global norm to this (0: no clipping)",
+            type=float,
+            default=1.0,
+            check=at_least(0, " (0 disables clipping)"),
+        ),
     ),
 )
 

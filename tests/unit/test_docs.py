@@ -1,0 +1,179 @@
+"""The documentation is checked, not trusted: the generated pages are what the code renders now, every flag has
+help, the README's figures are the ones results.json renders to, every flag the docs name exists, every command in
+the docs passes ``--check-config`` (a ```bash block holding a ``# fragment`` line is exempt), and the site builds
+with ``mkdocs build --strict`` (no broken link or anchor)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from miles_async.arguments import FLAGS, build_parser, parse_args
+from scripts import gen_docs
+from tests.scripts.test_check_config import CONFIGS, CPU, QWEN3, _launcher_env, _write_data
+from tests.scripts.test_launchers import _run, _words
+
+ROOT = gen_docs.ROOT
+GENERATED = [path for path in gen_docs.pages() if path != gen_docs.README]
+WRITTEN = [gen_docs.README, *(p for p in sorted((ROOT / "docs").rglob("*.md")) if p not in GENERATED)]
+
+# Flags of other programs the docs quote: docker, sbatch, pytest, mkdocs, SGLang's and vLLM's servers (the flags the
+# launchers pass them), Chromium, and the benchmark and soak scripts' own.
+FOREIGN_FLAGS = {
+    "docker": {"--gpus", "--ipc", "--rm", "--shm-size", "--security-opt"},
+    "sbatch": {"--requeue", "--signal"},
+    "pytest": {"--dist", "--durations", "--timeout"},
+    "mkdocs": {"--strict"},
+    "ray start": {"--head"},
+    "SGLang's server": {
+        "--api-key",
+        "--base-gpu-id",
+        "--device",
+        "--disable-cuda-graph",
+        "--max-running-requests",
+        "--max-total-tokens",
+        "--tp-size",
+    },
+    "vLLM's server": {
+        "--enable-scale-out",
+        "--enforce-eager",
+        "--logprobs-mode",
+        "--max-num-seqs",
+        "--tensor-parallel-size",
+    },
+    "the tool sandbox's unshare": {"--fork"},
+    "Chromium": {"--no-sandbox"},
+    "the launchers": {"--dry-run"},
+    "benchmarks.run, benchmarks.soak, benchmarks.train_step": {"--only", "--out", "--runs", "--variants"},
+}
+FLAG_RE = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(-\*|-<)?")
+
+
+def test_every_flag_has_help():
+    missing = [f.name for f in FLAGS if not str(f.options.get("help", "")).strip()]
+    assert not missing, f"flags without help (add help= to their declaration in miles_async/config/): {missing}"
+
+
+@pytest.mark.parametrize("path", gen_docs.pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_generated_pages_are_what_the_code_renders(path):
+    """The flag reference, the compatibility page, the benchmarks page and the README's quickstart figures, each
+    rendered again in memory from the declarations and results.json."""
+    assert path.read_text() == gen_docs.pages()[path](), (
+        f"{path.relative_to(ROOT)} is out of date: run `python -m scripts.gen_docs`"
+    )
+
+
+def test_the_readmes_figures_are_the_ones_results_json_renders_to():
+    """The README's only measured figures are in its generated block (checked above against results.json); a
+    percentage, a time or a ratio typed anywhere else in it fails here."""
+    text = gen_docs.README.read_text()
+    block = gen_docs.marked(text, gen_docs.QUICKSTART_START, gen_docs.QUICKSTART_END)
+    assert block is not None and "%" in block
+    q = gen_docs.quickstart_figures(gen_docs.json.loads(gen_docs.RESULTS.read_text()))
+    assert f"{q['final']:.1%}" in block and f"{q['median_step']:.1f} s" in block
+    outside = text.replace(block, "")
+    typed = re.findall(r"\b\d+(?:\.\d+)?\s?(?:%|s\b|x\b|min\b)", outside)
+    assert not typed, f"figures in README.md outside its generated block: {typed}"
+    words = len(text.replace(block, "").split()) + len(block.split())
+    assert words <= 1200, f"README.md has {words} words (at most 1,200)"
+
+
+def _names(text: str) -> set[str]:
+    return {m.group(0) for m in FLAG_RE.finditer(text)}
+
+
+def test_every_flag_named_in_the_docs_exists():
+    ours = {o for a in build_parser()._actions for o in a.option_strings}
+    foreign = set().union(*FOREIGN_FLAGS.values())
+    unknown = {}
+    for page in WRITTEN:
+        for name in _names(page.read_text()):
+            if name.endswith(("-*", "-<")):  # a family: --sglang-<flag>, --critic-*
+                known = any(o.startswith(name[:-1]) for o in ours) or name[:-2] in ("--sglang", "--vllm")
+            else:  # an engine's own flag, passed on to it as --<flag> (config/engine.py)
+                known = name in ours or name in foreign or name.startswith(("--sglang-", "--vllm-"))
+            if not known:
+                unknown.setdefault(name, []).append(str(page.relative_to(ROOT)))
+    assert not unknown, f"flags the docs name that train_async.py does not accept: {unknown}"
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(page, command) for each train_async.py or launcher command in a ```bash block of the written pages,
+    continuation lines joined; blocks with a `# fragment` line are left out. docker and sbatch lines run the
+    launchers, whose exact commands tests/scripts/test_check_config.py checks."""
+    found = []
+    for page in WRITTEN:
+        for block in re.findall(r"^```bash\n(.*?)^```", page.read_text(), re.S | re.M):
+            if re.search(r"^\s*# fragment", block, re.M):
+                continue
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                while words and re.fullmatch(r"\w+=.*", words[0]):
+                    words = words[1:]
+                if words[:2] == ["python", "train_async.py"] or (
+                    words[:1] == ["bash"] and re.fullmatch(r"scripts/(run-.*|quickstart)\.sh", words[1])
+                ):
+                    found.append((str(page.relative_to(ROOT)), line.strip()))
+    return sorted(set(found))
+
+
+def test_the_docs_have_commands_to_check():
+    commands = [c for _, c in _commands()]
+    assert any("python train_async.py" in c for c in commands)
+    assert any(QWEN3 in c for c in commands) and any("scripts/quickstart.sh" in c for c in commands)
+
+
+@pytest.mark.parametrize(("page", "command"), _commands())
+def test_each_command_in_the_docs_passes_check_config(page, command, tmp_path):
+    """The command's train_async.py arguments (a launcher's as its --dry-run prints them), with --check-config,
+    through the same parse as ``train_async.py --check-config``: the model flags against the model's published
+    config.json (tests/scripts/model_configs) and small real data files at the paths the command names."""
+    words = shlex.split(command, comments=True)
+    while re.fullmatch(r"\w+=.*", words[0]):
+        words = words[1:]
+    if words[0] == "python":
+        env = {"MODEL": str(CONFIGS / "SmolLM2-135M"), "DATA": str(tmp_path / "data")}
+        argv = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], command.split("train_async.py", 1)[1]))
+    else:
+        script = QWEN3 if words[1] == QWEN3 else CPU  # quickstart.sh runs the CPU launcher with its model and data
+        env = _launcher_env(tmp_path, script, "Qwen3-4B" if script == QWEN3 else "SmolLM2-135M")
+        extra = [w for w in words[2:] if w not in ("--dry-run", "--check-config")]
+        dry = _run(script, env, ["--dry-run", *extra])
+        assert dry.returncode == 0, dry.stderr
+        printed = _words(dry.stdout)
+        argv = printed[next(i for i, w in enumerate(printed) if w.endswith("train_async.py")) + 1 :]
+    _write_data(argv)
+    cfg = parse_args([*argv, "--check-config"] if "--check-config" not in argv else argv)
+    assert cfg.check_config, f"{page}: {command}"
+
+
+def test_the_site_builds_strict(tmp_path):
+    """mkdocs build --strict: a broken link or anchor, a page missing from the nav or a docstring mkdocstrings
+    cannot render fails the build."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "site" / "reference" / "flags" / "index.html").is_file()
+
+
+def test_the_docs_name_no_path_that_is_gone():
+    """Repository paths quoted in the written pages (`scripts/...`, `miles_async/...`, `tests/...`) exist."""
+    missing = set()
+    for page in WRITTEN:
+        for path in re.findall(
+            r"`((?:scripts|miles_async|tests|benchmarks|examples|docker)/[\w./-]+)`", page.read_text()
+        ):
+            if not (ROOT / path.rstrip("/")).exists() and "*" not in path:
+                missing.add((str(page.relative_to(ROOT)), path))
+    assert not missing, f"paths the docs name that do not exist: {sorted(missing)}"
