@@ -137,7 +137,12 @@ def test_each_command_in_the_docs_passes_check_config(page, command, tmp_path):
     while re.fullmatch(r"\w+=.*", words[0]):
         words = words[1:]
     if words[0] == "python":
-        env = {"MODEL": str(CONFIGS / "SmolLM2-135M"), "DATA": str(tmp_path / "data")}
+        # $MOE_MODEL: the MoE guide's example, Miles' Qwen3-30B-A3B flags against that model's config.json.
+        env = {
+            "MODEL": str(CONFIGS / "SmolLM2-135M"),
+            "MOE_MODEL": str(CONFIGS / "Qwen3-30B-A3B"),
+            "DATA": str(tmp_path / "data"),
+        }
         argv = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], command.split("train_async.py", 1)[1]))
     else:
         script = QWEN3 if words[1] == QWEN3 else CPU  # quickstart.sh runs the CPU launcher with its model and data
