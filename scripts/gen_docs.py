@@ -255,11 +255,14 @@ def _headlines(results: dict) -> list[tuple[str, dict, list[tuple[str, str]]]]:
 
 
 def _precision(entry: dict) -> str:
+    # A benchmark that names its dtypes holds them whatever the CPU computes in (weight_sync times transfers only).
+    dtypes = entry.get("settings", {}).get("dtypes") if isinstance(entry.get("settings"), dict) else None
+    if dtypes:
+        return ", ".join(dtypes)
     machine = entry.get("machine", {})
     if "cpu_bf16" in machine:
         return "bf16" if machine["cpu_bf16"] else "fp32 (no bf16 arithmetic on the CPU)"
-    dtypes = entry.get("settings", {}).get("dtypes") if isinstance(entry.get("settings"), dict) else None
-    return ", ".join(dtypes) if dtypes else "as in the row"
+    return "as in the row"
 
 
 def render_benchmarks(results: dict) -> str:
@@ -271,7 +274,9 @@ def render_benchmarks(results: dict) -> str:
         "Every figure below is read from `benchmarks/results/results.json`, which `python -m benchmarks.run` "
         "writes; a test fails when this page or the README differs from it. Each benchmark runs the project's real "
         "code paths (Ray actors, the HTTP engine, the trainer). Ratios are taken side by side in one run, so they "
-        "carry over between machines better than the absolute times. Plots and full tables: "
+        "carry over between machines better than the absolute times. Each section gives the machine's 1-minute load "
+        "average before and after its run: above the core count, other work shared the CPUs and the times are "
+        "noisy. Plots and full tables: "
         "`benchmarks/results/results.md`; how each is set up: `benchmarks/README.md`.",
         "",
     ]
@@ -294,7 +299,29 @@ def render_benchmarks(results: dict) -> str:
             *(f"| {what} | {result} |" for what, result in rows),
             "",
         ]
+    out += _removed(results.get("removed", {}))
     return "\n".join(out).rstrip() + "\n"
+
+
+def _removed(removed: dict[str, dict]) -> list[str]:
+    """The benchmarks whose rows were taken out of results.json rather than re-run with the current code: why, and
+    the command that measures them again (``benchmarks.run`` drops the benchmark from this list when it does)."""
+    if not removed:
+        return []
+    out = [
+        "## Not re-run with the current code",
+        "",
+        "These rows were measured with older code and taken out rather than shown next to today's; the command "
+        "measures them again and puts them back on this page.",
+        "",
+    ]
+    for name, r in removed.items():
+        rows = "; ".join(f"*{row}*" for row in r["rows"])
+        out += [
+            f"- **{name.replace('_', ' ').capitalize()}** ({rows}): {r['why']} "
+            f"Last run `{r['last_commit']}`, {r['last_date']}. Regenerate: `{r['command']}`.",
+        ]
+    return [*out, ""]
 
 
 def quickstart_figures(results: dict) -> dict[str, Any]:
@@ -319,6 +346,19 @@ def quickstart_figures(results: dict) -> dict[str, Any]:
 
 
 def render_quickstart_block(results: dict) -> str:
+    if "trl_peer" not in results["benchmarks"]:
+        removed = results.get("removed", {}).get("trl_peer", {})
+        return "\n".join(
+            [
+                QUICKSTART_START,
+                "",
+                "The quickstart's measured result (held-out accuracy over its 30 steps and training time, against "
+                "TRL `GRPOTrainer` on the same prompts) is not shown until it is measured again with the current "
+                f"code: `{removed.get('command', 'python -m benchmarks.run --only trl_peer')}` writes it here.",
+                "",
+                QUICKSTART_END,
+            ]
+        )
     q = quickstart_figures(results)
     return "\n".join(
         [

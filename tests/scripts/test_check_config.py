@@ -53,7 +53,7 @@ def _value(words: list[str], name: str) -> str:
 def _write_data(words: list[str], prompts: int = 40) -> None:
     """A small real prompt file at each path the command names, with its --input-key and --label-key."""
     key, label = _value(words, "--input-key"), _value(words, "--label-key")
-    i = words.index("--eval-prompt-data") + 1
+    i = words.index("--eval-prompt-data") + 1 if "--eval-prompt-data" in words else len(words)
     evals = []
     while i < len(words) and not words[i].startswith("--"):
         evals.append(words[i])

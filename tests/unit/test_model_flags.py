@@ -40,44 +40,9 @@ SLIME_MODEL_ARGS = {
 }
 OUR_MODEL_ARGS = {"Qwen3-4B": "qwen3-4B", "Qwen2.5-7B": "qwen2.5-7B", "Llama-3.1-8B": "llama3.1-8B"}
 
-# Qwen/Qwen3-30B-A3B's published config.json (from the same collection as Qwen2.5-7B's and Llama-3.1-8B's, see
-# tests/scripts/model_configs/README.md), and the MODEL_ARGS slime and Miles publish for it.
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "decoder_sparse_step": 1,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 6144,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 48,
-    "mlp_only_layers": [],
-    "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": True,
-    "num_attention_heads": 32,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 48,
-    "num_key_value_heads": 4,
-    "output_router_logits": False,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "router_aux_loss_coef": 0.001,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+# Qwen/Qwen3-30B-A3B's published config.json (tests/scripts/model_configs/README.md says where from), and the
+# MODEL_ARGS slime and Miles publish for it.
+QWEN3_30B_A3B = json.loads((CONFIGS / "Qwen3-30B-A3B" / "config.json").read_text())
 QWEN3_30B_A3B_MODEL_ARGS = (
     "--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 32 --num-query-groups 4 "
     "--kv-channels 128 --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --normalization RMSNorm "
