@@ -6,7 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from miles_async.config.declare import at_least, flag, group, when_flag, within
-from miles_async.config.rollout import SamplingConfig, parse_multimodal_keys
+from miles_async.config.multimodal import parse_multimodal_keys
+from miles_async.config.rollout import SamplingConfig
 
 
 @dataclass(frozen=True)

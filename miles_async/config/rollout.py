@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -23,6 +22,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
+from miles_async.config.multimodal import multimodal_problem, parse_multimodal_keys, validate_multimodal
 from miles_async.utils.urls import redact_url
 
 
@@ -177,7 +177,7 @@ GROUPS = (
         flag(
             "--multimodal-keys",
             default=None,
-            check=lambda name, v: _multimodal_problem(name, v),
+            check=lambda name, v: multimodal_problem(name, v),
             help='JSON mapping a modality to the column holding it, as Miles\' \'{"image": "images"}\': each '
             "record's image (a path, relative to the data file's folder or absolute, a data: URI or base64) or list "
             "of them, for a vision-language model's processor",
@@ -437,24 +437,6 @@ GROUPS = (
 )
 
 
-def validate_multimodal(ns: argparse.Namespace) -> None:
-    """--multimodal-keys: a model with a vision tower, and none of the paths that do not carry images yet."""
-    from miles_async.vision.hf import is_vision_model
-
-    if ns.multimodal_keys is None:
-        return
-    require(
-        ns.hf_checkpoint is None or is_vision_model(ns.hf_checkpoint),
-        f"--multimodal-keys: --hf-checkpoint {ns.hf_checkpoint} has no vision tower (no vision_config in its "
-        "config.json); image prompts need a vision-language model",
-    )
-    require(ns.tools_path is None, "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images yet")
-    require(
-        ns.advantage_estimator != "ppo",
-        "--multimodal-keys with --advantage-estimator ppo: the critic of a vision-language policy is not built yet",
-    )
-
-
 def validate(ns: argparse.Namespace) -> None:
     """The reward and the plugins: each imports (a PluginError names the flag otherwise); image prompts' limits."""
     from miles_async.utils.plugins import load_function
@@ -522,33 +504,6 @@ def dynamic_sampling_config(ns: argparse.Namespace) -> DynamicSamplingConfig | N
         else "--over-sampling-batch-size"
     )
     return DynamicSamplingConfig(path, name, ns.over_sampling_batch_size or ns.rollout_batch_size, ns.zero_variance_tol)
-
-
-MULTIMODAL_MODALITIES = ("image",)
-
-
-def parse_multimodal_keys(raw: str | None) -> dict[str, str]:
-    """--multimodal-keys as {modality: column}; ``ValueError`` saying what is wrong."""
-    if raw is None:
-        return {}
-    try:
-        keys = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f'not JSON ({e}); expected e.g. \'{{"image": "images"}}\'') from e
-    if not isinstance(keys, dict) or not keys or not all(isinstance(v, str) and v for v in keys.values()):
-        raise ValueError('expected a JSON object of modality to column name, e.g. \'{"image": "images"}\'')
-    unknown = sorted(set(keys) - set(MULTIMODAL_MODALITIES))
-    if unknown:
-        raise ValueError(f"unsupported modality {unknown}; supported: {list(MULTIMODAL_MODALITIES)}")
-    return keys
-
-
-def _multimodal_problem(name: str, raw: str | None) -> str | None:
-    try:
-        parse_multimodal_keys(raw)
-    except ValueError as e:
-        return f"{name}: {e}"
-    return None
 
 
 def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> RolloutConfig:
