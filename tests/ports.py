@@ -32,20 +32,34 @@ def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def _join_store(target: Callable, rank: int, world: int, port: int, *args) -> None:
-    os.environ[AGENT_STORE_ENV] = "True"
+def _join_store(env: dict[str, str], target: Callable, rank: int, world: int, port: int, *args) -> None:
+    os.environ.clear()  # the caller's environment, not the one the fork server started with
+    os.environ.update(env, **{AGENT_STORE_ENV: "True"})
     target(rank, world, port, *args)
+
+
+# Imported once, in the fork server each rank is forked from, instead of once per rank: torch with megatron-core
+# costs about 7 s of CPU to import, and the suite starts ranks dozens of times.
+_PRELOAD = ("torch", "torch.distributed", "megatron.core", "transformers", "miles_async.backends.megatron.actor")
+
+
+def _rank_context(target: Callable):
+    """A ``forkserver`` context whose server (one per test process, started on first use) has the heavy modules
+    and ``target``'s module imported. Only imports happen there, so no thread or process group is forked."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([*_PRELOAD, target.__module__])  # no effect once the server runs
+    return ctx
 
 
 def spawn_ranks(target: Callable, world: int, *args, timeout: float = 240) -> list[int]:
     """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes, whose process group at
     ``127.0.0.1:port`` joins a store hosted here; their exit codes, once all exited or ``timeout`` seconds passed
     (those still running then are killed: -9). ``target`` must be importable (a module-level function)."""
-    import torch.multiprocessing as mp
-
     store = hosted_store("127.0.0.1", timeout)  # served until the ranks are done
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_join_store, args=(target, rank, world, store.port, *args)) for rank in range(world)]
+    ctx = _rank_context(target)
+    procs = [ctx.Process(target=_join_store, args=(dict(os.environ), target, rank, world, store.port, *args)) for rank in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
