@@ -59,7 +59,10 @@ def spawn_ranks(target: Callable, world: int, *args, timeout: float = 240) -> li
     (those still running then are killed: -9). ``target`` must be importable (a module-level function)."""
     store = hosted_store("127.0.0.1", timeout)  # served until the ranks are done
     ctx = _rank_context(target)
-    procs = [ctx.Process(target=_join_store, args=(dict(os.environ), target, rank, world, store.port, *args)) for rank in range(world)]
+    procs = [
+        ctx.Process(target=_join_store, args=(dict(os.environ), target, rank, world, store.port, *args))
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

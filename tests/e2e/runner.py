@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,23 @@ def start_train(args: list[str], extra_env: dict | None = None, own_cluster: boo
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def drain(proc: subprocess.Popen, into: list[str]) -> threading.Thread:
+    """Read a started run's output as it comes, so a full pipe never blocks its progress bar."""
+    t = threading.Thread(target=lambda: into.extend(iter(proc.stdout.readline, "")), daemon=True)
+    t.start()
+    return t
+
+
+def wait_api_file(path: Path, proc: subprocess.Popen, output: list[str], timeout: float = 240) -> dict:
+    """The control API's ``api.json`` (url, port, token file) once the run has written it."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "".join(output)[-5000:]
+        assert time.monotonic() < deadline, "the control API never wrote api.json"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
 
 
 def alive(pid: int) -> bool:

@@ -6,9 +6,7 @@ Every route's refusals are tests/integration/test_red_team.py's."""
 
 from __future__ import annotations
 
-import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +16,17 @@ import requests
 
 from miles_async.control.state import PHASES
 from miles_async.utils.checkpoint import POINTER, iteration_dir
-from tests.e2e.runner import ENGINE_AUTH, ENGINE_KEY, Run, all_pids, start_train, tiny_args, wait_all_dead
+from tests.e2e.runner import (
+    ENGINE_AUTH,
+    ENGINE_KEY,
+    Run,
+    all_pids,
+    drain,
+    start_train,
+    tiny_args,
+    wait_all_dead,
+    wait_api_file,
+)
 from tests.unit.test_control_state import parse_exposition
 
 TOKEN = "e2e-token-5d1c"
@@ -56,22 +64,6 @@ class Api:
             time.sleep(0.2)
 
 
-def _drain(proc, into: list[str]) -> threading.Thread:
-    """Read the run's output as it comes, so a full pipe never blocks its progress bar."""
-    t = threading.Thread(target=lambda: into.extend(iter(proc.stdout.readline, "")), daemon=True)
-    t.start()
-    return t
-
-
-def _wait_api_file(path: Path, proc, output: list[str], timeout: float = 240) -> dict:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, "".join(output)[-5000:]
-        assert time.monotonic() < deadline, "the control API never wrote api.json"
-        time.sleep(0.2)
-    return json.loads(path.read_text())
-
-
 def _holding(secrets: dict[str, str], exempt: set[int]) -> list[str]:
     """Every process whose command line or environment holds one of ``secrets`` (by name), but ``exempt``."""
     found = []
@@ -97,9 +89,9 @@ def test_the_control_api_watches_saves_pauses_and_stops_a_run(tiny_model, tiny_t
     wandb_key = "wandb-" + uuid.uuid4().hex  # never used (no --use-wandb): a secret of the driver's environment
     proc = start_train(args, extra_env={"MILES_ASYNC_API_TOKEN": TOKEN, "WANDB_API_KEY": wandb_key})
     output: list[str] = []
-    reader = _drain(proc, output)
+    reader = drain(proc, output)
     try:
-        info = _wait_api_file(tmp_path / "api.json", proc, output)
+        info = wait_api_file(tmp_path / "api.json", proc, output)
         assert info["token_file"] is None and info["url"] == f"http://127.0.0.1:{info['port']}"  # the user's token
         api = Api(info["url"], proc, output)
 
