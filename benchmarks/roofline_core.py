@@ -260,6 +260,9 @@ def engine_phases(engine: Any, prompts: list[list[int]], n_samples: int, new_tok
         engine.resume().result(60)
         for f in futures:
             f.result(600)
+        # The last results resolve inside the last decode step, still measured: wait for it to end, so that its
+        # time is whole and no other measurement (a profiler: one per process) starts before it stops.
+        engine.run_between_steps(lambda: None).result(60)
     finally:
         del engine._admit, engine._decode_step  # back to the class's methods
     return [prefill, decode]
