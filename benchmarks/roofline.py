@@ -299,6 +299,10 @@ def headline(entry: dict) -> list[tuple[str, str]]:
     )
     out = [
         ("matmul peak (large square; bf16 where the CPU computes it)", peak),
+        (
+            "matmul at the step's shapes (best of MLP and output projection)",
+            ", ".join(f"{d} {_rate(v, 'FLOP')}" for d, v in limits["step_shape_peaks"].items()),
+        ),
         ("memory bandwidth (float32 triad)", _rate(limits["bandwidth"], "B")),
     ]
     for r in rows:

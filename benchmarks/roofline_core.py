@@ -235,8 +235,8 @@ def engine_phases(engine: Any, prompts: list[list[int]], n_samples: int, new_tok
     ``new_tokens`` each (stop tokens banned until then, so every run does the same work). The engine is paused while
     the requests go in, so they are admitted as one batch, as a step's requests arriving together are.
 
-    ``_admit`` and ``_decode_step`` are measured on the decode thread that runs them: the profiler and the FLOP
-    counter are per thread. A decode step's bytes are the weights plus the KV cache of each row's context."""
+    ``_admit`` and ``_decode_step`` are measured on the decode thread that runs them (a FLOP counter counts its own
+    thread's ops). A decode step's bytes are the weights plus the KV cache of each row's context."""
     from miles_async.inference.embedded.records import SamplingParams
 
     dtype = str(engine.dtype).removeprefix("torch.")
