@@ -3,10 +3,11 @@ the machine's limits (matrix-multiply rate, memory bandwidth), each phase's work
 (FLOPs through ``torch.utils.flop_counter``, bytes from the weights and KV cache a decode step reads), its time, and
 where that time goes (``torch.profiler``).
 
-A phase's fraction is its achieved rate over its bound: FLOP/s over the large-shape matmul peak of the dtype it
-computes in, or bytes/s over the triad bandwidth. The drivers at the end run one quickstart-shaped step through our
-own code paths: the embedded engine's prefill and decode (``Engine._admit`` / ``Engine._decode_step``), and the
-torch backend's old-log-prob and reference forwards, training forward and backward, and optimizer step
+A phase's bound is the roofline's: the least time its work can take here, the longer of its FLOPs at the large-shape
+matmul peak of the dtype it computes in and its bytes at the triad bandwidth; its fraction is that time over the time
+it took (equally: its achieved rate over the binding limit). The drivers at the end run one quickstart-shaped step
+through our own code paths: the embedded engine's prefill and decode (``Engine._admit`` / ``Engine._decode_step``),
+and the torch backend's old-log-prob and reference forwards, training forward and backward, and optimizer step
 (``FSDPTrainActor``).
 """
 
@@ -147,24 +148,28 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
 # --------------------------------------------------------------------------- phases
 @dataclass
 class Phase:
-    """One phase of a step: its work (FLOPs or bytes), its time, and the profile of where that time went."""
+    """One phase of a step: its work (FLOPs, and the bytes it must move where they can bind), its time, and the
+    profile of where that time went."""
 
     name: str
-    unit: str  # "FLOP" (compute-bound) or "B" (bandwidth-bound)
     dtype: str  # what it computes in: picks its matmul peak
-    work: float = 0.0
+    flops: float = 0.0  # on the executed graph
+    bytes: float = 0.0  # least memory traffic: counted for decode and the optimizer, 0 (not binding) elsewhere
     seconds: float = 0.0
     calls: int = 0
-    flops: float = 0.0  # counted for every phase, also the bandwidth-bound ones
     ops: Counter = field(default_factory=Counter)  # op -> self CPU microseconds, in profiled calls
     tokens: int = 0
 
-    @property
-    def achieved(self) -> float:
-        return self.work / self.seconds if self.seconds > 0 else 0.0
+    def bound_seconds(self, peaks: dict[str, float], bandwidth: float) -> float:
+        """The roofline: the least time its FLOPs and bytes take at this machine's limits."""
+        return max(self.flops / peaks[self.dtype], self.bytes / bandwidth)
 
-    def fraction(self, bound: float) -> float:
-        return self.achieved / bound
+    def binding(self, peaks: dict[str, float], bandwidth: float) -> str:
+        """Which limit the roofline puts it under: "compute" or "memory"."""
+        return "memory" if self.bytes / bandwidth > self.flops / peaks[self.dtype] else "compute"
+
+    def fraction(self, peaks: dict[str, float], bandwidth: float) -> float:
+        return self.bound_seconds(peaks, bandwidth) / self.seconds
 
     def top_ops(self, n: int = 5) -> list[tuple[str, float, float]]:
         """(op, self CPU ms, share of the profiled self CPU time) of the ``n`` costliest ops."""
@@ -172,13 +177,8 @@ class Phase:
         return [(op, us / 1e3, us / total) for op, us in self.ops.most_common(n)]
 
 
-def bound_of(phase: Phase, peaks: dict[str, float], bandwidth: float) -> float:
-    """The rate that limits ``phase``: the large-shape matmul peak of its dtype, or the memory bandwidth."""
-    return bandwidth if phase.unit == "B" else peaks[phase.dtype]
-
-
-def goal_of(phase: Phase) -> float:
-    return BANDWIDTH_GOAL if phase.unit == "B" else COMPUTE_GOAL
+def goal_of(binding: str) -> float:
+    return BANDWIDTH_GOAL if binding == "memory" else COMPUTE_GOAL
 
 
 @contextlib.contextmanager
@@ -196,8 +196,6 @@ def measured(phase: Phase, how: str, sync: Callable[[], None] = no_sync) -> Iter
         with flop_counter() as counter:
             yield
         phase.flops += counter.get_total_flops()
-        if phase.unit == "FLOP":
-            phase.work += counter.get_total_flops()
     elif how == "profile":
         from torch.profiler import ProfilerActivity, profile
 
@@ -240,13 +238,13 @@ def engine_phases(engine: Any, prompts: list[list[int]], n_samples: int, new_tok
     from miles_async.inference.embedded.records import SamplingParams
 
     dtype = str(engine.dtype).removeprefix("torch.")
-    prefill, decode = Phase("prefill", "FLOP", dtype), Phase("decode", "B", dtype)
+    prefill, decode = Phase("prefill", dtype), Phase("decode", dtype)
     weights, per_token = weight_bytes(engine.model), kv_bytes_per_token(engine.model.config, engine.dtype)
 
     def count_decode_bytes() -> None:
         rows = engine._batch.rows
         decode.tokens += len(rows)
-        decode.work += weights + per_token * sum(s.context_len for s in rows)
+        decode.bytes += weights + per_token * sum(s.context_len for s in rows)
 
     def count_prefill_tokens() -> None:
         prefill.tokens += sum(s.context_len for s in engine._waiting)
@@ -278,12 +276,12 @@ def actor_phases(actor: Any, batch: Any, rollout_id: int, how: str, sync: Callab
     - optimizer: the optimizer's ``step`` (AdamW; its bytes: fp32 weights, gradients and both moments).
     """
     dtype = actor.cfg.dtype
-    old, ref = Phase("old log-probs", "FLOP", dtype), Phase("reference forward", "FLOP", dtype)
-    train, opt = Phase("train fwd+bwd", "FLOP", dtype), Phase("optimizer", "B", "float32")
+    old, ref = Phase("old log-probs", dtype), Phase("reference forward", dtype)
+    train, opt = Phase("train fwd+bwd", dtype), Phase("optimizer", "float32")
     tokens = sum(len(t) for t in batch.tokens)
     for p in (old, ref, train, opt):
         p.tokens = tokens
-    opt.work = ADAMW_BYTES_PER_PARAM * sum(p.numel() for p in actor.module.parameters() if p.requires_grad)
+    opt.bytes = ADAMW_BYTES_PER_PARAM * sum(p.numel() for p in actor.module.parameters() if p.requires_grad)
 
     actor.module.eval()
     with torch.no_grad(), measured(old, how, sync):
@@ -331,13 +329,13 @@ def _inside(event: Any, name: str) -> bool:
 
 
 def account(timed: list[list[Phase]], counted: list[Phase], profiled: list[Phase] | None = None) -> list[Phase]:
-    """Each phase from its runs: the median time of the timed runs, the work of the counted run (FLOPs or bytes),
-    the profiled run's ops."""
+    """Each phase from its runs: the median time of the timed runs, the work (FLOPs, bytes) of the counted run, the
+    profiled run's ops."""
     import statistics
 
     out = []
     for i, c in enumerate(counted):
-        p = Phase(c.name, c.unit, c.dtype, work=c.work, flops=c.flops, tokens=c.tokens)
+        p = Phase(c.name, c.dtype, flops=c.flops, bytes=c.bytes, tokens=c.tokens)
         p.seconds = statistics.median(run[i].seconds for run in timed)
         p.calls = timed[0][i].calls
         if profiled is not None:

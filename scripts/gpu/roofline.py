@@ -47,8 +47,7 @@ def measure(model: Path, data: Path, s: roofline.Settings, on_gpu: bool) -> dict
     rows = roofline.phase_rows(rc.account(timed, counted), limits)
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
-        if r["unit"] == "FLOP":
-            r["mfu"] = r["fraction"]
+        r["mfu"] = r["flops"] / r["seconds"] / limits["peaks"][dtype]
     step = {r["phase"]: r for r in rows}
     train = step["train fwd+bwd"]
     step_seconds = train["seconds"] + step["optimizer"]["seconds"]
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             model = prepare_smollm2()
         result = measure(model, data, s, on_gpu)
     for r in result["phases"]:
-        what = f"MFU {r['mfu']:.1%}" if "mfu" in r else f"{r['fraction']:.1%} of the bandwidth"
+        what = f"MFU {r['mfu']:.1%}" if r["flops"] else f"{r['fraction']:.1%} of the bandwidth"
         print(f"{r['phase']:>18}: {r['seconds'] * 1e3:8.1f} ms, {r['tokens_per_s']:10.0f} tokens/s, {what}")
     print(
         f"training step (fwd+bwd+optimizer) on {result['device']}, {result['dtype']}: MFU {result['train_mfu']:.1%}, "

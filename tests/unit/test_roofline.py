@@ -57,11 +57,11 @@ def test_the_trainers_phases_count_forward_backward_and_the_optimizers_bytes(tin
 
     batch = step_batch(AutoConfig.from_pretrained(tiny_model).vocab_size, 0, s.prompts, s.samples, s.prompt_len, 4)
     old, ref, train, opt = rc.actor_phases(actor, batch, 0, "flops")
-    assert old.work > 0 and ref.work == old.work  # the reference model is the same network on the same batch
+    assert old.flops > 0 and ref.flops == old.flops  # the reference model is the same network on the same batch
     # a backward costs two forwards' matmuls (attention's a bit more): training is about three forwards
-    assert 3.0 <= train.work / old.work < 3.5
+    assert 3.0 <= train.flops / old.flops < 3.5
     params = sum(p.numel() for p in actor.module.parameters())
-    assert opt.unit == "B" and opt.work == 28 * params  # AdamW in fp32: 4 tensors read, 3 written
+    assert opt.bytes == 28 * params and opt.flops == 0  # AdamW in fp32: 4 tensors read, 3 written; no matmul
 
 
 def test_the_engines_decode_reads_the_weights_and_each_rows_cache_every_step(tiny_model):
@@ -82,23 +82,28 @@ def test_the_engines_decode_reads_the_weights_and_each_rows_cache_every_step(tin
     )
     rows = len(prompts) * n
     # the first token comes from the prefill; decode step j reads contexts of 5 + j tokens in every row
-    assert decode.work == sum(weights + kv_per_token * rows * (5 + j) for j in range(1, new))
+    assert decode.bytes == sum(weights + kv_per_token * rows * (5 + j) for j in range(1, new))
     assert decode.tokens == rows * (new - 1) and prefill.tokens == rows * 5
-    assert prefill.work > 0 and prefill.unit == "FLOP"
+    assert prefill.flops > 0 and prefill.bytes == 0 and decode.flops > 0
 
 
-def test_a_phases_fraction_is_of_the_measured_peak_of_its_dtype_or_the_bandwidth():
+def test_a_phases_bound_is_the_roofline_of_the_measured_peak_of_its_dtype_and_the_bandwidth():
     limits = {"peaks": {"float32": 2e11, "bfloat16": 8e11}, "bandwidth": 3e10}
     phases = [
-        rc.Phase("train fwd+bwd", "FLOP", "float32", work=4e11, seconds=10.0),
-        rc.Phase("prefill", "FLOP", "bfloat16", work=4e11, seconds=10.0),
-        rc.Phase("decode", "B", "float32", work=6e10, seconds=4.0),
+        rc.Phase("train fwd+bwd", "float32", flops=4e11, seconds=10.0),
+        rc.Phase("prefill", "bfloat16", flops=4e11, seconds=10.0),
+        # 6e10 B take 2 s at 3e10 B/s, 2e11 FLOP 1 s at 2e11 FLOP/s: the bytes bind
+        rc.Phase("decode", "float32", flops=2e11, bytes=6e10, seconds=4.0),
+        # 8e11 FLOP take 4 s, the same bytes 2 s: the FLOPs bind
+        rc.Phase("decode, many rows", "float32", flops=8e11, bytes=6e10, seconds=5.0),
     ]
-    train, prefill, decode = roofline.phase_rows(phases, limits)
-    assert train["fraction"] == 4e11 / 10.0 / 2e11 and train["bound"] == 2e11
-    assert prefill["fraction"] == 4e11 / 10.0 / 8e11
-    assert decode["fraction"] == 6e10 / 4.0 / 3e10 and decode["goal"] == rc.BANDWIDTH_GOAL
-    assert train["goal"] == rc.COMPUTE_GOAL
+    train, prefill, decode, wide = roofline.phase_rows(phases, limits)
+    assert (train["binding"], train["bound"], train["fraction"]) == ("compute", 2e11, 4e11 / 2e11 / 10.0)
+    assert train["fraction"] == train["achieved"] / train["bound"] and train["goal"] == rc.COMPUTE_GOAL
+    assert prefill["fraction"] == 4e11 / 8e11 / 10.0
+    assert (decode["binding"], decode["bound"], decode["fraction"]) == ("memory", 3e10, 2.0 / 4.0)
+    assert decode["achieved"] == 6e10 / 4.0 and decode["goal"] == rc.BANDWIDTH_GOAL
+    assert (wide["binding"], wide["fraction"], wide["goal"]) == ("compute", 4.0 / 5.0, rc.COMPUTE_GOAL)
 
 
 def test_the_gpu_script_runs_the_same_account_and_reports_mfu_and_tokens_per_second(tiny_model, tmp_path, capsys):
@@ -115,6 +120,7 @@ def test_the_gpu_script_runs_the_same_account_and_reports_mfu_and_tokens_per_sec
     phases = {r["phase"]: r for r in result["phases"]}
     train, opt = phases["train fwd+bwd"], phases["optimizer"]
     peak = result["limits"]["peaks"]["float32"]
+    assert train["mfu"] == train["flops"] / train["seconds"] / peak
     assert result["peak_flops_per_s"] == peak
     assert result["train_mfu"] == train["flops"] / (train["seconds"] + opt["seconds"]) / peak
     assert result["train_tokens_per_s_per_gpu"] == train["tokens"] / (train["seconds"] + opt["seconds"])
