@@ -38,6 +38,7 @@ REGISTRY: dict[str, str] = {
     "train_memory": "benchmarks.train_memory",
     "trl_peer": "benchmarks.trl_peer",
     "quickstart_speed": "benchmarks.quickstart_speed",
+    "roofline": "benchmarks.roofline",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

@@ -100,8 +100,6 @@ def _worker_main(a: argparse.Namespace) -> None:
     from miles_async.arguments import parse_args
     from miles_async.backends.fsdp.actor import FSDPTrainActor
 
-    # train_step's batch, with --quick fewer of its prompts (_batch reads the module's N_PROMPTS).
-    train_step.N_PROMPTS = a.prompts
     torch.manual_seed(0)
     flags = [
         "--use-tis",
@@ -134,7 +132,7 @@ def _worker_main(a: argparse.Namespace) -> None:
     hwm_setup = _status_kib("VmHWM")
     from transformers import AutoConfig
 
-    batch = train_step._batch(AutoConfig.from_pretrained(a.model).vocab_size)
+    batch = train_step.step_batch(AutoConfig.from_pretrained(a.model).vocab_size, prompts=a.prompts)
     setup_s, seconds, losses = time.time() - t0, [], []
     for step in range(a.steps):
         m = actor.train(step, batch)

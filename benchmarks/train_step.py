@@ -38,14 +38,23 @@ THREADS = 2
 N_PROMPTS, N_SAMPLES, PROMPT_LEN, RESPONSE_LEN = 8, 8, 40, 8
 
 
-def _batch(vocab: int, seed: int = 0) -> RolloutBatch:
+def step_batch(
+    vocab: int,
+    seed: int = 0,
+    prompts: int = N_PROMPTS,
+    samples: int = N_SAMPLES,
+    prompt_len: int = PROMPT_LEN,
+    response_len: int = RESPONSE_LEN,
+) -> RolloutBatch:
+    """A GRPO rollout shaped like the quickstart's (by default): ``prompts`` groups of ``samples``, prompts of about
+    ``prompt_len`` random tokens, responses of ``response_len``."""
     from miles_async.rollout.batch import to_train_batch
     from miles_async.rollout.sample import Sample
 
     rng = random.Random(seed)
     groups = []
-    for g in range(N_PROMPTS):
-        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN + rng.randrange(-4, 5))]
+    for g in range(prompts):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len + rng.randrange(-4, 5))]
         groups.append(
             [
                 Sample(
@@ -54,10 +63,10 @@ def _batch(vocab: int, seed: int = 0) -> RolloutBatch:
                     index=i,
                     prompt="",
                     prompt_tokens=prompt,
-                    response_tokens=[rng.randrange(3, vocab) for _ in range(RESPONSE_LEN)],
+                    response_tokens=[rng.randrange(3, vocab) for _ in range(response_len)],
                     reward=float(rng.random() < 0.5),
                 )
-                for i in range(N_SAMPLES)
+                for i in range(samples)
             ]
         )
     for s in (s for g in groups for s in g):  # an engine's log-probs: --use-tis needs one per trained token
@@ -110,7 +119,7 @@ def _worker(variant: str, model: str, data: str, steps: int, conn, tree: str | N
         actor = FSDPTrainActor(cfg, 0, 1, total_optimizer_steps=steps)
     from transformers import AutoConfig
 
-    batch = _batch(AutoConfig.from_pretrained(model).vocab_size)
+    batch = step_batch(AutoConfig.from_pretrained(model).vocab_size)
     conn.send(
         {
             "build_seconds": time.time() - t0,
