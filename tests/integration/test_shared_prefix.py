@@ -75,3 +75,28 @@ def test_eager_attention_takes_the_same_block_mask(tiny_model):
     )
     assert_within(got, want, tol, "logits, shared prefix vs one row per sample")
     assert_rejected({i: x.roll(1, 0) for i, x in got.items()}, want, tol, "logits one position off")
+
+
+def test_frozen_model_projects_the_kept_logits_in_one_matrix_product(tiny_model):
+    """The reference model's weights are frozen. Its output projection must still run as one matrix product over
+    every kept position of every sequence, as the trained policy's does: fed a view not contiguous across sequences,
+    torch's matmul on a frozen weight runs a batched product against the weight expanded per sequence instead (a 3x
+    slower reference forward on SmolLM2-135M). The projection's matmul must take the [tokens x vocab] shape, in
+    both layouts, and the logits equal the trainable model's."""
+    from torch.profiler import profile
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    frozen = AutoModelForCausalLM.from_pretrained(tiny_model).eval().requires_grad_(False)
+    vocab = trained.config.vocab_size
+    prompts, responses = [[7, 8, 9, 10]] * 2 + [[11, 12]] * 2, [[13, 14], [15], [16, 17, 18], [19, 20]]
+    cpu = torch.device("cpu")
+    for share_prefix in (False, True):
+        mb = collate(prompts, responses, [[1] * len(r) for r in responses], share_prefix=share_prefix)
+        with torch.no_grad(), profile(record_shapes=True) as prof:
+            got = response_logits(frozen, mb, cpu)
+        products = [e for e in prof.events() if e.name in ("aten::mm", "aten::bmm")]
+        projections = [(e.name, e.input_shapes) for e in products if e.input_shapes[-1][-1:] == [vocab]]
+        assert [name for name, _ in projections] == ["aten::mm"], projections
+        with torch.no_grad():
+            assert torch.equal(got, response_logits(trained, mb, cpu)), f"share_prefix={share_prefix}"
