@@ -75,3 +75,56 @@ def test_eager_attention_takes_the_same_block_mask(tiny_model):
     )
     assert_within(got, want, tol, "logits, shared prefix vs one row per sample")
     assert_rejected({i: x.roll(1, 0) for i, x in got.items()}, want, tol, "logits one position off")
+
+
+def test_frozen_model_projects_the_kept_logits_in_one_matrix_product(tiny_model):
+    """The reference model's weights are frozen. Its output projection must still run as one matrix product over
+    every kept position of every sequence, as the trained policy's does: fed a view not contiguous across sequences,
+    torch's matmul on a frozen weight runs a batched product against the weight expanded per sequence instead (a 3x
+    slower reference forward on SmolLM2-135M). The projection's matmul must take the [tokens x vocab] shape, in
+    both layouts, and the logits equal the trainable model's."""
+    from torch.profiler import profile
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    frozen = AutoModelForCausalLM.from_pretrained(tiny_model).eval().requires_grad_(False)
+    vocab = trained.config.vocab_size
+    prompts, responses = [[7, 8, 9, 10]] * 2 + [[11, 12]] * 2, [[13, 14], [15], [16, 17, 18], [19, 20]]
+    cpu = torch.device("cpu")
+    for share_prefix in (False, True):
+        mb = collate(prompts, responses, [[1] * len(r) for r in responses], share_prefix=share_prefix)
+        with torch.no_grad(), profile(record_shapes=True) as prof:
+            got = response_logits(frozen, mb, cpu)
+        products = [e for e in prof.events() if e.name in ("aten::mm", "aten::bmm")]
+        projections = [(e.name, e.input_shapes) for e in products if e.input_shapes[-1][-1:] == [vocab]]
+        assert [name for name, _ in projections] == ["aten::mm"], projections
+        with torch.no_grad():
+            assert torch.equal(got, response_logits(trained, mb, cpu)), f"share_prefix={share_prefix}"
+
+
+def test_chunked_logprobs_equal_those_of_the_whole_logits(tiny_model, tiny_task, tmp_path, monkeypatch):
+    """The no-gradient passes (old and reference log-probs) project the last hidden states and reduce their logits
+    a few tokens at a time, over real response tokens only. Their log-probs equal the training forward's, taken
+    from the whole [B, R, V] logits, in both layouts, at a temperature, through the policy and the frozen reference
+    model (loaded from the same checkpoint), with chunks smaller than a micro-batch (the last one ragged); padding
+    gets 0. Log-probs one token off are rejected by the same bound."""
+    import miles_async.backends.fsdp.actor as actor_module
+
+    monkeypatch.setattr(actor_module, "LOGPROB_CHUNK_TOKENS", 5)
+    batch = _batch()
+    idx = list(range(len(batch.tokens)))
+    bounds = StepBounds.of(tiny_model, batch.tokens, group_size=4)
+    ref_flags = ("--use-tis", "--ref-load", str(tiny_model), "--use-kl-loss", "--kl-loss-coef", "0.01")
+    for layout in ((), ("--no-shared-prefix",)):
+        actor = _actor(_cfg(tiny_model, tiny_task, tmp_path, *ref_flags, *layout))
+        with torch.no_grad():
+            want = actor._per_sample(lambda mb, a=actor: a._forward(a.model, mb, 0.7)[0], batch, idx)
+        mb = actor._collate(batch, actor._micro_batches(batch, idx)[0])
+        padded = actor._chunked_logprobs(actor.module, mb, 0.7)
+        assert (
+            padded.shape == mb.response_mask.shape and padded[mb.attention_mask[:, -padded.shape[1] :] == 0].eq(0).all()
+        )
+        for model in (actor.module, actor.ref_model):
+            got = actor._logprobs_of(model, batch, idx, 0.7)
+            assert_within(got, want, bounds.logprob, f"chunked log-probs {layout}")
+        assert_rejected({i: lp[1:] + lp[:1] for i, lp in got.items()}, want, bounds.logprob, "shifted by one")
