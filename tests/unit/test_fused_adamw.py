@@ -45,3 +45,25 @@ def test_fused_adamw_steps_like_the_for_loop_adamw():
         if step == 1:
             other = torch.optim.AdamW(faster, **{**HYPER, "lr": OPT.lr * 1.5}, weight_decay=OPT.weight_decay)
             assert_rejected(_step(other, faster, grads), want, tol, "AdamW at 1.5x the learning rate")
+
+
+def test_a_checkpoint_of_an_unfused_adamw_resumes_fused(tmp_path):
+    """A checkpoint written before the optimizer was fused (or on another device) carries its kernel choice in its
+    param groups; loading it must keep this machine's fused kernel and take only the state."""
+    from miles_async.backends.fsdp import checkpoint
+
+    torch.manual_seed(0)
+    written = torch.nn.Linear(4, 3)
+    old = torch.optim.AdamW(written.parameters(), **HYPER, foreach=False)
+    written(torch.randn(2, 4)).sum().backward()
+    old.step()
+    checkpoint.save(checkpoint.state_of(written, old), tmp_path, None, background=False)
+
+    resumed = torch.nn.Linear(4, 3)
+    optimizer = make_optimizer(resumed.parameters(), OPT)
+    checkpoint.load(resumed, optimizer, tmp_path, None)
+    group = optimizer.param_groups[0]
+    assert group["fused"] is True and not group["foreach"]
+    assert group["lr"] == OPT.lr
+    for p_old, p_new in zip(written.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(old.state[p_old]["exp_avg_sq"], optimizer.state[p_new]["exp_avg_sq"])

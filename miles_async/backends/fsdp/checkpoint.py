@@ -25,6 +25,10 @@ DCP_DIR = "dcp"
 LEGACY_WEIGHTS = "model.safetensors"
 
 
+# Optimizer options that pick an implementation rather than change the update.
+_KERNEL_CHOICES = ("fused", "foreach", "capturable", "differentiable")
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     # DCP warns on every call of a single process that it assumes no process group: that is what 1 worker means.
@@ -111,6 +115,11 @@ def load(
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=options)
     else:
+        # The kernel choices describe this machine, not the training state: a checkpoint written before the
+        # optimizer was fused (or on another device) would otherwise bring its slower loop back with it.
+        kernels = [{k: g[k] for k in _KERNEL_CHOICES if k in g} for g in optimizer.param_groups]
         set_state_dict(
             module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
         )
+        for g, kept in zip(optimizer.param_groups, kernels, strict=True):
+            g.update(kept)
