@@ -25,6 +25,7 @@ from miles_async.utils.checkpoint import (
     latest_checkpointed_iteration,
     mark_complete,
 )
+from miles_async.utils.tokenizer import tokenizer_class_path
 from miles_async.weights import driver as weights
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Run:
                 self._load_rollout_id,
                 cfg.tracking.output_dir,
                 tools=cfg.tools,
+                tokenizer_class=await asyncio.to_thread(tokenizer_class_path, cfg.rollout.tokenizer_path),
             )
         )
         await self.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout

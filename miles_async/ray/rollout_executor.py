@@ -29,6 +29,7 @@ from miles_async.rollout.rollout import RolloutContext, generate_rollout
 from miles_async.rollout.staleness import StalenessManager
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
 from miles_async.utils.plugins import load_function
+from miles_async.utils.tokenizer import load_tokenizer
 from miles_async.vision.hf import is_vision_model, load_processor
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,15 @@ class RolloutExecutor:
         load_rollout_id: int | None = None,
         output_dir: str | None = None,
         tools: ToolsConfig | None = None,
+        tokenizer_class: str | None = None,
     ):
-        from transformers import AutoTokenizer
-
+        """``tokenizer_class``: ``module:Class`` of the model's tokenizer (``utils.tokenizer``), so this process
+        need not import torch to find it through ``AutoTokenizer``."""
         self.cfg = cfg
         self.eval_cfg = eval_cfg
         # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
         self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path, tokenizer_class)
         # A vision-language model's processor makes image prompts' tokens (the engines and the trainer load it too).
         self.processor = load_processor(cfg.tokenizer_path) if is_vision_model(cfg.tokenizer_path) else None
         ft = engine.fault_tolerance

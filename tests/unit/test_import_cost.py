@@ -4,6 +4,7 @@ each process seconds of CPU, which every run pays at start-up and a laptop's two
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,44 @@ def test_parsing_and_checking_a_run_imports_no_torch(tiny_model, tiny_task, tmp_
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "LOADED []", proc.stdout[-2000:]
+
+
+def test_the_executor_loads_the_tokenizer_autotokenizer_gives_without_torch(tiny_model):
+    """The driver resolves the tokenizer's class once (``tokenizer_class_path``) and the executor loads that class
+    (``load_tokenizer``): the same tokens, chat template and special tokens as ``AutoTokenizer``, in a process that
+    never imports torch (``AutoTokenizer`` itself imports it: about 3 s of CPU per run)."""
+    from transformers import AutoTokenizer
+
+    from miles_async.utils.tokenizer import tokenizer_class_path
+
+    messages = [{"role": "user", "content": "What is 12 + 30? Answer with the number."}]
+    probe = (
+        "import json, sys\n"
+        "from miles_async.utils.tokenizer import load_tokenizer\n"
+        "tok = load_tokenizer(sys.argv[1], sys.argv[2])\n"
+        "ids = tok.apply_chat_template(json.loads(sys.argv[3]), tokenize=True, add_generation_prompt=True)\n"
+        "ids = ids['input_ids'] if isinstance(ids, dict) else ids\n"
+        "print(json.dumps([type(tok).__name__, list(ids), tok.eos_token_id, tok.pad_token_id, len(tok),\n"
+        "                  sorted(m for m in ('torch', 'transformers.configuration_utils') if m in sys.modules)]))\n"
+    )
+    cls = tokenizer_class_path(str(tiny_model))
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tiny_model), cls, json.dumps(messages)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    name, ids, eos, pad, size, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    auto = AutoTokenizer.from_pretrained(str(tiny_model))
+    want = auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    want = want["input_ids"] if isinstance(want, dict) else want
+    assert (name, ids, eos, pad, size) == (
+        type(auto).__name__,
+        list(want),
+        auto.eos_token_id,
+        auto.pad_token_id,
+        len(auto),
+    )
+    assert loaded == [], f"loading the tokenizer imported {loaded}"
