@@ -19,9 +19,16 @@ def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
-def test_two_node_cluster_then_usr1_saves_and_requeues(job_factory):
-    job = job_factory(["node1", "node2"]).start(*FAKE_TRAIN)
+def test_two_node_cluster_then_usr1_saves_and_requeues(job_factory, tmp_path):
+    # On nodes that never ran Ray (an empty home, no RAY_AUTH_TOKEN): `ray start` with token auth makes no token
+    # itself, so the script makes one and hands it to both nodes and the run.
+    home = tmp_path / "fresh-home"
+    home.mkdir()
+    job = job_factory(["node1", "node2"], HOME=str(home))
+    job.env = {k: v for k, v in job.env.items() if not k.startswith("RAY_AUTH_TOKEN")}
+    job.start(*FAKE_TRAIN)
     job.wait_for("the training command to join the cluster", lambda: job.report(), timeout=120)
+    assert len((home / ".ray" / "auth_token").read_text().strip()) >= 32, "the script made no token"
     report = job.report()
     # Started only once every node's GPUs had joined.
     assert report["nodes"] == 2 and report["gpus"] == 4 and report["node_gpus"] == [2, 2], report
