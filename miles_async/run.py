@@ -15,7 +15,7 @@ from miles_async.ray.cluster import actor_options, init_ray
 from miles_async.ray.inference_controller import InferenceController
 from miles_async.ray.placement import GroupPlacement, release, reserve
 from miles_async.ray.rollout_executor import RolloutExecutor
-from miles_async.ray.train_group import TrainGroup, kill_and_wait, prefetch_worker_classes, race_deaths
+from miles_async.ray.train_group import TrainGroup, kill_and_wait, race_deaths
 from miles_async.ray.trainer_recovery import RestorePoint, TrainerDied, TrainerRecovery
 from miles_async.utils.async_utils import wait_for
 from miles_async.utils.checkpoint import (
@@ -25,7 +25,6 @@ from miles_async.utils.checkpoint import (
     latest_checkpointed_iteration,
     mark_complete,
 )
-from miles_async.utils.tokenizer import tokenizer_class_path
 from miles_async.weights import driver as weights
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ class Run:
         self.recovery = TrainerRecovery(cfg.cluster.max_trainer_restarts, cfg.checkpoint.save, self.restore)
         self._started: dict[str, list[int]] = {"train_workers": [], "executor": []}
         self._background_save = BackgroundSave()  # --async-save: the checkpoint being written while training goes on
-        prefetch_worker_classes([c for c in (cfg.train, cfg.critic) if c is not None])
         init_ray(cfg.cluster)
 
     async def __aenter__(self) -> Run:
@@ -116,7 +114,6 @@ class Run:
                 self._load_rollout_id,
                 cfg.tracking.output_dir,
                 tools=cfg.tools,
-                tokenizer_class=await asyncio.to_thread(tokenizer_class_path, cfg.rollout.tokenizer_path),
             )
         )
         await self.executor.pid.remote()  # surfaces constructor errors now, not at the first rollout

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import requests
 
 from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, auth_headers, reveal
+from miles_async.utils.cache import cache_dir
 from miles_async.utils.credentials import private_file, without_secrets
 from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
 
@@ -59,7 +60,6 @@ def _die_with_parent() -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: engines import stand-ins and extensions from it
-CACHE = Path(os.environ.get("MILES_ASYNC_CACHE", Path.home() / ".cache" / "miles-async"))
 
 
 def engine_python(engine: str, explicit: str | None) -> str:
@@ -69,7 +69,7 @@ def engine_python(engine: str, explicit: str | None) -> str:
         return explicit
     if os.environ.get(f"MILES_ASYNC_{engine.upper()}_PYTHON"):
         return os.environ[f"MILES_ASYNC_{engine.upper()}_PYTHON"]
-    cached = CACHE / f"venv-{engine}" / "bin" / "python"
+    cached = cache_dir() / f"venv-{engine}" / "bin" / "python"
     return str(cached) if cached.exists() else sys.executable
 
 

@@ -64,15 +64,12 @@ class RolloutExecutor:
         load_rollout_id: int | None = None,
         output_dir: str | None = None,
         tools: ToolsConfig | None = None,
-        tokenizer_class: str | None = None,
     ):
-        """``tokenizer_class``: ``module:Class`` of the model's tokenizer (``utils.tokenizer``), so this process
-        need not import torch to find it through ``AutoTokenizer``."""
         self.cfg = cfg
         self.eval_cfg = eval_cfg
         # An audit trail of which prompts each rollout trained on (resume and exactly-once checks).
         self.rollout_log = Path(output_dir) / "rollouts.jsonl" if output_dir else None
-        self.tokenizer = load_tokenizer(cfg.tokenizer_path, tokenizer_class)
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         # A vision-language model's processor makes image prompts' tokens (the engines and the trainer load it too).
         self.processor = load_processor(cfg.tokenizer_path) if is_vision_model(cfg.tokenizer_path) else None
         ft = engine.fault_tolerance

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
@@ -21,14 +20,13 @@ from miles_async.config import ClusterConfig, TrainConfig
 from miles_async.ray.cluster import actor_options
 from miles_async.ray.placement import GroupPlacement, where
 from miles_async.ray.trainer_recovery import TrainerDied
-from miles_async.utils.plugins import PluginError, load_function
+from miles_async.ray.worker_host import CHECKPOINT_GROUP, host_class
+from miles_async.utils.plugins import PluginError, load_function, load_object
 from miles_async.weights.update import WeightUpdate
 
 # ``module:Class`` of a policy worker to run instead of the backend's own: the plugin point for trainer doubles
 # (benchmarks/train_doubles.py gives training a set cost), as $MILES_ASYNC_ENGINE_CLASS is for the engine.
 ACTOR_CLASS_ENV = "MILES_ASYNC_ACTOR_CLASS"
-# The workers' concurrency group that writes background checkpoints (their other calls run one at a time).
-CHECKPOINT_GROUP = "checkpoint"
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,26 +39,25 @@ WATCH_INTERVAL = 1.0
 DEATH_GRACE = 10.0
 
 
-def _backend_class(cfg: TrainConfig) -> type:
-    if cfg.backend == "megatron" and cfg.role == "actor":
-        from miles_async.backends.megatron.actor import MegatronTrainActor
+# ``module:Class`` of each backend's worker for each role: named, not imported (``worker_host``).
+_BACKEND_CLASSES = {
+    ("megatron", "actor"): "miles_async.backends.megatron.actor:MegatronTrainActor",
+    ("fsdp", "actor"): "miles_async.backends.fsdp.actor:FSDPTrainActor",
+    ("fsdp", "critic"): "miles_async.backends.fsdp.critic:FSDPCritic",
+}
 
-        return MegatronTrainActor
-    if cfg.backend != "fsdp":
+
+def _backend_class_path(cfg: TrainConfig) -> str:
+    path = _BACKEND_CLASSES.get((cfg.backend, cfg.role))
+    if path is None:
         raise ValueError(f"--train-backend {cfg.backend} has no {cfg.role} worker")
-    if cfg.role == "critic":
-        from miles_async.backends.fsdp.critic import FSDPCritic
-
-        return FSDPCritic
-    from miles_async.backends.fsdp.actor import FSDPTrainActor
-
-    return FSDPTrainActor
+    return path
 
 
 def worker_class(cfg: TrainConfig) -> type:
     """The worker class of ``cfg``'s role and backend; for the actor, ``$MILES_ASYNC_ACTOR_CLASS`` when set
     (a subclass of the backend's own)."""
-    cls = _backend_class(cfg)
+    cls = load_object(_backend_class_path(cfg), "training worker class")
     path = os.environ.get(ACTOR_CLASS_ENV)
     if cfg.role != "actor" or not path:
         return cls
@@ -73,21 +70,13 @@ def worker_class(cfg: TrainConfig) -> type:
     return double
 
 
-def prefetch_worker_classes(cfgs: Iterable[TrainConfig]) -> threading.Thread:
-    """Import the training workers' classes (torch, transformers: seconds of CPU) on a thread while Ray starts,
-    so building the groups does not wait for it. A failure is left to ``worker_class``, which raises it again
-    where the run reports it."""
-
-    def load() -> None:
-        for cfg in cfgs:
-            try:
-                worker_class(cfg)
-            except Exception:  # noqa: BLE001 - raised again, and reported, when the group is built
-                pass
-
-    thread = threading.Thread(target=load, name="import-train-workers", daemon=True)
-    thread.start()
-    return thread
+def worker_class_path(cfg: TrainConfig) -> str:
+    """``module:Class`` of ``worker_class(cfg)``: imported here only to check a ``$MILES_ASYNC_ACTOR_CLASS`` double
+    (a test's or a benchmark's), so a run's driver never imports torch for its workers."""
+    if cfg.role == "actor" and os.environ.get(ACTOR_CLASS_ENV):
+        cls = worker_class(cfg)
+        return f"{cls.__module__}:{cls.__qualname__}"
+    return _backend_class_path(cfg)
 
 
 class TrainGroup:
@@ -107,11 +96,12 @@ class TrainGroup:
         self.workers: list[dict] = []  # each rank's placement.where(), once init() ran: names it when it dies
         self._watch: asyncio.Task | None = None
         # The checkpoint group: a background save is written on a thread of its own, beside the training calls.
-        remote_cls = ray.remote(concurrency_groups={CHECKPOINT_GROUP: 1})(worker_class(cfg))
+        class_path = worker_class_path(cfg)
+        remote_cls = ray.remote(concurrency_groups={CHECKPOINT_GROUP: 1})(host_class(class_path))
         opts = actor_options(num_threads=cfg.num_threads)
         self.actors = [
             remote_cls.options(**opts, **(placement.options(rank) if placement else {})).remote(
-                cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id
+                class_path, cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id
             )
             for rank in range(num_workers)
         ]
@@ -119,7 +109,7 @@ class TrainGroup:
     async def init(self) -> None:
         self.workers = await self.placement(self.role)
         self._watch = asyncio.ensure_future(self._watch_all())
-        addr, port = await self._call(0, self.actors[0].address.remote())
+        addr, port = await self._call(0, self.actors[0].run.remote("address"))
         await self._all("init_process_group", addr, port)
 
     # -- deaths ------------------------------------------------------------------------------------
@@ -174,7 +164,7 @@ class TrainGroup:
     async def _all(self, method: str, *args) -> list:
         try:
             return await asyncio.gather(
-                *[self._call(rank, getattr(a, method).remote(*args)) for rank, a in enumerate(self.actors)]
+                *[self._call(rank, a.run.remote(method, *args)) for rank, a in enumerate(self.actors)]
             )
         except Exception as e:
             death = await self.death_behind(e)
@@ -202,10 +192,7 @@ class TrainGroup:
         alongside the calls that train the next steps."""
         try:
             await asyncio.gather(
-                *[
-                    self._call(rank, a.write_checkpoint.options(concurrency_group=CHECKPOINT_GROUP).remote())
-                    for rank, a in enumerate(self.actors)
-                ]
+                *[self._call(rank, a.run_beside.remote("write_checkpoint")) for rank, a in enumerate(self.actors)]
             )
         except Exception as e:
             death = await self.death_behind(e)

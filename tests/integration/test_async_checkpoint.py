@@ -77,7 +77,10 @@ async def _run(cfg) -> Run:
 
 
 async def _weights(run: Run) -> dict[str, torch.Tensor]:
-    ref = run.actor.actors[0].__ray_call__.remote(lambda w: {k: v.clone() for k, v in w.module.state_dict().items()})
+    # Each worker runs in a WorkerHost (miles_async/ray/worker_host.py): the module is its worker's.
+    ref = run.actor.actors[0].__ray_call__.remote(
+        lambda host: {k: v.clone() for k, v in host.worker.module.state_dict().items()}
+    )
     return await ref
 
 

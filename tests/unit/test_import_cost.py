@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,42 +56,53 @@ def test_parsing_and_checking_a_run_imports_no_torch(tiny_model, tiny_task, tmp_
     assert proc.stdout.strip().splitlines()[-1] == "LOADED []", proc.stdout[-2000:]
 
 
-def test_the_executor_loads_the_tokenizer_autotokenizer_gives_without_torch(tiny_model):
-    """The driver resolves the tokenizer's class once (``tokenizer_class_path``) and the executor loads that class
-    (``load_tokenizer``): the same tokens, chat template and special tokens as ``AutoTokenizer``, in a process that
-    never imports torch (``AutoTokenizer`` itself imports it: about 3 s of CPU per run)."""
+def test_the_executor_loads_the_tokenizer_autotokenizer_gives_and_after_the_first_time_without_torch(
+    tiny_model, tmp_path
+):
+    """``load_tokenizer`` (the executor's): the same tokens, chat template and special tokens as ``AutoTokenizer``.
+    The first load goes through AutoTokenizer (which imports torch) and remembers its class under the cache
+    folder; a later one, in a new process, takes that class and imports no torch (about 3 s of CPU per run). A
+    folder whose tokenizer config differs is not served from the remembered class."""
     from transformers import AutoTokenizer
-
-    from miles_async.utils.tokenizer import tokenizer_class_path
 
     messages = [{"role": "user", "content": "What is 12 + 30? Answer with the number."}]
     probe = (
         "import json, sys\n"
         "from miles_async.utils.tokenizer import load_tokenizer\n"
-        "tok = load_tokenizer(sys.argv[1], sys.argv[2])\n"
-        "ids = tok.apply_chat_template(json.loads(sys.argv[3]), tokenize=True, add_generation_prompt=True)\n"
+        "tok = load_tokenizer(sys.argv[1])\n"
+        "ids = tok.apply_chat_template(json.loads(sys.argv[2]), tokenize=True, add_generation_prompt=True)\n"
         "ids = ids['input_ids'] if isinstance(ids, dict) else ids\n"
         "print(json.dumps([type(tok).__name__, list(ids), tok.eos_token_id, tok.pad_token_id, len(tok),\n"
         "                  sorted(m for m in ('torch', 'transformers.configuration_utils') if m in sys.modules)]))\n"
     )
-    cls = tokenizer_class_path(str(tiny_model))
-    proc = subprocess.run(
-        [sys.executable, "-c", probe, str(tiny_model), cls, json.dumps(messages)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    name, ids, eos, pad, size, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    environment = {**os.environ, "MILES_ASYNC_CACHE": str(tmp_path / "cache")}
+
+    def load(folder: Path) -> tuple[list, list]:
+        proc = subprocess.run(
+            [sys.executable, "-c", probe, str(folder), json.dumps(messages)],
+            cwd=ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        *got, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+        return got, loaded
+
     auto = AutoTokenizer.from_pretrained(str(tiny_model))
     want = auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     want = want["input_ids"] if isinstance(want, dict) else want
-    assert (name, ids, eos, pad, size) == (
-        type(auto).__name__,
-        list(want),
-        auto.eos_token_id,
-        auto.pad_token_id,
-        len(auto),
-    )
-    assert loaded == [], f"loading the tokenizer imported {loaded}"
+    want = [type(auto).__name__, list(want), auto.eos_token_id, auto.pad_token_id, len(auto)]
+    first, loaded_first = load(tiny_model)
+    assert first == want and "torch" in loaded_first
+    again, loaded_again = load(tiny_model)
+    assert again == want
+    assert loaded_again == [], f"loading the tokenizer again imported {loaded_again}"
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    _, loaded_other = load(other)
+    assert "torch" in loaded_other, "a folder with another tokenizer config was served from the remembered class"
