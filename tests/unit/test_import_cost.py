@@ -106,3 +106,26 @@ def test_the_executor_loads_the_tokenizer_autotokenizer_gives_and_after_the_firs
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
     _, loaded_other = load(other)
     assert "torch" in loaded_other, "a folder with another tokenizer config was served from the remembered class"
+
+
+def test_the_driver_makes_its_training_workers_without_importing_them(tiny_model, tiny_task, tmp_path):
+    """``TrainGroup`` names each worker's class (``WorkerHost``): making the Ray actor class, as the driver does for
+    the policy and the critic of each backend, imports none of torch, transformers or the backends."""
+    from tests.e2e.runner import tiny_args
+
+    flags = [*tiny_args(tiny_model, tiny_task, tmp_path / "out"), "--num-rollout", "2", "--advantage-estimator", "ppo"]
+    probe = (
+        "import json, sys, ray\n"
+        "from miles_async.arguments import parse_args\n"
+        "from miles_async.ray.train_group import worker_class_path\n"
+        "from miles_async.ray.worker_host import host_class\n"
+        "cfg = parse_args(sys.argv[1:])\n"
+        "hosts = [host_class(worker_class_path(c)) for c in (cfg.train, cfg.critic)]\n"
+        "made = [ray.remote(h) and h.__name__ for h in hosts]\n"
+        "print(json.dumps([made, sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules)]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    made, loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == [], f"making the workers' actor classes imported {loaded}"
+    assert made == ["FSDPTrainActor", "FSDPCritic"]
