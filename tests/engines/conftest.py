@@ -16,7 +16,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/engines/" in str(item.fspath).replace(os.sep, "/"):
             callspec = getattr(item, "callspec", None)
-            item.add_marker(getattr(pytest.mark, callspec.params.get("backend", "sglang") if callspec else "sglang"))
+            # A module that runs one engine only names it (ENGINE); the others run each, as ``backend``'s params.
+            default = getattr(item.module, "ENGINE", "sglang")
+            item.add_marker(getattr(pytest.mark, callspec.params.get("backend", default) if callspec else default))
 
 
 @pytest.fixture(scope="module", params=ENGINES)

@@ -119,10 +119,17 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def _check_trained(metrics: list[dict]) -> None:
-    """Each step trained the actor and pushed its weights to the engines (by the distributed route)."""
+def _check_trained(metrics: list[dict], out: Path) -> None:
+    """Each step trained the actor and pushed its weights to the engines by the distributed route, and each SGLang
+    server took every update (its own log says so). This is the suite's train_async.py run with SGLang."""
     for m in metrics:
         assert m["train/optimizer_steps"] == m["weights/version"] == m["step"] and m["weights/bytes"] > 0, m
+        assert m["weights/push_seconds"] > 0, m
+    logs = sorted(out.glob("engine_*.log"))
+    assert len(logs) == 2, logs
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert "sglang" in text.lower() and text.count("update_weights_from_distributed") >= len(metrics), log
 
 
 def _check_nothing_left(job: Job, procs: dict) -> None:
@@ -177,7 +184,7 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
     first = _metrics(out)
     # The sentinel save of rollout `saved` precedes that step's metrics row; SIGTERM may land between them.
     assert [m["step"] for m in first][:saved] == list(range(1, saved + 1)), first
-    _check_trained(first)
+    _check_trained(first, out)
 
     # Slurm requeues: SIGTERM to the batch script, which stops the run and Ray on every node.
     os.kill(job.proc.pid, signal.SIGTERM)
@@ -194,7 +201,7 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
     assert len(started) == 2 and started[1].endswith(f" --load {job.save_dir}"), started
     resumed = _metrics(out)[metrics_before:]
     assert [m["step"] for m in resumed] == list(range(saved + 2, NUM_ROLLOUT + 1)), resumed
-    _check_trained(resumed)
+    _check_trained(resumed, out)
     assert "[miles-async] done." in job.log
     assert int(pointer.read_text()) == NUM_ROLLOUT - 1  # the final save
     _check_nothing_left(job, json.loads((out / "processes.json").read_text()))
