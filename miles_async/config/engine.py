@@ -20,6 +20,7 @@ from miles_async.config.declare import (
 )
 from miles_async.config.machine import Machine
 from miles_async.inference.auth import ApiKey, api_key_from_env, new_api_key
+from miles_async.utils.cpus import cpu_list
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class EngineConfig:
     # The key every engine requires, on loopback too, and every client sends (inference/auth.py): the
     # run's own random one, or $MILES_ASYNC_ENGINE_API_KEY. Masked wherever the config is printed or dumped.
     api_key: ApiKey | None = None
+    cpu_affinity: tuple[int, ...] | None = None  # --rollout-cpu-affinity: the cores each engine server is pinned to
 
 
 PASSTHROUGH_ENGINES = ("sglang", "vllm")
@@ -132,7 +134,15 @@ GROUPS = (
             check=at_least(1),
             effect_needs=EMBEDDED,
             help="torch threads per embedded engine (default: half the cores; all of them under --synchronous, where "
-            "generation and training take turns)",
+            "generation and training take turns; the number of --rollout-cpu-affinity cores when that is given)",
+        ),
+        flag(
+            "--rollout-cpu-affinity",
+            type=cpu_list,
+            default=None,
+            metavar="CORES",
+            help="pin each engine server (and every process it starts) to these CPU cores (e.g. 1 or 4-7, as "
+            "taskset -c); see --train-cpu-affinity",
         ),
     ),
     group(
@@ -314,7 +324,8 @@ def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConf
         num_engines=ns.rollout_num_gpus // ns.rollout_num_gpus_per_engine,
         dtype=ns.rollout_dtype,
         max_running_requests=ns.sglang_server_concurrency,
-        num_threads=ns.rollout_num_threads or num_threads,
+        num_threads=ns.rollout_num_threads or len(ns.rollout_cpu_affinity or ()) or num_threads,
+        cpu_affinity=ns.rollout_cpu_affinity,
         host=ns.engine_host,
         startup_timeout=ns.engine_startup_timeout,
         request_timeout=ns.engine_request_timeout,

@@ -24,6 +24,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.megatron import MegatronConfig
+from miles_async.utils.cpus import cpu_list
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class TrainConfig:
     cpu_offload: bool = False  # sharded torch backend: shards, gradients and optimizer state in host memory
     lora: LoraSettings | None = None  # the policy trains LoRA adapters only (torch backend)
     freeze_vision_tower: bool = False  # a VLM policy trains its language model only
+    cpu_affinity: tuple[int, ...] | None = None  # --train-cpu-affinity: the cores each worker is pinned to
 
 
 SHARED_PREFIX = flag(
@@ -110,7 +112,16 @@ GROUPS = (
             default=None,
             check=at_least(1),
             help="torch threads per training worker (default: half the cores; all of them under --synchronous, where "
-            "generation and training take turns)",
+            "generation and training take turns; the number of --train-cpu-affinity cores when that is given)",
+        ),
+        flag(
+            "--train-cpu-affinity",
+            type=cpu_list,
+            default=None,
+            metavar="CORES",
+            help="pin each training worker to these CPU cores (e.g. 0 or 0-3,8, as taskset -c), and with "
+            "--rollout-cpu-affinity the engines to others: the machine split between training and generation as a "
+            "GPU cluster splits its GPUs",
         ),
     ),
     group(
@@ -433,7 +444,8 @@ def build(
         update_weight_buffer_size=ns.update_weight_buffer_size,
         gradient_checkpointing=ns.gradient_checkpointing or ns.recompute_granularity is not None,
         seed=ns.seed,
-        num_threads=ns.train_num_threads or num_threads,
+        num_threads=ns.train_num_threads or len(ns.train_cpu_affinity or ()) or num_threads,
+        cpu_affinity=ns.train_cpu_affinity,
         max_kept_weight_versions=(ns.max_staleness_steps if ns.fully_async else 1) + 2,
         megatron=megatron,
         attention_dropout=ns.attention_dropout,

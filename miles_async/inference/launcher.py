@@ -21,6 +21,7 @@ The embedded engine needs none of this: it listens on a socket bound here (``emb
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ import requests
 
 from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, auth_headers, reveal
 from miles_async.utils.cache import cache_dir
+from miles_async.utils.cpus import unavailable
 from miles_async.utils.credentials import private_file, without_secrets
 from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
 
@@ -48,7 +50,7 @@ class EngineStartError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(cores: tuple[int, ...] | None = None) -> None:
     # PR_SET_PDEATHSIG: the kernel sends SIGTERM to the engine if the process that started
     # it (a Ray actor) dies, even by SIGKILL, so no engine outlives its controller.
     try:
@@ -57,6 +59,8 @@ def _die_with_parent() -> None:
     except OSError:
         pass
     os.setsid()
+    if cores:  # before the server starts: every thread and process it makes inherits them
+        os.sched_setaffinity(0, cores)
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: engines import stand-ins and extensions from it
@@ -143,13 +147,19 @@ class EngineProcess:
             out = self.log_path.open("ab")
             self._log_start = out.tell()
         masked = out is not subprocess.DEVNULL
+        cores = self.cfg.cpu_affinity
+        if cores and unavailable(cores):
+            raise EngineStartError(
+                f"--rollout-cpu-affinity: core(s) {unavailable(cores)} are not available on this node "
+                f"(it has {sorted(os.sched_getaffinity(0))})"
+            )
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE if masked else out,
             stderr=subprocess.STDOUT,
             env=env,
             pass_fds=self.pass_fds(),
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, cores),
         )
         self.pids.append(self.proc.pid)
         if masked:

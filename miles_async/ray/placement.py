@@ -96,8 +96,8 @@ def release(placed: dict[str, GroupPlacement]) -> None:
 
 
 def where(role: str, index: int, pid: int | None = None) -> dict:
-    """This Ray worker's place: node, address and the GPUs Ray gave it (``pid`` of the process it runs, if not
-    itself). Written to processes.json, so a run's record shows where everything ran."""
+    """This Ray worker's place: node, address, the GPUs Ray gave it and the CPU cores it may run on (``pid`` of
+    the process it runs, if not itself). Written to processes.json, so a run's record shows where everything ran."""
     connected = ray.is_initialized()  # not in a plain process (a test driving the controller): no node to name
     return {
         "role": role,
@@ -106,4 +106,12 @@ def where(role: str, index: int, pid: int | None = None) -> dict:
         "node_id": ray.get_runtime_context().get_node_id() if connected else None,
         "node_ip": ray.util.get_node_ip_address(),
         "gpu_ids": [str(g) for g in ray.get_gpu_ids()] if connected else [],
+        "cpus": _cpus(pid if pid is not None else 0),
     }
+
+
+def _cpus(pid: int) -> list[int] | None:
+    try:
+        return sorted(os.sched_getaffinity(pid))
+    except OSError:  # the process is gone already
+        return None

@@ -101,7 +101,14 @@ class TrainGroup:
         opts = actor_options(num_threads=cfg.num_threads)
         self.actors = [
             remote_cls.options(**opts, **(placement.options(rank) if placement else {})).remote(
-                class_path, cfg, rank, num_workers, total_optimizer_steps, load_dir, load_rollout_id
+                class_path,
+                cfg,
+                rank,
+                num_workers,
+                total_optimizer_steps,
+                load_dir,
+                load_rollout_id,
+                cpu_affinity=cfg.cpu_affinity,
             )
             for rank in range(num_workers)
         ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from miles_async.utils.cpus import pin
 from miles_async.utils.plugins import load_object
 
 # The workers' concurrency group that writes background checkpoints (their other calls run one at a time).
@@ -20,7 +21,9 @@ CHECKPOINT_GROUP = "checkpoint"
 
 
 class WorkerHost:
-    def __init__(self, class_path: str, *args: Any) -> None:
+    def __init__(self, class_path: str, *args: Any, cpu_affinity: tuple[int, ...] | None = None) -> None:
+        if cpu_affinity:  # before the class's imports, so torch's thread pool starts on these cores
+            pin(cpu_affinity, "--train-cpu-affinity")
         self.worker = load_object(class_path, "training worker class")(*args)
 
     def run(self, method: str, *args: Any) -> Any:

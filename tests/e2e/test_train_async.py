@@ -53,6 +53,11 @@ def main_run(tiny_model, tiny_task, tmp_path_factory):
             "--save-hf",
             str(out / "hf"),
             *LEARN,
+            # The machine split as a GPU cluster splits its GPUs: the trainer on one core, the engine on another.
+            "--train-cpu-affinity",
+            "0",
+            "--rollout-cpu-affinity",
+            "1",
         )
     )
     args.remove("--no-plot")
@@ -77,6 +82,13 @@ def test_next_rollout_generates_while_the_step_trains(main_run):
         and m[n + 1]["rollout/finished_at"] > m[n]["train/started_at"]
     ]
     assert len(overlapping) >= (len(m) - 1) // 2, overlapping
+
+
+def test_the_trainer_and_the_engine_ran_on_the_cores_they_were_given(main_run):
+    """--train-cpu-affinity 0 --rollout-cpu-affinity 1: each process's own affinity, read by the run while it
+    ran (processes.json's placement: the training worker, and the engine server's process)."""
+    cpus = {(p["role"], p["index"]): p["cpus"] for p in main_run.processes()["placement"]}
+    assert cpus == {("actor", 0): [0], ("rollout", 0): [1]}, cpus
 
 
 def test_one_step_off_weight_versions(main_run):
