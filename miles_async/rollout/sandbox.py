@@ -10,6 +10,7 @@ folder. docs/tool-sandbox.md says what each mode contains and what was verified.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import select
@@ -62,6 +63,27 @@ def worker_env(folder: str) -> dict[str, str]:
     return env
 
 
+def coverage_env(folder: str) -> dict[str, str]:
+    """Under ``scripts/coverage.sh`` only, where coverage.py measures this process: what lets a sandboxed process
+    measure itself too. It gets the running configuration and writes its data in its own folder, the one place it
+    may write; ``kill()`` moves that data out. Empty in any other run, and then no worker starts differently."""
+    cov = sys.modules["coverage"].Coverage.current() if "coverage" in sys.modules else None
+    if cov is None:
+        return {}
+    config = copy.copy(cov.config)
+    config.data_file = os.path.join(folder, ".coverage")
+    return {"COVERAGE_PROCESS_CONFIG": config.serialize()}
+
+
+def _move_coverage_data(folder: str) -> None:
+    """A measured worker's data files, moved to where this process's own go (see ``coverage_env``)."""
+    cov = sys.modules["coverage"].Coverage.current()
+    target = os.path.dirname(os.path.abspath(cov.config.data_file))
+    for name in os.listdir(folder):
+        if name.startswith(".coverage."):
+            shutil.move(os.path.join(folder, name), os.path.join(target, f"{name}.sandboxed"))
+
+
 def limits(cfg: SandboxConfig) -> dict[str, int]:
     """The resource limits ``sandbox_exec`` sets (none for ``--tool-sandbox none``)."""
     if cfg.mode == "none":
@@ -109,12 +131,15 @@ class Sandboxed:
             "tmp_bytes": cfg.file_size_mb * MB,
             "probe": probe,
         }
+        self._coverage = coverage_env(self.folder)
+        # -I -S: nothing a tool could shadow is imported; under coverage, site starts coverage.py's hook.
+        isolated = [] if self._coverage else ["-I", "-S"]
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", EXEC, json.dumps(spec)],
+                [sys.executable, *isolated, EXEC, json.dumps(spec)],
                 stdin=stdio,
                 stdout=stdio,
-                env=worker_env(self.folder),
+                env={**worker_env(self.folder), **self._coverage},
                 cwd=self.folder,
                 pass_fds=(report_w,),
                 start_new_session=True,  # its own session: a signal to our group does not reach it
@@ -162,6 +187,13 @@ class Sandboxed:
 
     def kill(self) -> int | None:
         """Kills it and everything it started, removes its folder; its return code (None if it would not die)."""
+        if self._coverage:  # a worker killed saves no data: at the end of its input it may end by itself
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
         if self._init_fd is not None:
             try:
                 signal.pidfd_send_signal(self._init_fd, signal.SIGKILL)  # the kernel empties the namespace first
@@ -189,6 +221,8 @@ class Sandboxed:
                         pipe.close()
                 except OSError:
                     pass
+            if self._coverage:
+                _move_coverage_data(self.folder)
             _remove(self.folder)
 
 

@@ -61,9 +61,8 @@ class _Worker:
         self.ready = False
 
     def stop(self) -> int | None:
-        code = self.box.kill()
-        self.conn.close()
-        return code
+        self.conn.close()  # first: an idle worker ends at the end of its input
+        return self.box.kill()
 
 
 class VerifierPool:

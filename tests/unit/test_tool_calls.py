@@ -16,7 +16,7 @@ from miles_async.config import SandboxConfig, ToolsConfig
 from miles_async.config.control import TOKEN_ENV
 from miles_async.inference.auth import API_KEY_ENV
 from miles_async.rollout.multi_turn import Toolbox, has_tool_role, shows_tools, tool_messages, tool_segment_text
-from miles_async.rollout.sandbox import ALLOWED_ENV, ONE_THREAD
+from miles_async.rollout.sandbox import ALLOWED_ENV, ONE_THREAD, coverage_env
 from miles_async.rollout.tools import ToolCall, ToolRunner, cap_output, load_tools, parse_tool_calls, tool_schema
 from miles_async.rollout.verifier_pool import VerifierPool
 from miles_async.utils.plugins import PluginError
@@ -25,6 +25,9 @@ from tests.hostile_tools import environment
 from tests.multi_turn_helpers import CHATML_TEMPLATE, QWEN_LIKE_TEMPLATE, build_tokenizer, sum_tool
 
 H = "tests.multi_turn_helpers"
+
+# What a worker's environment may hold (and, under scripts/coverage.sh only, coverage.py's configuration).
+WORKER_ENV = {*ALLOWED_ENV, *ONE_THREAD, *coverage_env(""), "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
 
 
 def _flags(tmp_path, *extra: str) -> list[str]:
@@ -356,8 +359,7 @@ def test_a_worker_gets_no_secret_no_descriptor_and_a_session_of_its_own(runner, 
         os.close(leak_w)
     env, fds, ids, where = json.loads(env), json.loads(fds), json.loads(ids), json.loads(where)
     assert not set(secrets) & set(env) and not set(secrets.values()) & set(env.values())
-    allowed = {*ALLOWED_ENV, *ONE_THREAD, "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
-    assert set(env) <= allowed, set(env) - allowed
+    assert set(env) <= WORKER_ENV, set(env) - WORKER_ENV
     assert env["HOME"] == env["TMPDIR"] == where["cwd"]  # its own folder
     # stdin, stdout (its requests and replies), stderr (ours, for what tools print), its own copy of stdout
     assert sorted(fds) == ["0", "1", "2", "3"] and ours not in fds.values()
@@ -379,7 +381,7 @@ def test_a_verifier_worker_gets_no_secret_either(monkeypatch):
 
     env = asyncio.run(go())
     assert TOKEN_ENV not in env and "WANDB_API_KEY" not in env
-    assert set(env) <= {*ALLOWED_ENV, *ONE_THREAD, "HOME", "TMPDIR", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE"}
+    assert set(env) <= WORKER_ENV, set(env) - WORKER_ENV
 
 
 def test_an_unknown_tool_or_a_malformed_call_is_answered_without_a_worker():
