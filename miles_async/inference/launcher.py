@@ -36,7 +36,7 @@ import requests
 
 from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, auth_headers, reveal
 from miles_async.utils.cache import cache_dir
-from miles_async.utils.cpus import unavailable
+from miles_async.utils.cpus import check_available
 from miles_async.utils.credentials import private_file, without_secrets
 from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
 
@@ -148,11 +148,11 @@ class EngineProcess:
             self._log_start = out.tell()
         masked = out is not subprocess.DEVNULL
         cores = self.cfg.cpu_affinity
-        if cores and unavailable(cores):
-            raise EngineStartError(
-                f"--rollout-cpu-affinity: core(s) {unavailable(cores)} are not available on this node "
-                f"(it has {sorted(os.sched_getaffinity(0))})"
-            )
+        if cores:
+            try:
+                check_available(cores, "--rollout-cpu-affinity")
+            except ValueError as e:
+                raise EngineStartError(str(e)) from None
         self.proc = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE if masked else out,

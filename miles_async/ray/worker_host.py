@@ -33,7 +33,7 @@ class WorkerHost:
     @ray.method(concurrency_group=CHECKPOINT_GROUP)
     def run_beside(self, method: str, *args: Any) -> Any:
         """``run`` on the checkpoint group's thread, beside the calls that train (a background save's write)."""
-        return getattr(self.worker, method)(*args)
+        return self.run(method, *args)
 
     def pid(self) -> int:
         return os.getpid()

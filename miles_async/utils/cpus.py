@@ -28,17 +28,17 @@ def cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def unavailable(cores: tuple[int, ...]) -> list[int]:
-    """Those of ``cores`` this process may not run on here (absent, or outside its own affinity)."""
-    return sorted(set(cores) - os.sched_getaffinity(0))
+def check_available(cores: tuple[int, ...], flag: str) -> None:
+    """A ``ValueError`` naming ``flag``, the cores this process may not run on here (absent, or outside its own
+    affinity) and those it may, unless all of ``cores`` are available."""
+    have = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - have)
+    if missing:
+        raise ValueError(f"{flag}: core(s) {missing} are not available on this node (it has {sorted(have)})")
 
 
 def pin(cores: tuple[int, ...], flag: str) -> None:
-    """Pins this process (and the threads and processes it starts from now on) to ``cores``; an error names
-    ``flag`` and the cores this node has."""
-    missing = unavailable(cores)
-    if missing:
-        raise ValueError(
-            f"{flag}: core(s) {missing} are not available on this node (it has {sorted(os.sched_getaffinity(0))})"
-        )
+    """Pins this process (and the threads and processes it starts from now on) to ``cores``; ``check_available``
+    first."""
+    check_available(cores, flag)
     os.sched_setaffinity(0, cores)

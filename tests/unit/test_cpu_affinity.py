@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from miles_async.arguments import parse_args
+from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.inference.launcher import EngineStartError
 from miles_async.utils.cpus import cpu_list
 from tests.scripts.helpers import ROOT
 
@@ -62,3 +64,19 @@ def test_pinning_names_the_flag_and_the_cores_this_node_has():
     pinned, refused = proc.stdout.strip().splitlines()
     assert pinned == f"[{here[-1]}]"
     assert refused == f"--train-cpu-affinity: core(s) [4096] are not available on this node (it has [{here[-1]}])"
+
+
+def test_an_engine_on_cores_this_node_lacks_is_refused_before_it_starts(tiny_model, tiny_task, tmp_path):
+    from tests.e2e.runner import tiny_args
+
+    here = sorted(os.sched_getaffinity(0))
+    cfg = parse_args(
+        [*tiny_args(tiny_model, tiny_task, tmp_path), "--num-rollout", "1", "--rollout-cpu-affinity", "4096"]
+    )
+    engine = EmbeddedEngineProcess(cfg.engine, 0, str(tmp_path))
+    with pytest.raises(EngineStartError) as refused:
+        engine.start()
+    assert (
+        str(refused.value) == f"--rollout-cpu-affinity: core(s) [4096] are not available on this node (it has {here})"
+    )
+    assert engine.proc is None and engine.pids == []
