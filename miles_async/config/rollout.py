@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from miles_async.algorithms import reward_types
@@ -70,6 +72,17 @@ PLUGIN_FLAGS = (
 ZERO_VARIANCE_FILTER = "miles_async.rollout.filters.zero_variance"  # what --zero-variance-filter stands for
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (``'{"enable_thinking": false}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float
@@ -101,6 +114,8 @@ class DataConfig:
     shuffle: bool
     seed: int
     image_key: str | None = None  # --multimodal-keys' image column: each record's image references
+    # --apply-chat-template-kwargs: given to every chat template rendering (prompts, tool turns, evals)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,6 +188,14 @@ GROUPS = (
             "--apply-chat-template",
             help="wrap each prompt in the tokenizer's chat template (a user turn and the generation prompt)",
             action="store_true",
+        ),
+        flag(
+            "--apply-chat-template-kwargs",
+            type=json_object,
+            default=None,
+            effect_needs=when_flag("--apply-chat-template"),
+            help="a JSON object of extra arguments to the chat template, as Miles' '{\"enable_thinking\": false}' "
+            "for Qwen3: given to every rendering of it (prompts, evals, multi-turn tool turns)",
         ),
         flag(
             "--multimodal-keys",
@@ -518,6 +541,7 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
             ns.rollout_shuffle,
             ns.rollout_seed,
             parse_multimodal_keys(ns.multimodal_keys).get("image"),
+            ns.apply_chat_template_kwargs or {},
         ),
         reward=RewardConfig(
             None if ns.rm_type == REMOTE_RM_TYPE else ns.rm_type,

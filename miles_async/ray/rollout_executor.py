@@ -41,8 +41,8 @@ def _filter_long_prompts(items: list[PromptItem], tokenizer, processor, cfg: Rol
     limit = cfg.data.max_prompt_len
     if limit is None:
         return items
-    template = cfg.data.apply_chat_template
-    kept = [it for it in items if len(encode_item(tokenizer, processor, it, template)) <= limit]
+    template, kwargs = cfg.data.apply_chat_template, cfg.data.chat_template_kwargs
+    kept = [it for it in items if len(encode_item(tokenizer, processor, it, template, kwargs)) <= limit]
     if len(kept) < len(items):
         logger.warning(
             "dropped %d of %d prompts longer than --rollout-max-prompt-len %d",
@@ -111,7 +111,11 @@ class RolloutExecutor:
         )
         self.reward = RewardModel(cfg.reward)
         gctx = GenerateContext(
-            self.router, self.tokenizer, Toolbox(tools) if tools is not None else None, processor=self.processor
+            self.router,
+            self.tokenizer,
+            Toolbox(tools) if tools is not None else None,
+            processor=self.processor,
+            template_kwargs=cfg.data.chat_template_kwargs,
         )
         self.ctx = RolloutContext(
             self.data_source,

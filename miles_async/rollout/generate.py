@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from miles_async.inference.router import Router
@@ -40,23 +40,34 @@ class GenerateContext:
     tokenizer: Any
     tools: Any = None  # a rollout.multi_turn.Toolbox under --tools-path; None: no tools
     processor: Any = None  # a vision-language model's processor (vision/hf.py): image prompts' tokens
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # --apply-chat-template-kwargs
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, apply_chat_template: bool) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: Any, apply_chat_template: bool, template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     if apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
         return tokenizer.encode(text, add_special_tokens=False)
     if not isinstance(prompt, str):
         raise ValueError("a chat-message prompt needs --apply-chat-template")
     return tokenizer.encode(prompt)
 
 
-def encode_item(tokenizer: Any, processor: Any, item: PromptItem, apply_chat_template: bool) -> list[int]:
+def encode_item(
+    tokenizer: Any,
+    processor: Any,
+    item: PromptItem,
+    apply_chat_template: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """A data source item's prompt tokens; with images, through the model's processor, each image's placeholder
     expanded to its patches. ``DataError`` naming the record when its images do not fit its prompt."""
     if not item.images:
-        return encode_prompt(tokenizer, item.prompt, apply_chat_template)
+        return encode_prompt(tokenizer, item.prompt, apply_chat_template, template_kwargs)
     from miles_async.vision.hf import PromptImageMismatch
     from miles_async.vision.hf import encode_prompt as encode_with_images
     from miles_async.vision.images import ImageError, load_image
@@ -64,7 +75,8 @@ def encode_item(tokenizer: Any, processor: Any, item: PromptItem, apply_chat_tem
     if processor is None:
         raise DataError(f"{item.where}: the prompt has images but the model has no vision tower (no vision_config)")
     try:
-        return encode_with_images(processor, item.prompt, [load_image(r) for r in item.images], apply_chat_template)
+        images = [load_image(r) for r in item.images]
+        return encode_with_images(processor, item.prompt, images, apply_chat_template, template_kwargs)
     except (PromptImageMismatch, ImageError, ValueError) as e:
         raise DataError(f"--prompt-data: {item.where}: {e}") from e
 

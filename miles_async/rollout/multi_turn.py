@@ -104,13 +104,16 @@ def tool_messages(results: list[tuple[str, str]], tool_role: bool) -> list[dict[
     return [{"role": "user", "content": body}]
 
 
-def tool_segment_text(tokenizer: Any, messages: list[dict[str, str]], turn_text: str) -> str:
+def tool_segment_text(
+    tokenizer: Any, messages: list[dict[str, str]], turn_text: str, template_kwargs: dict[str, Any] | None = None
+) -> str:
     """The text to append after an assistant turn whose decoded text is ``turn_text``: what the template writes
     after the turn that the model did not (e.g. ChatML's newline after ``<|im_end|>``), the tool messages, and
     the header of the next assistant turn."""
     convo = [_DUMMY_USER, {"role": "assistant", "content": _TURN_MARK}]
-    before = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=False)
-    after = tokenizer.apply_chat_template(convo + messages, tokenize=False, add_generation_prompt=True)
+    kwargs = template_kwargs or {}
+    before = tokenizer.apply_chat_template(convo, tokenize=False, add_generation_prompt=False, **kwargs)
+    after = tokenizer.apply_chat_template(convo + messages, tokenize=False, add_generation_prompt=True, **kwargs)
     if not after.startswith(before):
         raise ValueError(
             "the chat template renders earlier turns differently once a tool message follows, so a tool response "
@@ -121,9 +124,13 @@ def tool_segment_text(tokenizer: Any, messages: list[dict[str, str]], turn_text:
     return turn_end[written:] + after[len(before) :]
 
 
-def prompt_with_tools(tokenizer: Any, prompt: Any, schemas: list[dict]) -> list[int]:
+def prompt_with_tools(
+    tokenizer: Any, prompt: Any, schemas: list[dict], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    text = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=schemas, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -160,7 +167,7 @@ def _start(ctx: GenerateContext, sample: Sample, box: Toolbox) -> None:
     sample.response, sample.loss_mask, sample.turns = "", [], 0
     sample.started_at = time.time()
     if box.schemas and shows_tools(ctx.tokenizer):
-        sample.prompt_tokens = prompt_with_tools(ctx.tokenizer, sample.prompt, box.schemas)
+        sample.prompt_tokens = prompt_with_tools(ctx.tokenizer, sample.prompt, box.schemas, ctx.template_kwargs)
 
 
 async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
@@ -209,7 +216,7 @@ async def _turns(
             break
         outputs = await asyncio.gather(*(box.run(session, call) for call in calls))
         results = [(call.name, output) for call, output in zip(calls, outputs, strict=True)]
-        text = tool_segment_text(ctx.tokenizer, tool_messages(results, tool_role), turn_text)
+        text = tool_segment_text(ctx.tokenizer, tool_messages(results, tool_role), turn_text, ctx.template_kwargs)
         segment = ctx.tokenizer.encode(text, add_special_tokens=False)
         room = budget - sample.response_length
         _append_tool_tokens(sample, segment[:room])

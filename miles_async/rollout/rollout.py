@@ -47,7 +47,7 @@ class RolloutContext:
         tokens = self.prompt_token_cache.get(item.uid)
         if tokens is None:
             ctx = self.generate_ctx
-            tokens = encode_item(ctx.tokenizer, ctx.processor, item, self.apply_chat_template)
+            tokens = encode_item(ctx.tokenizer, ctx.processor, item, self.apply_chat_template, ctx.template_kwargs)
             self.prompt_token_cache[item.uid] = tokens
         return tokens
 

@@ -99,12 +99,18 @@ def chat_messages(prompt: Any, n_images: int) -> list[dict]:
     return prompt
 
 
-def encode_prompt(processor: Any, prompt: Any, images: list[Any], apply_chat_template: bool) -> list[int]:
+def encode_prompt(
+    processor: Any,
+    prompt: Any,
+    images: list[Any],
+    apply_chat_template: bool,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """The prompt's token ids with each image's placeholder expanded to its patches (the processor's own rule);
     ``PromptImageMismatch`` when the placeholders and the images differ in number."""
     if apply_chat_template:
         text = processor.apply_chat_template(
-            chat_messages(prompt, len(images)), add_generation_prompt=True, tokenize=False
+            chat_messages(prompt, len(images)), add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
     elif isinstance(prompt, str):
         text = prompt
