@@ -27,6 +27,7 @@ from tests.unit.test_model_flags import _script_model_args
 CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 QWEN3 = "scripts/run-qwen3-4B-async.sh"
 CPU = "scripts/run-smollm2-cpu-async.sh"
+QWEN3_MOE = "scripts/run-qwen3-30B-A3B-async.sh"
 QWEN3_PLAN = [
     "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2; placement group of 4 bundles "
     "x 1 GPU (PACK)",
@@ -37,7 +38,7 @@ QWEN3_PLAN = [
 
 def _launcher_env(tmp_path: Path, script: str, model: str) -> dict:
     paths = {"OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    if script == QWEN3:
+    if script in (QWEN3, QWEN3_MOE):
         paths.update(
             HF_CHECKPOINT=str(CONFIGS / model), DATA_DIR=str(tmp_path / "data"), SAVE_DIR=str(tmp_path / "ckpt")
         )
@@ -199,3 +200,55 @@ def test_miles_list_valued_flags_pass_check_config_as_lists(tmp_path):
     assert cfg["rollout"]["sampling"]["stop_token_ids"] == [151329, 151336, 151338]
     assert cfg["eval"]["sampling"]["stop_token_ids"] == [151329, 151336, 151338]
     assert "  - --offload-rollout-level kv_cache weight is ignored: Miles' colocated-mode memory" in proc.stdout
+
+
+def test_the_qwen3_30b_a3b_launcher_passes_check_config_with_the_published_config(tmp_path):
+    """Miles' Qwen3-30B-A3B launcher moved onto train_async.py, against that model's published config.json:
+    128 experts over EP 8 beside TP 4, and one SGLang engine of 8 GPUs apart from the trainer's 8."""
+    env = _launcher_env(tmp_path, QWEN3_MOE, "Qwen3-30B-A3B")
+    proc = _check_config(QWEN3_MOE, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("check-config: OK, the run would start")
+    assert _plan(proc.stdout) == [
+        "actor: 8 workers x 1 GPU = 8 GPUs; megatron TP 4 x PP 1 x CP 1, data parallel 2; experts EP 8; placement "
+        "group of 8 bundles x 1 GPU (PACK)",
+        "rollout: 1 engine x 8 GPUs = 8 GPUs; sglang engines, weights by distributed; placement group of 1 bundle "
+        "x 8 GPUs (PACK)",
+    ]
+    cfg = yaml.safe_load(proc.stdout.split("# resolved configuration\n", 1)[1].split("\n\n# worker plan", 1)[0])
+    assert cfg["rollout"]["data"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert cfg["train"]["megatron"]["moe"]["token_dispatcher_type"] == "alltoall"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()  # nothing ran
+
+
+def test_the_tiny_qwen3_moe_args_pass_check_config_against_the_tiny_qwen3_moe(tmp_path):
+    """The 30B-A3B launcher with MODEL_ARGS_FILE=scripts/models/qwen3-moe-tiny.sh against the tiny random
+    Qwen3-MoE of miles_async/assets/tiny_model.py, in the layout a CPU rehearsal gives it: TP 2 x EP 2 on 4
+    training workers (its 4 experts cannot take EP 8)."""
+    from miles_async.assets.tiny_model import make_tiny_model
+
+    env = _launcher_env(tmp_path, QWEN3_MOE, "Qwen3-30B-A3B")
+    env.update(
+        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-moe-tiny.sh"),
+        HF_CHECKPOINT=str(make_tiny_model(tmp_path / "tiny", arch="qwen3_moe")),
+    )
+    layout = [
+        "--actor-num-gpus-per-node",
+        "4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+    ]
+    words = _words(_run(QWEN3_MOE, env, ["--dry-run", *layout]).stdout)
+    start, end = words.index(str(ROOT / "train_async.py")) + 1, words.index("--hf-checkpoint")
+    assert words[start:end] == _script_model_args("qwen3-moe-tiny")
+    proc = _check_config(QWEN3_MOE, env, *layout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _plan(proc.stdout)[0] == (
+        "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2; experts EP 2; placement "
+        "group of 4 bundles x 1 GPU (PACK)"
+    )
+    # The published launcher's EP 8 does not fit 4 experts, and the refusal names the flag.
+    proc = _run(QWEN3_MOE, env, ["--tensor-model-parallel-size", "2", "--check-config"], timeout=240)
+    assert proc.returncode == 2 and "--expert-model-parallel-size 8" in proc.stderr, proc.stderr[-2000:]

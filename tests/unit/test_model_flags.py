@@ -54,6 +54,12 @@ QWEN3_30B_A3B_MODEL_ARGS = (
 )
 
 
+def test_our_qwen3_30b_a3b_model_args_are_miles_and_describe_the_published_config():
+    words = _script_model_args("qwen3-30B-A3B")
+    assert words == QWEN3_30B_A3B_MODEL_ARGS.split()
+    assert mismatches(_namespace(words), QWEN3_30B_A3B, "config.json") == []
+
+
 def _published(name: str) -> dict:
     return json.loads((CONFIGS / name / "config.json").read_text())
 
