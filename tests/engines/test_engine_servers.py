@@ -269,16 +269,27 @@ def test_generate_with_logprobs_matches_transformers(backend, engine, tiny_model
     assert_rejected({n: lp[1:] + lp[:1] for n, lp in got.items()}, want, tol, "log-probs one token off")
 
 
-PAUSE_DELAYS_S = (0.2, 0.1, 0.05, 0.03, 0.02, 0.01)
+# The pause follows a request after this many times the time its prompt takes to give a first token, measured just
+# before it: a later attempt (the request finished before the pause) waits less.
+FIRST_TOKEN_MULTIPLES = (4.0, 2.0, 1.5, 1.2, 1.1, 1.05)
 
 
 async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asyncio.Task, str]:
-    """A long request caught by a pause in place before it finished. A tiny model on an idle CPU can finish 480
-    tokens in a few tenths of a second (vLLM did, on a quiet machine), so the requests run to the context's end, and
-    a request that beat the pause is let finish and another tried, paused sooner after it was sent."""
-    for attempt, delay in enumerate(PAUSE_DELAYS_S):
+    """A long request caught by a pause in place after its first tokens and before it finished.
+
+    A fixed delay before the pause fails both ways: a tiny model on an idle CPU can finish 480 tokens in a few tenths
+    of a second (vLLM did, on a quiet machine), and on a loaded one the first token can come later than the pause
+    (which then froze a request with no output: an abort returned 0 tokens, and every token carried the version set
+    during the pause). So each attempt first times a one-token request of the same prompt (its prefill, on the
+    machine as loaded now; the prefix is then cached, so the long request's first token comes sooner still), and
+    pauses a multiple of that after sending the long one. The requests run to the context's end; one that beat the
+    pause is let finish and another tried, paused sooner."""
+    for attempt, multiple in enumerate(FIRST_TOKEN_MULTIPLES):
+        started = time.monotonic()
+        await c.generate(prompt, {**LONG, "max_new_tokens": 1}, rid=f"{rid}-first-{attempt}")
+        first_token_s = time.monotonic() - started
         task = asyncio.create_task(c.generate(prompt, LONG, rid=f"{rid}-{attempt}"))
-        await asyncio.sleep(delay)
+        await asyncio.sleep(first_token_s * multiple)
         await c.pause("in_place")
         await asyncio.sleep(0.5)
         if not task.done():
@@ -286,8 +297,9 @@ async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asynci
         await c.resume()
         await task
     raise AssertionError(
-        f"{len(PAUSE_DELAYS_S)} requests of {LONG['max_new_tokens']} tokens each finished before a pause "
-        f"{PAUSE_DELAYS_S} s after it was sent: none could be paused mid-generation"
+        f"{len(FIRST_TOKEN_MULTIPLES)} requests of {LONG['max_new_tokens']} tokens each finished before a pause "
+        f"{FIRST_TOKEN_MULTIPLES} times their prompt's time to a first token after it was sent: none could be "
+        "paused mid-generation"
     )
 
 
