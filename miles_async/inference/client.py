@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     import torch
 
 
+# How long an idle connection to an engine may be reused. SGLang's and vLLM's servers (uvicorn) close a connection
+# idle for 5 s, and aiohttp's pool would reuse one for 15 s, oldest first: a request sent on a connection the server
+# is closing fails with "Server disconnected". On a loaded machine the client sees the close late, so the margin is
+# wide; a new localhost connection costs well under a millisecond.
+IDLE_CONNECTION_REUSE_S = 2.0
+
+
 class EngineError(RuntimeError):
     """An inference-engine call failed (HTTP error status, timeout or connection error)."""
 
@@ -104,9 +111,8 @@ class EngineClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # limit=0: rollouts keep hundreds of generations in flight, and
             # aiohttp's default cap of 100 would serialise them client-side.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections), headers=self._headers
-            )
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=IDLE_CONNECTION_REUSE_S)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
             self._session_loop = loop
         return self._session
 

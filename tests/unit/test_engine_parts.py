@@ -234,3 +234,35 @@ def test_engine_weight_folder_holds_engine_dtype_weights_and_the_config_only(tmp
     assert "tokenizer.json" in names and "model.safetensors.index.json" in names and "model.safetensors" not in names
     index = json.loads((tmp_path / "full" / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == {n for n, _ in named} and embed.dtype == torch.float32
+
+
+def test_an_idle_connection_is_not_reused_once_the_server_may_be_closing_it():
+    """SGLang's and vLLM's servers close a connection idle for 5 s, and a client that reuses it as the server
+    closes it gets "Server disconnected". A connection idle for longer than IDLE_CONNECTION_REUSE_S is not reused;
+    one idle for less is."""
+    from miles_async.inference.client import IDLE_CONNECTION_REUSE_S, EngineClient
+
+    peers: list[tuple] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.json_response({"num_running_reqs": 0})
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/get_load", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            async with EngineClient(f"http://127.0.0.1:{runner.addresses[0][1]}", timeout=10) as c:
+                await c.load()
+                await c.load()  # at once: the same connection
+                await asyncio.sleep(IDLE_CONNECTION_REUSE_S + 0.5)
+                await c.load()  # idle too long: a new one
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert IDLE_CONNECTION_REUSE_S < 5.0
+    assert peers[0] == peers[1] and peers[2] != peers[1], peers
