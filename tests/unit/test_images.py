@@ -1,0 +1,62 @@
+"""vision/images.load_image: what an image reference in the data (--multimodal-keys) may be (a path, absolute or
+relative to the data file's folder, a data: URI, bare base64) and the error that names what is wrong with one."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+
+import pytest
+from PIL import Image
+
+from miles_async.vision.images import ImageError, load_image
+
+
+def _png(size=(24, 16)) -> bytes:
+    """Noise (so its base64 is as long as a real image's), with one known pixel."""
+    img = Image.frombytes("RGB", size, random.Random(0).randbytes(size[0] * size[1] * 3))
+    img.putpixel((3, 3), (200, 10, 10))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("form", ["absolute", "relative", "data_uri", "base64"])
+def test_each_form_of_reference_gives_the_same_rgb_image(tmp_path, form):
+    png = _png()
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(png)
+    ref = {
+        "absolute": str(tmp_path / "imgs" / "a.png"),
+        "relative": "imgs/a.png",
+        "data_uri": "data:image/png;base64," + base64.b64encode(png).decode(),
+        "base64": base64.b64encode(png).decode(),
+    }[form]
+    assert form != "base64" or len(ref) > 256  # bare base64 is told from a path by its length
+    img = load_image(ref, base_dir=tmp_path)
+    assert img.mode == "RGB" and img.size == (24, 16) and img.getpixel((3, 3)) == (200, 10, 10)
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ("", "an image reference must be a non-empty string"),
+        (7, "an image reference must be a non-empty string"),
+        ("data:image/png,AAAA", "a data: URI must be base64"),
+        ("data:image/png;base64,@@@@", "the data: URI's base64 does not decode"),
+        ("missing/b.png", "image file not found: missing/b.png"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not a readable image: data:image"),
+    ],
+)
+def test_a_bad_reference_is_refused_saying_why(tmp_path, ref, message):
+    with pytest.raises(ImageError) as refused:
+        load_image(ref, base_dir=tmp_path)
+    assert str(refused.value).startswith(message), str(refused.value)
+
+
+def test_a_file_that_is_not_an_image_is_named(tmp_path):
+    (tmp_path / "notes.png").write_text("hello")
+    with pytest.raises(ImageError) as refused:
+        load_image("notes.png", base_dir=tmp_path)
+    assert str(refused.value).startswith("not a readable image: notes.png")
