@@ -27,7 +27,7 @@ WRITTEN = [gen_docs.README, *(p for p in sorted((ROOT / "docs").rglob("*.md")) i
 FOREIGN_FLAGS = {
     "docker": {"--gpus", "--ipc", "--rm", "--shm-size", "--security-opt"},
     "sbatch": {"--requeue", "--signal"},
-    "pytest": {"--dist", "--durations", "--timeout"},
+    "pytest": {"--dist", "--durations", "--timeout", "--repeat"},  # --repeat: tests/repeat.py
     "mkdocs": {"--strict"},
     "ray start": {"--head"},
     "SGLang's server": {
