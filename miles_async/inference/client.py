@@ -35,11 +35,16 @@ if TYPE_CHECKING:
     import torch
 
 
-# How long an idle connection to an engine may be reused. SGLang's and vLLM's servers (uvicorn) close a connection
-# idle for 5 s, and aiohttp's pool would reuse one for 15 s, oldest first: a request sent on a connection the server
-# is closing fails with "Server disconnected". On a loaded machine the client sees the close late, so the margin is
-# wide; a new localhost connection costs well under a millisecond.
+# How long an idle connection to an engine may be reused. aiohttp's pool would reuse one for 15 s, oldest first,
+# while SGLang's and vLLM's servers (uvicorn) close one idle for 5 s by default: a request sent on a connection the
+# server is closing fails with "Server disconnected". A new localhost connection costs well under a millisecond.
 IDLE_CONNECTION_REUSE_S = 2.0
+# How long SGLang's and vLLM's servers keep an idle connection open (their launchers set it). Far longer than the
+# client's reuse, because the server's timer counts from when it answered: a server process starved of the CPU for
+# longer than its keep-alive right after answering (seen at a load average of 60-118 on 2 cores) woke with the
+# timer due and the client's next request unread, and closed that connection under a request it never saw (libuv,
+# under uvloop, runs due timers before it polls sockets).
+SERVER_KEEP_ALIVE_S = 60
 
 
 class EngineError(RuntimeError):

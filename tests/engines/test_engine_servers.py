@@ -209,6 +209,33 @@ def test_every_route_the_server_lists_requires_the_key_but_its_probes(backend, e
     assert open_routes and all(m == "GET" for m, _ in open_routes), open_routes
 
 
+def test_the_server_keeps_an_idle_connection_open_past_uvicorns_default(backend, engine):
+    """SERVER_KEEP_ALIVE_S reaches the server: a connection idle for 6 s (uvicorn's default keep-alive is 5 s) still
+    carries a request. With the default, a server starved of the CPU for 5 s right after answering closed a
+    connection under the client's next request (client.py says how)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(engine.url)
+
+    async def two_requests_on_one_connection() -> list[bytes]:
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        heads = []
+        try:
+            for pause in (0.0, 6.0):
+                await asyncio.sleep(pause)
+                writer.write(f"GET /health HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode())
+                await writer.drain()
+                heads.append(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30))
+                length = re.search(rb"content-length: (\d+)", heads[-1], re.IGNORECASE)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+        finally:
+            writer.close()
+        return heads
+
+    heads = run(two_requests_on_one_connection())
+    assert [h.split(b"\r\n", 1)[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 2, heads
+
+
 def test_launch_command_has_the_cpu_defaults(backend, engine):
     cmd, env = engine.command(), engine.env()
     if backend == "sglang":
@@ -269,37 +296,49 @@ def test_generate_with_logprobs_matches_transformers(backend, engine, tiny_model
     assert_rejected({n: lp[1:] + lp[:1] for n, lp in got.items()}, want, tol, "log-probs one token off")
 
 
-# The pause follows a request after this many times the time its prompt takes to give a first token, measured just
-# before it: a later attempt (the request finished before the pause) waits less.
-FIRST_TOKEN_MULTIPLES = (4.0, 2.0, 1.5, 1.2, 1.1, 1.05)
+# How many requests a pause test may send before it gives up catching one mid-generation.
+CATCH_ATTEMPTS = 8
+EARLY, LATE = "early", "late"
 
 
-async def _paused_mid_generation(c, prompt: list[int], rid: str) -> tuple[asyncio.Task, str]:
-    """A long request caught by a pause in place after its first tokens and before it finished.
+async def _caught_mid_generation(c, prompt: list[int], rid: str, act):
+    """``act(c, task, rid)`` on a long request paused in place after its first tokens and before its last.
 
-    A fixed delay before the pause fails both ways: a tiny model on an idle CPU can finish 480 tokens in a few tenths
-    of a second (vLLM did, on a quiet machine), and on a loaded one the first token can come later than the pause
-    (which then froze a request with no output: an abort returned 0 tokens, and every token carried the version set
-    during the pause). So each attempt first times a one-token request of the same prompt (its prefill, on the
-    machine as loaded now; the prefix is then cached, so the long request's first token comes sooner still), and
-    pauses a multiple of that after sending the long one. The requests run to the context's end; one that beat the
-    pause is let finish and another tried, paused sooner."""
-    for attempt, multiple in enumerate(FIRST_TOKEN_MULTIPLES):
-        started = time.monotonic()
-        await c.generate(prompt, {**LONG, "max_new_tokens": 1}, rid=f"{rid}-first-{attempt}")
-        first_token_s = time.monotonic() - started
+    No delay fixed in advance, nor one derived from a timing, holds on a shared CPU: a tiny model on an idle one
+    can finish 4,064 tokens in a few seconds, and on a loaded one vLLM's starved API server answered a one-token
+    request so late that 4x its time was longer than a whole long generation (while a pause sent too early freezes
+    a request with no output: an abort returns 0 tokens, and every token carries the version set during the
+    pause). So the outcome decides: ``act`` reports ``LATE`` (the request had finished) or ``EARLY`` (it had no
+    token yet), and the next attempt's delay bisects between the latest too-early and the earliest too-late one,
+    starting from twice the time a one-token request of the same prompt takes. An engine whose pause or abort does
+    not work reports the same side every time and fails here."""
+    started = time.monotonic()
+    await c.generate(prompt, {**LONG, "max_new_tokens": 1}, rid=f"{rid}-first")
+    early, late = 0.0, None
+    delay = 2 * (time.monotonic() - started)
+    seen = []
+    for attempt in range(CATCH_ATTEMPTS):
         task = asyncio.create_task(c.generate(prompt, LONG, rid=f"{rid}-{attempt}"))
-        await asyncio.sleep(first_token_s * multiple)
+        await asyncio.sleep(delay)
         await c.pause("in_place")
         await asyncio.sleep(0.5)
-        if not task.done():
-            return task, f"{rid}-{attempt}"
-        await c.resume()
-        await task
+        if task.done():
+            await c.resume()
+            await task
+            outcome = LATE
+        else:
+            outcome = await act(c, task, f"{rid}-{attempt}")
+            if outcome not in (EARLY, LATE):
+                return outcome
+        seen.append(f"{delay:.2f}s: {outcome}")
+        if outcome == LATE:
+            late = delay
+        else:
+            early = delay
+        delay = (early + late) / 2 if late is not None else 2 * delay
     raise AssertionError(
-        f"{len(FIRST_TOKEN_MULTIPLES)} requests of {LONG['max_new_tokens']} tokens each finished before a pause "
-        f"{FIRST_TOKEN_MULTIPLES} times their prompt's time to a first token after it was sent: none could be "
-        "paused mid-generation"
+        f"no request of {LONG['max_new_tokens']} tokens in {CATCH_ATTEMPTS} was caught mid-generation by a pause "
+        f"sent after a delay ({', '.join(seen)}): the pause does not hold a request, or the abort does not end it"
     )
 
 
@@ -307,18 +346,22 @@ def test_pause_in_place_then_continue_completes_the_request(backend, engine, tin
     """Paused in place, a request waits; a version set while it waits labels the tokens made after the pause."""
     prompt = _prompts(tiny_model)[0]
 
+    async def continued(c, task, _rid):
+        await asyncio.sleep(1.0)
+        paused_done = task.done()
+        if backend == "vllm":
+            await c.set_weight_version(7)
+        await c.resume()
+        out = await task
+        if backend == "vllm":
+            await c.set_weight_version(0)
+            if out["meta_info"]["output_token_weight_versions"][0] == 7:
+                return EARLY  # paused before its first token: nothing to label with the old version
+        return paused_done, out
+
     async def go():
         async with client(backend, engine) as c:
-            task, _ = await _paused_mid_generation(c, prompt, "in-place")
-            await asyncio.sleep(1.0)
-            paused_done = task.done()
-            if backend == "vllm":
-                await c.set_weight_version(7)
-            await c.resume()
-            out = await task
-            if backend == "vllm":
-                await c.set_weight_version(0)
-            return paused_done, out
+            return await _caught_mid_generation(c, prompt, "in-place", continued)
 
     paused_done, out = run(go())
     assert not paused_done, "the request finished while the engine was paused"
@@ -333,18 +376,24 @@ def test_pause_in_place_then_continue_completes_the_request(backend, engine, tin
 def test_abort_returns_the_partial_output(backend, engine, tiny_model, how):
     prompt = _prompts(tiny_model)[1]
 
+    async def aborted(c, task, rid):
+        # Aborted while running (SGLang does not answer a request frozen by a pause in place when paused again in
+        # abort mode).
+        await c.resume()
+        if how == "pause_abort":
+            await c.pause("abort")
+        else:
+            await c.abort(rid=rid)
+        out = await asyncio.wait_for(task, 60)
+        await c.resume()
+        n = len(out["output_ids"])
+        if out["meta_info"]["finish_reason"]["type"] == "length" and n == LONG["max_new_tokens"]:
+            return LATE  # paused so near its end that it finished before the abort reached it
+        return EARLY if n == 0 else out
+
     async def go():
         async with client(backend, engine) as c:
-            task, rid = await _paused_mid_generation(c, prompt, f"abort-{how}")
-            # Aborted while running (SGLang does not answer a request frozen by a pause in place when
-            # paused again in abort mode): it has hundreds of tokens left when the abort follows.
-            await c.resume()
-            if how == "pause_abort":
-                await c.pause("abort")
-            else:
-                await c.abort(rid=rid)
-            out = await asyncio.wait_for(task, 60)
-            await c.resume()
+            out = await _caught_mid_generation(c, prompt, f"abort-{how}", aborted)
             after = await c.generate(prompt, {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
             return out, after
 

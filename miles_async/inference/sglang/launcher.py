@@ -28,6 +28,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from miles_async.inference.client import SERVER_KEEP_ALIVE_S
 from miles_async.inference.launcher import ROOT, ServerEngineProcess, engine_python
 
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
@@ -82,6 +83,7 @@ class SGLangEngineProcess(ServerEngineProcess):
 
     def env(self) -> dict:
         env = super().env()
+        env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
         if not self.cfg.use_gpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -33,6 +33,7 @@ import os
 
 import requests
 
+from miles_async.inference.client import SERVER_KEEP_ALIVE_S
 from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess, engine_python
 
 CPU_KVCACHE_GIB = "2"
@@ -79,6 +80,7 @@ class VLLMEngineProcess(ServerEngineProcess):
     def env(self) -> dict:
         env = super().env()
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
         # The worker extension is imported by vLLM's workers from this checkout.
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in paths if p != str(ROOT)])
