@@ -15,9 +15,9 @@ MOE_ROUTER = (
     "where the router's softmax sits is config.json's (norm_topk_prob false: before the top-k, as "
     "--moe-router-pre-softmax; true, and Mixtral: over the top-k)"
 )
-MOE_BIAS = (
-    "DeepSeek/GLM-style routing (expert bias, group-limited top-k, scaled scores), for MoE families the megatron "
-    "backend does not build yet; the routers of those it builds are config.json's"
+MOE_GROUPS = (
+    "group-limited top-k is DeepSeek's router (config.json's n_group > 1), for a family the megatron backend does "
+    "not build yet; with one group it changes nothing"
 )
 OFFLOAD = "Miles' colocated-mode memory management; here the trainer and the engines never share a GPU"
 PACKING = "micro-batches are packed to --max-tokens-per-gpu tokens (Miles' --use-dynamic-batch-size)"
@@ -82,9 +82,6 @@ GROUPS = (
             "the loss is aggregated by --loss-agg-mode (token_mean by default: per token over the whole step)",
         ),
         _value("--loss-mask-type", "the loss mask comes with each sample from its generation"),
-        _switch("--optimizer-cpu-offload", "the optimizer state stays on the training GPU"),
-        _switch("--overlap-cpu-optimizer-d2h-h2d", "the optimizer state stays on the training GPU"),
-        _switch("--use-precision-aware-optimizer", "the optimizer keeps fp32 master weights and fp32 state"),
         _switch("--no-check-for-nan-in-loss-and-grad", "a non-finite loss is not checked separately here"),
         _switch("--no-gradient-accumulation-fusion", FUSION),
         _switch("--no-rope-fusion", FUSION),
@@ -110,11 +107,8 @@ GROUPS = (
         _value("--wandb-run-id", "the run's name is --wandb-run-name"),
         _switch("--moe-router-pre-softmax", MOE_ROUTER),
         _switch("--moe-shared-expert-gate", "the shared expert's sigmoid gate is config.json's (Qwen2-MoE has one)"),
-        _switch("--moe-router-enable-expert-bias", MOE_BIAS),
-        _value("--moe-router-bias-update-rate", MOE_BIAS, float),
-        _value("--moe-router-topk-scaling-factor", MOE_BIAS, float),
-        _value("--moe-router-num-groups", MOE_BIAS, int),
-        _value("--moe-router-group-topk", MOE_BIAS, int),
+        _value("--moe-router-num-groups", MOE_GROUPS, int),
+        _value("--moe-router-group-topk", MOE_GROUPS, int),
         _switch(
             "--moe-enable-deepep",
             "DeepEP is what --moe-token-dispatcher-type flex dispatches with (megatron-core's default backend)",

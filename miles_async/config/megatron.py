@@ -8,6 +8,7 @@ Activation recompute (--recompute-granularity/method/num-layers) is Megatron's o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,12 @@ class MegatronConfig:
     moe: moe.MoEConfig = moe.MoEConfig()
     decoder_first_pipeline_num_layers: int | None = None  # uneven stages; None: an even split
     decoder_last_pipeline_num_layers: int | None = None
+    # The optimizer's memory (megatron-core's OptimizerConfig): its state and step on the CPU (all of it, or a
+    # fraction), the copies overlapped with the step, and Transformer Engine's precision-aware FusedAdam.
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_precision_aware_optimizer: bool = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -50,6 +57,10 @@ FULL_RECOMPUTE = When(
 
 
 PIPELINE = When("--pipeline-model-parallel-size > 1", lambda ns: ns.pipeline_model_parallel_size > 1)
+OFFLOAD = When(
+    "--train-backend megatron --optimizer-cpu-offload",
+    lambda ns: ns.train_backend == "megatron" and ns.optimizer_cpu_offload,
+)
 
 GROUPS = (
     group(
@@ -99,6 +110,34 @@ GROUPS = (
             "--use-distributed-optimizer",
             action="store_true",
             help="shard the optimizer state over the data-parallel ranks",
+        ),
+        flag(
+            "--optimizer-cpu-offload",
+            action="store_true",
+            effect_needs=MEGATRON,
+            help="keep the optimizer's state and run its step on the CPU (megatron-core's HybridDeviceOptimizer), "
+            "freeing GPU memory; with the distributed optimizer",
+        ),
+        flag(
+            "--optimizer-offload-fraction",
+            type=float,
+            default=1.0,
+            check=at_least(0.0),
+            effect_needs=OFFLOAD,
+            help="the share of the optimizer's state kept on the CPU (Megatron-LM's default: all of it)",
+        ),
+        flag(
+            "--overlap-cpu-optimizer-d2h-h2d",
+            action="store_true",
+            effect_needs=OFFLOAD,
+            help="overlap the CPU optimizer's step with the copies of gradients to it and of weights back",
+        ),
+        flag(
+            "--use-precision-aware-optimizer",
+            action="store_true",
+            effect_needs=MEGATRON,
+            help="Transformer Engine's FusedAdam with its master weights and state in their own dtypes; with the "
+            "distributed optimizer",
         ),
         flag(
             "--expert-model-parallel-size",
@@ -214,11 +253,16 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         moe.build(ns, machine),
         ns.decoder_first_pipeline_num_layers,
         ns.decoder_last_pipeline_num_layers,
+        ns.optimizer_cpu_offload,
+        ns.optimizer_offload_fraction,
+        ns.overlap_cpu_optimizer_d2h_h2d,
+        ns.use_precision_aware_optimizer,
     )
     if ns.train_backend != "megatron":
         return mcfg
-    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
     te = machine.has_module("transformer_engine")
+    mcfg = _optimizer_memory(mcfg, machine, te)
+    tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
     if cp > 1:
         missing = [
             "the backend's context-parallel data path (each packed sequence split over the CP ranks as Megatron "
@@ -255,6 +299,36 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
     require(
         layers is None or num_layers is None or layers <= num_layers,
         f"--recompute-num-layers {layers} is more than the model's {num_layers} layers",
+    )
+    return mcfg
+
+
+def _optimizer_memory(mcfg: MegatronConfig, machine: Machine, te: bool) -> MegatronConfig:
+    """Miles' optimizer-memory flags: megatron-core runs them with the distributed optimizer only, which Miles turns
+    on for every run, so a Miles launcher that gives them without --use-distributed-optimizer gets it (said in a
+    warning). What this machine lacks for them is said too: they take effect where the actors have GPUs (and
+    Transformer Engine)."""
+    switches = {
+        "--optimizer-cpu-offload": mcfg.optimizer_cpu_offload,
+        "--use-precision-aware-optimizer": mcfg.use_precision_aware_optimizer,
+    }
+    given = [name for name, on in switches.items() if on]
+    if given and not mcfg.use_distributed_optimizer:
+        machine.expect(
+            False,
+            f"{' and '.join(given)} run with the distributed optimizer only (megatron-core's): "
+            "--use-distributed-optimizer is turned on, as Miles does for every run",
+        )
+        mcfg = dataclasses.replace(mcfg, use_distributed_optimizer=True)
+    machine.expect(
+        not mcfg.optimizer_cpu_offload or machine.cuda_devices() > 0,
+        "--optimizer-cpu-offload moves the optimizer's state and step from the GPU to the CPU; without a GPU here "
+        "they are on the CPU already (it takes effect on GPU nodes)",
+    )
+    machine.expect(
+        not mcfg.use_precision_aware_optimizer or te,
+        "--use-precision-aware-optimizer is Transformer Engine's FusedAdam, absent here: the optimizer keeps fp32 "
+        "master weights and fp32 state",
     )
     return mcfg
 

@@ -8,7 +8,7 @@ use: the one given, or Megatron-LM's default when it is not (e.g. no --swiglu me
 means hidden-size / heads). A mismatch fails before anything starts, naming the flag, its value and the config's.
 
 ``megatron_args(hf)`` is the one mapping, config.json -> the value of each flag, pure and unit-tested for the
-llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe and mixtral families.
+llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral and glm4_moe families.
 
 --vocab-size is the vocabulary before Megatron-LM pads it to a multiple of --make-vocab-size-divisible-by (x TP).
 A launcher may give config.json's vocab_size, or that size already padded to a multiple of
@@ -30,9 +30,13 @@ from miles_async.config.declare import ConfigError, at_least, flag, group
 
 # Families whose layout is known: which have q/k norms, and which put a bias on q/k/v only.
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 QK_NORM = ("qwen3", "qwen3_moe")
 QKV_BIAS = ("qwen2", "qwen2_moe")
+# Families whose attention_bias biases q/k/v only (Llama's also biases o_proj).
+QKV_ONLY_ATTENTION_BIAS = QKV_BIAS + ("glm4_moe",)
+# Sigmoid routers that choose by score plus a learned per-expert bias and scale the chosen weights (GLM-4.5).
+EXPERT_BIAS = ("glm4_moe",)
 
 
 # -- config.json -> Megatron-LM flags (pure) ------------------------------------------------------
@@ -48,15 +52,32 @@ def _rope(hf: Mapping[str, Any]) -> dict:
 
 
 def _num_experts(hf: Mapping[str, Any]) -> int | None:
-    return hf.get("num_experts") or hf.get("num_local_experts") or None
+    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or None
 
 
 def _moe_layers(hf: Mapping[str, Any]) -> list[int] | None:
-    """Which layers are MoE (1) or dense (0), as --moe-layer-freq lists them."""
+    """Which layers are MoE (1) or dense (0), as --moe-layer-freq lists them: Qwen's decoder_sparse_step and
+    mlp_only_layers, GLM's and DeepSeek's first_k_dense_replace."""
     if _num_experts(hf) is None:
         return None
     step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    dense |= set(range(hf.get("first_k_dense_replace") or 0))
     return [0 if i in dense or (i + 1) % step else 1 for i in range(hf["num_hidden_layers"])]
+
+
+def _shared_expert(hf: Mapping[str, Any]) -> int | None:
+    """The shared expert's hidden size: Qwen2-MoE's own, GLM's n_shared_experts routed-expert sizes."""
+    if hf.get("model_type") == "glm4_moe":
+        return (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None
+    return hf.get("shared_expert_intermediate_size") or None
+
+
+def _qk_norm(hf: Mapping[str, Any]) -> bool:
+    return hf["model_type"] in QK_NORM or (hf["model_type"] == "glm4_moe" and bool(hf.get("use_qk_norm")))
+
+
+def _expert_bias(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in EXPERT_BIAS
 
 
 def _known(hf: Mapping[str, Any]) -> bool:
@@ -88,7 +109,7 @@ class Row:
 def _bias_linear(hf: Mapping[str, Any]) -> bool:
     # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear; Qwen2's
     # q/k/v biases are --add-qkv-bias alone.
-    o_proj_bias = bool(hf.get("attention_bias")) and hf["model_type"] not in QKV_BIAS
+    o_proj_bias = bool(hf.get("attention_bias")) and hf["model_type"] not in QKV_ONLY_ATTENTION_BIAS
     return not (o_proj_bias or hf.get("mlp_bias", False))
 
 
@@ -110,7 +131,11 @@ TABLE: tuple[Row, ...] = (
     Row("--norm-epsilon", ("rms_norm_eps",), lambda hf: hf.get("rms_norm_eps")),
     Row("--position-embedding-type", ("model_type",), lambda hf: "rope", _known),
     Row("--rotary-base", ("rope_theta",), lambda hf: float(_rope(hf).get("rope_theta", 10000.0))),
-    Row("--rotary-percent", ("partial_rotary_factor",), lambda hf: hf.get("partial_rotary_factor") or 1.0),
+    Row(
+        "--rotary-percent",
+        ("partial_rotary_factor",),
+        lambda hf: _rope(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0,
+    ),
     Row("--use-rope-scaling", ("rope_type",), _llama3_rope),
     Row("--rope-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), _llama3_rope),
     Row("--max-position-embeddings", ("max_position_embeddings",), lambda hf: hf.get("max_position_embeddings")),
@@ -120,7 +145,7 @@ TABLE: tuple[Row, ...] = (
         ("tie_word_embeddings",),
         lambda hf: not hf.get("tie_word_embeddings", False),
     ),
-    Row("--qk-layernorm", ("model_type",), lambda hf: hf["model_type"] in QK_NORM, _known),
+    Row("--qk-layernorm", ("model_type", "use_qk_norm"), _qk_norm, _known),
     Row(
         "--add-qkv-bias",
         ("model_type", "attention_bias"),
@@ -136,14 +161,26 @@ TABLE: tuple[Row, ...] = (
         lambda hf: hf.get("moe_intermediate_size") or hf["intermediate_size"],
         _is_moe,
     ),
-    Row("--moe-layer-freq", ("decoder_sparse_step", "mlp_only_layers"), _moe_layers, _is_moe),
+    Row("--moe-layer-freq", ("decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace"), _moe_layers, _is_moe),
     Row(
         "--moe-shared-expert-intermediate-size",
-        ("shared_expert_intermediate_size",),
-        lambda hf: hf.get("shared_expert_intermediate_size"),
-        lambda hf: _is_moe(hf) and bool(hf.get("shared_expert_intermediate_size")),
+        ("shared_expert_intermediate_size", "n_shared_experts", "moe_intermediate_size"),
+        _shared_expert,
+        lambda hf: _is_moe(hf) and _shared_expert(hf) is not None,
     ),
-    Row("--moe-router-score-function", ("model_type",), lambda hf: "softmax", lambda hf: _is_moe(hf) and _known(hf)),
+    Row(
+        "--moe-router-score-function",
+        ("model_type",),
+        lambda hf: "sigmoid" if _expert_bias(hf) else "softmax",
+        lambda hf: _is_moe(hf) and _known(hf),
+    ),
+    Row("--moe-router-enable-expert-bias", ("model_type",), _expert_bias, lambda hf: _is_moe(hf) and _known(hf)),
+    Row(
+        "--moe-router-topk-scaling-factor",
+        ("routed_scaling_factor",),
+        lambda hf: float(hf.get("routed_scaling_factor") or 1.0),
+        _expert_bias,
+    ),
 )
 ROWS = {row.flag: row for row in TABLE}
 
@@ -252,6 +289,10 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
                     "--moe-shared-expert-intermediate-size", None, "no shared expert"
                 ),
                 "--moe-router-score-function": value("--moe-router-score-function", "softmax"),
+                "--moe-router-enable-expert-bias": switch("--moe-router-enable-expert-bias"),
+                "--moe-router-topk-scaling-factor": value(
+                    "--moe-router-topk-scaling-factor", 1.0, "the chosen experts' weights unscaled"
+                ),
             }
         )
     return out
@@ -419,6 +460,15 @@ GROUPS = (
             str,
             choices=("softmax", "sigmoid"),
             help="MoE: the router's score function; Megatron-LM's default: softmax",
+        ),
+        _archflag(
+            "--moe-router-enable-expert-bias",
+            help="MoE: experts chosen by score plus a learned per-expert bias (GLM-4.5's e_score_correction_bias)",
+        ),
+        _archflag(
+            "--moe-router-topk-scaling-factor",
+            float,
+            help="MoE: the chosen experts' weights scaled by it (config.json's routed_scaling_factor)",
         ),
     ),
 )

@@ -20,7 +20,7 @@ from miles_async.config.declare import When, at_least, flag, group
 from miles_async.config.machine import Machine
 
 # The MoE families the megatron backend builds, and for others what it would need (in the error).
-BUILT = ("qwen3_moe", "qwen2_moe", "mixtral")
+BUILT = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 _DEEPSEEK = (
     "multi-latent attention and DeepSeek's router (sigmoid scores with an expert-score bias, group-limited "
     "top-k, routed_scaling_factor)"
@@ -29,8 +29,6 @@ MISSING = {
     "deepseek_v3": _DEEPSEEK,
     "deepseek_v2": _DEEPSEEK,
     "kimi_k2": _DEEPSEEK,
-    "glm4_moe": "GLM's router (sigmoid scores with an expert-score bias and routed_scaling_factor) and its partial "
-    "RoPE (partial_rotary_factor)",
     "minimax_m2": "MiniMax's sigmoid router with an expert-score bias",
 }
 
@@ -56,19 +54,29 @@ class MoEConfig:
     token_drop_policy: str = "probs"
     grouped_gemm: bool = False  # requested; only Transformer Engine's kernel honours it
     permute_fusion: bool = False
+    bias_update_rate: float = 1e-3  # how fast an expert-bias router's bias follows the experts' loads
 
 
-def _experts_in(path: str) -> int | None:
+def _hf_config(ns: argparse.Namespace) -> dict:
+    """--hf-checkpoint's config.json; {} when there is none to read (--hf-checkpoint's own check names why)."""
+    if ns.hf_checkpoint is None:
+        return {}
     try:
-        hf = json.loads((Path(path) / "config.json").read_text())
+        return json.loads((Path(str(ns.hf_checkpoint)) / "config.json").read_text())
     except (OSError, ValueError):
-        return None  # --hf-checkpoint's own check names the problem
-    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or None
+        return {}
 
 
 def is_moe(ns: argparse.Namespace) -> bool:
     """--hf-checkpoint's config.json describes an MoE model."""
-    return ns.hf_checkpoint is not None and _experts_in(str(ns.hf_checkpoint)) is not None
+    hf = _hf_config(ns)
+    return bool(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"))
+
+
+def _has_expert_bias(ns: argparse.Namespace) -> bool:
+    from miles_async.config.model import EXPERT_BIAS
+
+    return _hf_config(ns).get("model_type") in EXPERT_BIAS
 
 
 MOE_MODEL = When(
@@ -78,6 +86,10 @@ MOE_MODEL = When(
 CAPACITY = When(
     "--moe-expert-capacity-factor (without a capacity no token is dropped)",
     lambda ns: MOE_MODEL.holds(ns) and ns.moe_expert_capacity_factor is not None,
+)
+EXPERT_BIAS_MODEL = When(
+    "--train-backend megatron on a model whose router has an expert bias (GLM-4.5)",
+    lambda ns: MOE_MODEL.holds(ns) and _has_expert_bias(ns),
 )
 _TE_KERNEL = "Transformer Engine's GPU kernel; without Transformer Engine it stays off"
 
@@ -129,6 +141,16 @@ GROUPS = (
             effect_needs=CAPACITY,
             help="which tokens an expert over its capacity drops",
         ),
+        flag(
+            "--moe-router-bias-update-rate",
+            type=float,
+            default=1e-3,
+            check=at_least(0.0),
+            effect_needs=EXPERT_BIAS_MODEL,
+            help="how far each step moves the router's expert bias toward balanced loads (Megatron-LM's "
+            "aux-loss-free balancing); Miles' RL launchers give 0, which keeps the checkpoint's bias. A moved bias "
+            "reaches the engines with the weights",
+        ),
         flag("--moe-grouped-gemm", action="store_true", effect_needs=MOE_MODEL, help=_TE_KERNEL),
         flag("--moe-permute-fusion", action="store_true", effect_needs=MOE_MODEL, help=_TE_KERNEL),
     ),
@@ -161,4 +183,5 @@ def build(ns: argparse.Namespace, machine: Machine) -> MoEConfig:
         token_drop_policy=ns.moe_token_drop_policy,
         grouped_gemm=ns.moe_grouped_gemm,
         permute_fusion=ns.moe_permute_fusion,
+        bias_update_rate=ns.moe_router_bias_update_rate,
     )

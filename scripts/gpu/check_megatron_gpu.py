@@ -11,7 +11,11 @@ Checks, each printed as one JSON line, then ``OK`` (exit 0) or ``FAILED`` (exit 
    and HF -> Megatron -> HF is exact; with Transformer Engine the MoE model runs its grouped GEMM
    and fused permutation (--moe-grouped-gemm, --moe-permute-fusion: "moe_grouped_gemm" says so);
 2. train_step: ``MegatronTrainActor`` (Megatron DDP, optimizer, schedule) takes the optimizer
-   steps of one rollout of a GRPO batch; the loss is finite and the weights move.
+   steps of one rollout of a GRPO batch; the loss is finite and the weights move;
+3. optimizer_offload: the same with Miles' --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+   --use-precision-aware-optimizer: megatron-core's HybridDeviceOptimizer holds the optimizer (its
+   state on the CPU), and the step moves the weights (on the CPU, where they mean nothing, the step
+   with them trains as without).
 
 Run it with ``bash scripts/gpu/check_megatron_gpu.sh`` (see there). ``--allow-cpu`` runs the
 same code on the CPU through the shim; the test suite does that so this file stays working.
@@ -99,6 +103,11 @@ def check_logits(path: str, device: torch.device) -> dict:
 
 
 def check_train_step(model: str, data: str, out: str, port: int) -> dict:
+    return _train_step(model, data, out, port)[0]
+
+
+def _train_step(model: str, data: str, out: str, port: int, extra: tuple[str, ...] = ()):
+    """One rollout's optimizer steps of an actor given ``extra`` flags: its record, and the actor."""
     from miles_async.arguments import parse_args
     from miles_async.backends.megatron.actor import MegatronTrainActor
 
@@ -125,6 +134,7 @@ def check_train_step(model: str, data: str, out: str, port: int) -> dict:
             out,
             "--train-backend",
             "megatron",
+            *extra,
         ]
     ).train
     actor = MegatronTrainActor(cfg, 0, 1, total_optimizer_steps=2)
@@ -136,7 +146,7 @@ def check_train_step(model: str, data: str, out: str, port: int) -> dict:
     after = actor.hf_state()
     moved = any(not torch.equal(before[k], after[k]) for k in before)
     finite = all(math.isfinite(metrics[k]) for k in ("train/loss", "train/grad_norm"))
-    return {
+    record = {
         "check": "train_step",
         "device": str(actor.device),
         "loss": metrics["train/loss"],
@@ -144,6 +154,30 @@ def check_train_step(model: str, data: str, out: str, port: int) -> dict:
         "seconds": seconds,
         "weights_moved": moved,
         "ok": moved and finite and actor.device.type == ("cuda" if torch.cuda.is_available() else "cpu"),
+    }
+    return record, actor
+
+
+OFFLOAD = ("--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer")
+
+
+def check_optimizer_offload(model: str, data: str, out: str, port: int) -> dict:
+    """Miles' optimizer-memory flags take effect on a GPU: the optimizer inside Megatron's distributed optimizer is
+    megatron-core's HybridDeviceOptimizer, whose state lives on the CPU, and a step still trains. On the CPU (where
+    they mean nothing, and the actor leaves them off) the step with them still trains."""
+    step, actor = _train_step(model, data, out, port, OFFLOAD)
+    inner = getattr(actor.optimizer, "optimizer", None)
+    kind = type(inner).__name__
+    state_devices = sorted(
+        {str(t.device) for st in getattr(inner, "state", {}).values() for t in st.values() if torch.is_tensor(t)}
+    )
+    offloaded = kind == "HybridDeviceOptimizer" and state_devices == ["cpu"]
+    return {
+        **step,
+        "check": "optimizer_offload",
+        "optimizer": kind,
+        "state_devices": state_devices,
+        "ok": step["ok"] and (offloaded if torch.cuda.is_available() else kind != "HybridDeviceOptimizer"),
     }
 
 
@@ -177,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     init_parallel(0, 1, ParallelSizes(), "127.0.0.1", store.port, seed=0, hosted=store)
     results = [check_logits(m, device) for m in (llama, qwen3, qwen3_moe, *args.model)]
     results.append(check_train_step(llama, str(train), str(tmp / "out"), store.port))
+    results.append(check_optimizer_offload(llama, str(train), str(tmp / "out_offload"), store.port))
     shutil.rmtree(tmp, ignore_errors=True)
     for r in results:
         print(json.dumps(r), flush=True)

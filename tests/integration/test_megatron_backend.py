@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,6 +104,15 @@ def _logits_worker(rank, world, port, models: list[str], out: str) -> None:
         # The negative control: the same forward with one misplaced shard (the last MLP's output projection rolled
         # by one row, as a conversion off by one would load it; in an MoE layer two experts' swapped).
         with torch.no_grad():
+            biases = [b for n, b in model.named_buffers() if n.endswith("router.expert_bias")]
+            if biases:  # GLM: the same forward without the routers' expert biases (the choice they change)
+                kept = [b.clone() for b in biases]
+                for b in biases:
+                    b.zero_()
+                unbiased = model(ids, torch.arange(17).expand(2, -1), None)[..., : arch.vocab_size]
+                result[path]["unbiased_diff"] = float((unbiased - ref).abs().max())
+                for b, k in zip(biases, kept):
+                    b.copy_(k)
             _misplace(model.decoder.layers[-1].mlp)
             broken = model(ids, torch.arange(17).expand(2, -1), None)[..., : arch.vocab_size]
         result[path]["broken_diff"] = float((broken - ref).abs().max())
@@ -239,8 +249,9 @@ def _tiny_qwen2(path: Path) -> Path:
     return save_with_biases(Qwen2Config(**TINY_QWEN2, rope_theta=5000.0), path)
 
 
-def save_with_biases(config, path: Path) -> Path:
-    """A random model of ``config`` written to ``path``, its biases made non-zero so that they are checked."""
+def save_with_biases(config, path: Path, tweak: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """A random model of ``config`` written to ``path``, its biases made non-zero so that they are checked, and
+    ``tweak`` applied to it (under no_grad) before it is written."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -248,6 +259,8 @@ def save_with_biases(config, path: Path) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+        if tweak is not None:
+            tweak(model)
     model.save_pretrained(path)
     return path
 
@@ -261,6 +274,8 @@ def _assert_logits_agree(path: str, r: dict) -> None:
     tol = forward_tolerance(transformer_depth(AutoConfig.from_pretrained(path), 17), max(1.0, r["ref_scale"]))
     assert r["max_diff"] <= tol, (path, r, tol)
     assert r["broken_diff"] > tol, (path, r, tol)
+    if "unbiased_diff" in r:  # the expert biases change the routing here: loaded and used, they are matched
+        assert r["unbiased_diff"] > tol, (path, r, tol)
 
 
 def assert_logits_and_round_trip(models: list[str], out: Path) -> None:
@@ -402,7 +417,8 @@ def test_gpu_check_script_runs_its_checks_on_the_cpu():
     proc = subprocess.run(["bash", script, "--allow-cpu"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     checks = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert [c["check"] for c in checks] == ["logits", "logits", "logits", "train_step"] and all(c["ok"] for c in checks)
+    names = ["logits", "logits", "logits", "train_step", "optimizer_offload"]
+    assert [c["check"] for c in checks] == names and all(c["ok"] for c in checks), checks
     assert proc.stdout.strip().endswith("OK")
     if not torch.cuda.is_available():
         refused = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """MoE models in the Megatron-core backend on the CPU (gloo), each case in spawned processes: megatron-core's MoE
-layers with the local (non-Transformer-Engine) spec, built from tiny Qwen3-MoE, Mixtral and Qwen2-MoE checkpoints,
-and expert parallelism (EP 2; TP 2 x EP 2 with expert tensor parallelism 2 and sequence parallelism).
+layers with the local (non-Transformer-Engine) spec, built from tiny Qwen3-MoE, Mixtral, Qwen2-MoE and GLM-4.5
+checkpoints, and expert parallelism (EP 2; TP 2 x EP 2 with expert tensor parallelism 2 and sequence parallelism).
 
 A routed model compares like a dense one only while both computations choose the same experts: a router whose
 top-k sits within rounding of a tie could flip in one of them. So each comparison first checks, on the HF model
@@ -65,8 +65,64 @@ def _tiny_qwen2_moe(path: Path) -> Path:
     return save_with_biases(config, path)
 
 
+def _tiny_glm4_moe(path: Path, seed: int = 5) -> Path:
+    """A tiny GLM-4.5: a dense first layer (first_k_dense_replace), the sigmoid router choosing by score plus an
+    expert bias (made non-zero, so that it changes choices) with scaled weights, a shared expert, q/k/v biases, q/k
+    norms and RoPE on half of each head (partial_rotary_factor 0.5). Seed 5: on the test's 34 tokens no router sits
+    within rounding of a tie, the bias changes 22 tokens' picks, and the last layer uses experts 0 and 1, which the
+    negative control swaps (seeds 3 and 4 leave one of them unused)."""
+    from transformers import Glm4MoeConfig
+
+    torch.manual_seed(seed)
+    config = Glm4MoeConfig(
+        **{**TINY_QWEN2, "num_hidden_layers": 3},
+        head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_group=1,
+        topk_group=1,
+    )
+
+    def sharpen_and_bias(model) -> None:
+        # Router logits of a random init are tiny, so its sigmoid scores barely differ: sharpened, each token picks
+        # its own experts, and a bias of about their spread changes some of those picks.
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(10.0)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.05)
+
+    return save_with_biases(config, path, sharpen_and_bias)
+
+
+def _router_choice_scores(hf, config, ids: torch.Tensor) -> list[torch.Tensor]:
+    """What each MoE layer's router ranks experts by, per token: its logits (softmax routers) or, for GLM's sigmoid
+    router, sigmoid(logits) plus the expert bias. (A sigmoid's slope is at most 1/4, so the logits' float32 bound
+    bounds these scores too.)"""
+    if config.model_type != "glm4_moe":
+        return [logits.float() for logits in hf(input_ids=ids, output_router_logits=True).router_logits]
+    scores, hooks = [], []
+    for layer in hf.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            hook = lambda m, _i, out: scores.append(out[0].float().sigmoid() + m.e_score_correction_bias)  # noqa: E731
+            hooks.append(gate.register_forward_hook(hook))
+    hf(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return scores
+
+
 def _assert_routing_is_not_near_a_tie(path: str | Path, rows: list[list[int]]) -> None:
-    """Every token's k-th and (k+1)-th router logits differ by more than the float32 bound on a router logit (the
+    """Every token's k-th and (k+1)-th router scores differ by more than the float32 bound on a router logit (the
     whole network's depth, over the largest router logit): both computations choose the same experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,18 +132,18 @@ def _assert_routing_is_not_near_a_tie(path: str | Path, rows: list[list[int]]) -
     gap, scale = float("inf"), 0.0
     with torch.no_grad():
         for row in rows:
-            out = hf(input_ids=torch.tensor([row]), output_router_logits=True)
-            for logits in out.router_logits:
-                top = logits.float().topk(k + 1, dim=-1).values
+            for scores in _router_choice_scores(hf, config, torch.tensor([row])):
+                top = scores.topk(k + 1, dim=-1).values
                 gap = min(gap, float((top[:, k - 1] - top[:, k]).min()))
-                scale = max(scale, float(logits.abs().max()))
+                scale = max(scale, float(scores.abs().max()))
     bound = forward_tolerance(transformer_depth(config, max(map(len, rows))), max(1.0, scale))
     assert gap > bound, f"{path}: a router top-k within rounding of a tie ({gap:.3g} <= {bound:.3g}): pick other data"
 
 
 def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path):
-    """Qwen3-MoE (renormalised top-k, q/k norms), Mixtral (block_sparse_moe, w1/w2/w3) and Qwen2-MoE (a dense
-    layer, the shared expert and its gate, q/k/v biases, top-k before renormalising): megatron-core's MoE layers
+    """Qwen3-MoE (renormalised top-k, q/k norms), Mixtral (block_sparse_moe, w1/w2/w3), Qwen2-MoE (a dense
+    layer, the shared expert and its gate, q/k/v biases, top-k before renormalising) and GLM-4.5 (the sigmoid
+    router with its expert bias and scale, shared experts, partial RoPE): megatron-core's MoE layers
     give transformers' float32 logits within tests/tolerance.py's bound; HF -> Megatron -> HF is exact. Negative
     control: two experts' output projections swapped are out of bounds."""
     from miles_async.assets.tiny_model import make_tiny_model
@@ -96,6 +152,7 @@ def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path
         str(tiny_moe),
         str(make_tiny_model(tmp_path / "mixtral", seed=1, arch="mixtral")),
         str(_tiny_qwen2_moe(tmp_path / "qwen2_moe")),
+        str(_tiny_glm4_moe(tmp_path / "glm4_moe")),
     ]
     from transformers import AutoConfig
 

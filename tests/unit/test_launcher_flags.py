@@ -96,7 +96,7 @@ def test_an_expert_layout_that_cannot_split_the_model_is_refused(tmp_path, extra
 
 
 @pytest.mark.parametrize(
-    "model_type, missing", [("deepseek_v3", "multi-latent attention"), ("glm4_moe", "GLM's router")]
+    "model_type, missing", [("deepseek_v3", "multi-latent attention"), ("minimax_m2", "MiniMax's sigmoid router")]
 )
 def test_an_moe_family_the_megatron_backend_does_not_build_is_refused_naming_what_is_missing(
     tmp_path, model_type, missing
@@ -130,6 +130,16 @@ def test_moe_flags_without_effect_here_are_named_with_the_reason(tmp_path, caplo
         "--moe-aux-loss-coeff 0.01 is ignored: it only takes effect with --train-backend megatron on an MoE model "
         "(experts in --hf-checkpoint's config.json)"
     ]
+    # The expert bias's update rate on a router without one (Qwen3-MoE's); on GLM-4.5's it takes effect.
+    qwen = _warnings(caplog, _args(tmp_path, *MOE_RUN, "--moe-router-bias-update-rate", "0", **QWEN3_MOE))
+    assert [w for w in qwen if w.startswith("--moe-router-bias")] == [
+        "--moe-router-bias-update-rate 0.0 is ignored: it only takes effect with --train-backend megatron on a "
+        "model whose router has an expert bias (GLM-4.5)"
+    ]
+    glm = {**QWEN3_MOE, "model_type": "glm4_moe", "n_routed_experts": QWEN3_MOE["num_experts"]}
+    glm.pop("num_experts")
+    glm_warnings = _warnings(caplog, _args(tmp_path, *MOE_RUN, "--moe-router-bias-update-rate", "0", **glm))
+    assert not [w for w in glm_warnings if w.startswith("--moe-router-bias")], glm_warnings
 
 
 def _sample_words(f) -> list[str]:
@@ -154,8 +164,6 @@ def test_the_ignored_list_covers_slimes_perf_and_moe_knobs():
     assert {
         "--balance-data",
         "--micro-batch-size",
-        "--optimizer-cpu-offload",
-        "--use-precision-aware-optimizer",
         "--moe-router-pre-softmax",
         "--moe-enable-deepep",
         "--wandb-key",
@@ -290,3 +298,47 @@ def test_a_megatron_checkpoint_as_ref_load_is_named_as_such(tmp_path):
         r"model folder",
     ):
         parse_args(_args(tmp_path, "--ref-load", str(ref)))
+
+
+def test_miles_optimizer_memory_flags_take_the_distributed_optimizer_and_say_what_is_missing_here(tmp_path, caplog):
+    """--optimizer-cpu-offload, --overlap-cpu-optimizer-d2h-h2d and --use-precision-aware-optimizer reach
+    megatron-core's OptimizerConfig (``optimizer_memory``) with the distributed optimizer, which Miles turns on for
+    every run. On this machine (no GPU, no Transformer Engine) each says it takes effect on the GPU nodes; the GPU
+    path is scripts/gpu/check_megatron_gpu.py's optimizer_offload check."""
+    from miles_async.backends.megatron.model import optimizer_memory
+
+    if module_installed("transformer_engine"):
+        pytest.skip("Transformer Engine is installed here")
+    flags = ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d", "--use-precision-aware-optimizer"]
+    warnings = _warnings(caplog, _args(tmp_path, *MEGATRON, *flags))
+    assert warnings == [
+        "--optimizer-cpu-offload and --use-precision-aware-optimizer run with the distributed optimizer only "
+        "(megatron-core's): --use-distributed-optimizer is turned on, as Miles does for every run",
+        "--optimizer-cpu-offload moves the optimizer's state and step from the GPU to the CPU; without a GPU here "
+        "they are on the CPU already (it takes effect on GPU nodes)",
+        "--use-precision-aware-optimizer is Transformer Engine's FusedAdam, absent here: the optimizer keeps fp32 "
+        "master weights and fp32 state",
+    ]
+    m = parse_args(_args(tmp_path, *MEGATRON, *flags, "--optimizer-offload-fraction", "0.5")).train.megatron
+    assert m.use_distributed_optimizer and m.optimizer_cpu_offload and m.optimizer_offload_fraction == 0.5
+    assert optimizer_memory(m, cuda=True, te=True) == {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.5,
+        "overlap_cpu_optimizer_d2h_h2d": True,
+        "use_precision_aware_optimizer": True,
+    }
+    assert optimizer_memory(m, cuda=False, te=False) == {
+        "optimizer_cpu_offload": False,
+        "optimizer_offload_fraction": 0.0,
+        "overlap_cpu_optimizer_d2h_h2d": False,
+        "use_precision_aware_optimizer": False,
+    }
+    assert optimizer_memory(m, cuda=True, te=False)["use_precision_aware_optimizer"] is False
+    # Without --optimizer-cpu-offload its two companions are named as doing nothing; the torch backend names all.
+    alone = _warnings(caplog, _args(tmp_path, *MEGATRON, "--overlap-cpu-optimizer-d2h-h2d"))
+    assert alone == [
+        "--overlap-cpu-optimizer-d2h-h2d is ignored: it only takes effect with --train-backend megatron "
+        "--optimizer-cpu-offload"
+    ]
+    fsdp = _warnings(caplog, _args(tmp_path, "--optimizer-cpu-offload"))
+    assert fsdp == ["--optimizer-cpu-offload is ignored: it only takes effect with --train-backend megatron"]

@@ -284,3 +284,69 @@ def test_without_model_flags_config_json_is_not_compared(tmp_path):
     assert parse_args(flags).train.model_path == str(tmp_path / "model")
     with pytest.raises(ConfigError, match=r"^--hf-checkpoint: transformers cannot read .*/model/config.json"):
         parse_args([*flags, "--num-layers", "2"])
+
+
+# GLM-4.5-Air's shape (zai-org/GLM-4.5-Air's config.json is not reachable here: these are the values its Megatron
+# launchers give), through transformers' Glm4MoeConfig, and the MODEL_ARGS such a launcher passes for it.
+GLM45_AIR = dict(
+    vocab_size=151552,
+    hidden_size=4096,
+    intermediate_size=10944,
+    num_hidden_layers=46,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    attention_bias=True,
+    use_qk_norm=False,
+    partial_rotary_factor=0.5,
+    rope_theta=1000000.0,
+    moe_intermediate_size=1408,
+    n_routed_experts=128,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.0,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+GLM45_AIR_MODEL_ARGS = (
+    "--disable-bias-linear --add-qkv-bias --untie-embeddings-and-output-weights --num-layers 46 --hidden-size 4096 "
+    "--ffn-hidden-size 10944 --num-attention-heads 96 --kv-channels 128 --group-query-attention --num-query-groups 8 "
+    "--normalization RMSNorm --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 1000000 "
+    "--rotary-percent 0.5 --swiglu --vocab-size 151552 --num-experts 128 --moe-router-topk 8 "
+    "--moe-ffn-hidden-size 1408 --moe-shared-expert-intermediate-size 1408 --moe-layer-freq [0]*1+[1]*45 "
+    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 0.0 "
+    "--moe-router-topk-scaling-factor 1.0 --moe-router-dtype fp32 --moe-router-num-groups 1 --moe-router-group-topk 1"
+)
+
+
+def test_glm45_maps_to_the_sigmoid_router_with_expert_bias_and_partial_rope():
+    from transformers import Glm4MoeConfig
+
+    hf = Glm4MoeConfig(**GLM45_AIR).to_dict()
+    glm = megatron_args(hf)
+    assert {k: glm[k] for k in ("--moe-router-score-function", "--moe-router-enable-expert-bias")} == {
+        "--moe-router-score-function": "sigmoid",
+        "--moe-router-enable-expert-bias": True,
+    }
+    assert glm["--moe-layer-freq"] == [0] + [1] * 45  # first_k_dense_replace 1
+    assert glm["--moe-shared-expert-intermediate-size"] == 1408  # n_shared_experts x moe_intermediate_size
+    assert glm["--rotary-percent"] == 0.5 and glm["--add-qkv-bias"] and glm["--disable-bias-linear"]
+    assert not glm["--qk-layernorm"] and glm["--num-experts"] == 128
+    assert mismatches(_namespace(GLM45_AIR_MODEL_ARGS.split()), hf, "config.json") == []
+    # GLM-4.5 (355B) scales the chosen experts' weights by 2.5: a launcher that leaves it out builds another model.
+    scaled = Glm4MoeConfig(**{**GLM45_AIR, "routed_scaling_factor": 2.5}).to_dict()
+    assert mismatches(_namespace(GLM45_AIR_MODEL_ARGS.split()), scaled, "m/config.json") == [
+        "--moe-router-topk-scaling-factor 1.0 does not match m/config.json: routed_scaling_factor 2.5 (that is "
+        "--moe-router-topk-scaling-factor 2.5)"
+    ]
+    # A Qwen3-MoE description with GLM's router flags is refused: Qwen's router has no expert bias.
+    words = (QWEN3_30B_A3B_MODEL_ARGS + " --moe-router-enable-expert-bias").split()
+    assert mismatches(_namespace(words), QWEN3_30B_A3B, "m/config.json") == [
+        "--moe-router-enable-expert-bias does not match m/config.json: model_type qwen3_moe (that is no "
+        "--moe-router-enable-expert-bias)"
+    ]

@@ -31,7 +31,9 @@ from miles_async.backends.megatron.model import (
     ArchSpec,
     ParallelSizes,
     build_gpt_model,
+    have_transformer_engine,
     init_parallel,
+    optimizer_memory,
     training_knobs,
 )
 from miles_async.backends.megatron.pipeline import Stages
@@ -186,6 +188,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
                 fp16=False,
                 params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                 use_distributed_optimizer=self.par.distributed_optimizer,
+                **optimizer_memory(self.cfg.megatron, torch.cuda.is_available(), have_transformer_engine()),
             ),
             [self.model],
         )
@@ -300,8 +303,9 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         self.optimizer_steps += 1
 
     # -- weights ------------------------------------------------------------------------------
-    def _export(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p):
-        """(HF name, full tensor) of the policy (``tensor_of``: what of each parameter, its weight by default), on
+    def _export(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None):
+        """(HF name, full tensor) of the policy (``tensor_of``: what of each parameter, its weights and expert biases
+        by default), on
         the first pipeline stage; every TP rank of DP replica 0 on every stage must consume it, and under expert
         parallelism every rank (the EP groups span the DP replicas)."""
         return self.stages.to_first(

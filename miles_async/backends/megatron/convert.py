@@ -6,7 +6,8 @@ gate/up into one ``linear_fc1`` (``[gate; up]``, per TP shard). Column-parallel 
 are split on dim 0, row-parallel ones on dim 1, the vocabulary (padded to a multiple
 of TP) on dim 0; norms are replicated.
 
-MoE layers: the router and the shared expert (and its gate) are named like the dense
+MoE layers: the router (and GLM's expert bias, a buffer: ``expert_bias`` is
+``gate.e_score_correction_bias``) and the shared expert (and its gate) are named like the dense
 parts; each routed expert is an MLP of its own, ``experts.local_experts.<i>`` (megatron-core's
 SequentialMLP; ``experts.linear_fc1.weight<i>`` with Transformer Engine's grouped GEMM),
 where local expert ``i`` of expert-parallel rank ``r`` is global expert ``r * E / EP + i``
@@ -86,17 +87,30 @@ def _moe_names(arch: ArchSpec) -> tuple[str, tuple[str, str, str]]:
 
 
 def _moe_suffixes(arch: ArchSpec) -> dict[str, tuple[str, ...]]:
-    """Megatron suffix -> HF suffixes of the MoE block's router and shared expert (fc1: gate, up)."""
+    """Megatron suffix -> HF suffixes of the MoE block's router (and its expert bias) and shared expert (fc1: gate,
+    up): Qwen2-MoE's ``shared_expert``, GLM's ``shared_experts``."""
     block, _ = _moe_names(arch)
+    shared = "mlp.shared_experts." if arch.model_type == "glm4_moe" else "mlp.shared_expert."
     return {
         "mlp.router.weight": (block + "gate.weight",),
-        "mlp.shared_experts.linear_fc1.weight": (
-            "mlp.shared_expert.gate_proj.weight",
-            "mlp.shared_expert.up_proj.weight",
-        ),
-        "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight",),
+        EXPERT_BIAS: (block + "gate.e_score_correction_bias",),
+        "mlp.shared_experts.linear_fc1.weight": (shared + "gate_proj.weight", shared + "up_proj.weight"),
+        "mlp.shared_experts.linear_fc2.weight": (shared + "down_proj.weight",),
         "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight",),
     }
+
+
+# GLM's router bias: a buffer (not trained by the optimizer; Megatron moves it by --moe-router-bias-update-rate),
+# replicated on every rank, which the checkpoint and the engines hold with the weights.
+EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def weights_and_buffers(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter, then every router's expert bias: the tensors the HF checkpoint holds for ``model``."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        if name.endswith("." + EXPERT_BIAS) and buf is not None:
+            yield name, buf
 
 
 def _expert(suffix: str) -> tuple[int, str] | None:
@@ -228,7 +242,7 @@ def load_hf(
     experts: ExpertLayout = ExpertLayout(),
 ) -> None:
     numbers = _layer_numbers(model)
-    for name, p in model.named_parameters():
+    for name, p in weights_and_buffers(model):
         value = hf_shard(name, get, arch, tp, rank, layer_number=numbers.__getitem__, experts=experts)
         if value.shape != p.shape:
             raise ValueError(f"{name}: HF gives {tuple(value.shape)}, the model has {tuple(p.shape)}")
@@ -252,18 +266,22 @@ def export_hf(
     arch: ArchSpec,
     tp: int = 1,
     group=None,
-    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p,
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
     experts: ExpertLayout = ExpertLayout(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every parameter of ``model``, gathered over the TP group (a routed expert's
-    over its ETP group, then its EP group: every expert of the layer).
+    over its ETP group, then its EP group: every expert of the layer), and every router's expert bias.
 
-    ``tensor_of`` picks what is exported per parameter (default the weight; e.g. its
-    gradient ``p.main_grad`` to compare gradients across parallel layouts).
+    ``tensor_of`` picks what is exported per parameter instead of the weights (e.g. its gradient ``p.main_grad``
+    to compare gradients across parallel layouts); the expert biases, which have none, are then left out.
     """
     numbers = _layer_numbers(model)
-    for name, p in model.named_parameters():
-        t = tensor_of(p).detach()
+    if tensor_of is None:
+        named = weights_and_buffers(model)
+    else:
+        named = ((n, tensor_of(p)) for n, p in model.named_parameters())
+    for name, t in named:
+        t = t.detach()
         if name == "embedding.word_embeddings.weight":
             yield "model.embed_tokens.weight", _gather(t, 0, group, tp)[: arch.vocab_size]
             continue

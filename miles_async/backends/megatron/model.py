@@ -1,10 +1,11 @@
 """A Megatron-core ``GPTModel`` built from an HF config (Llama, Qwen2, Qwen3 and look-alikes, and the MoE
-families Qwen3-MoE, Qwen2-MoE and Mixtral).
+families Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5).
 
 ``ArchSpec`` reads what the conversion and the model need from an HF ``config.json``
 (RMSNorm, SwiGLU, RoPE with the model's theta, grouped-query attention, tied or untied
 embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms; for MoE models ``MoESpec``: experts, top-k,
-where the router's softmax sits, which layers are MoE, the shared expert and its gate) and refuses
+where the router's softmax sits or GLM's sigmoid router with its expert bias and scale, which layers are MoE,
+the shared expert and its gate; GLM's partial RoPE) and refuses
 what it cannot map. The layer spec is Transformer Engine's when ``transformer_engine`` imports,
 otherwise Megatron's local one; the conversion names follow whichever was used.
 """
@@ -18,15 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles_async.config.model import QKV_ONLY_ATTENTION_BIAS
 from miles_async.config.moe import not_built
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
     from miles_async.config import TrainConfig
+    from miles_async.config.megatron import MegatronConfig
 
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 SUPPORTED = DENSE + MOE
 
 
@@ -55,8 +58,13 @@ class MoESpec:
     # Qwen's norm_topk_prob false: top-k of the softmax over all experts (Megatron's moe_router_pre_softmax);
     # true, and Mixtral: the top-k probabilities renormalised, which is the softmax over the top-k logits.
     pre_softmax: bool
-    shared_ffn_hidden_size: int | None = None  # Qwen2-MoE's shared expert
-    shared_gate: bool = False  # its sigmoid gate
+    shared_ffn_hidden_size: int | None = None  # Qwen2-MoE's and GLM's shared expert
+    shared_gate: bool = False  # Qwen2-MoE's sigmoid gate on it
+    # GLM-4.5: sigmoid scores; the top-k chosen by score plus a per-expert bias (a buffer the checkpoint holds),
+    # weighted by the scores renormalised over the top-k and scaled by routed_scaling_factor.
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    topk_scaling_factor: float | None = None
 
     @classmethod
     def from_hf(cls, config) -> MoESpec:
@@ -69,6 +77,8 @@ class MoESpec:
                 )
             n = config.num_local_experts
             return cls(n, config.num_experts_per_tok, config.intermediate_size, (1,) * config.num_hidden_layers, False)
+        if mt == "glm4_moe":
+            return cls._glm4_moe(config)
         step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", ()) or ())
         freq = tuple(0 if i in dense or (i + 1) % step else 1 for i in range(config.num_hidden_layers))
         shared = getattr(config, "shared_expert_intermediate_size", None) if mt == "qwen2_moe" else None
@@ -80,6 +90,31 @@ class MoESpec:
             pre_softmax=not getattr(config, "norm_topk_prob", False),
             shared_ffn_hidden_size=shared or None,
             shared_gate=bool(shared),
+        )
+
+    @classmethod
+    def _glm4_moe(cls, config) -> MoESpec:
+        k, groups = config.num_experts_per_tok, getattr(config, "n_group", 1) or 1
+        if groups > 1:
+            raise ValueError(
+                f"--train-backend megatron: GLM's group-limited top-k (n_group {groups}) is not mapped; GLM-4.5's "
+                "own configs have one group"
+            )
+        if k > 1 and not getattr(config, "norm_topk_prob", True):
+            # Megatron renormalises a sigmoid router's top-k weights whenever k > 1.
+            raise ValueError("--train-backend megatron: a sigmoid router with norm_topk_prob false is not mapped")
+        dense = getattr(config, "first_k_dense_replace", 0) or 0
+        shared = (getattr(config, "n_shared_experts", 0) or 0) * config.moe_intermediate_size
+        return cls(
+            num_experts=config.n_routed_experts,
+            topk=k,
+            ffn_hidden_size=config.moe_intermediate_size,
+            layer_freq=tuple(0 if i < dense else 1 for i in range(config.num_hidden_layers)),
+            pre_softmax=False,
+            shared_ffn_hidden_size=shared or None,
+            score_function="sigmoid",
+            expert_bias=True,
+            topk_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
         )
 
 
@@ -101,6 +136,7 @@ class ArchSpec:
     qkv_bias: bool
     qk_norm: bool
     moe: MoESpec | None = None
+    rotary_percent: float = 1.0  # GLM's partial_rotary_factor: RoPE on the first part of each head only
 
     @classmethod
     def from_hf(cls, config) -> ArchSpec:
@@ -115,7 +151,7 @@ class ArchSpec:
         if getattr(config, "mlp_bias", False):
             raise ValueError("--train-backend megatron: mlp_bias=True is not mapped")
         attention_bias = getattr(config, "attention_bias", False)
-        if attention_bias and mt not in ("qwen2", "qwen2_moe"):
+        if attention_bias and mt not in QKV_ONLY_ATTENTION_BIAS:
             # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear.
             raise ValueError("--train-backend megatron: attention_bias=True on a llama-style model is not mapped")
         rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -155,8 +191,11 @@ class ArchSpec:
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and getattr(config, "qkv_bias", True)) or bool(attention_bias),
-            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            qk_norm=mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             moe=MoESpec.from_hf(config) if mt in MOE else None,
+            rotary_percent=float(
+                rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+            ),
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -254,6 +293,20 @@ def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
         "moe_token_drop_policy": m.moe.token_drop_policy,
         "moe_grouped_gemm": m.moe.grouped_gemm and te,
         "moe_permute_fusion": m.moe.permute_fusion and te,
+        "moe_router_bias_update_rate": m.moe.bias_update_rate,
+    }
+
+
+def optimizer_memory(m: MegatronConfig, cuda: bool, te: bool) -> dict[str, Any]:
+    """The OptimizerConfig fields of the optimizer-memory flags, for a rank with (``cuda``) or without a GPU and
+    with (``te``) or without Transformer Engine: CPU offload means nothing where everything is on the CPU, and the
+    precision-aware optimizer is Transformer Engine's FusedAdam (the parse-time warnings say both)."""
+    offload = m.optimizer_cpu_offload and cuda
+    return {
+        "optimizer_cpu_offload": offload,
+        "optimizer_offload_fraction": m.optimizer_offload_fraction if offload else 0.0,
+        "overlap_cpu_optimizer_d2h_h2d": offload and m.overlap_cpu_optimizer_d2h_h2d,
+        "use_precision_aware_optimizer": m.use_precision_aware_optimizer and cuda and te,
     }
 
 
@@ -268,7 +321,9 @@ def moe_fields(arch: ArchSpec) -> dict[str, Any]:
         "moe_ffn_hidden_size": m.ffn_hidden_size,
         "moe_layer_freq": list(m.layer_freq),
         "moe_router_pre_softmax": m.pre_softmax,
-        "moe_router_score_function": "softmax",
+        "moe_router_score_function": m.score_function,
+        "moe_router_enable_expert_bias": m.expert_bias,
+        "moe_router_topk_scaling_factor": m.topk_scaling_factor,
         "moe_shared_expert_intermediate_size": m.shared_ffn_hidden_size,
         "moe_shared_expert_gate": m.shared_gate,
     }
@@ -349,7 +404,7 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
         rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
