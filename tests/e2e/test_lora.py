@@ -74,3 +74,38 @@ def test_lora_learns_sends_merged_weights_and_exports_the_merged_model_and_the_a
         # on CI's CPU). Training moved the logits by far more than the tolerance, so a wrong or missing adapter fails.
         assert trained_by > 1e-2, trained_by
         torch.testing.assert_close(adapted(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_on_an_moe_at_two_workers_adapts_the_experts_and_sends_the_merge_under_checkpoint_names(
+    tiny_task, tmp_path
+):
+    """The torch backend with FSDP2 over 2 workers on a tiny Qwen3-MoE, adapters on every projection peft's
+    all-linear finds (attention, the fused experts, the router): the engine's weights equal the trainer's merged
+    export after every update, and the --save-hf folder, under the checkpoint's per-expert names, is what peft's
+    own merge of the saved adapter gives."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miles_async.assets.tiny_model import make_tiny_model
+    from miles_async.weights.hf_names import checkpoint_named
+
+    model, hf = make_tiny_model(tmp_path / "model", seed=0, arch="qwen3_moe"), tmp_path / "hf"
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "all-linear", "--lr", "1e-2"]
+    exports = ["--check-weight-update-equal", "--save-hf", str(hf), "--save-lora-adapter"]
+    args = tiny_args(model, tiny_task, tmp_path / "run", *lora, "--actor-num-gpus-per-node", "2", "--num-rollout", "2",
+                     *exports)  # fmt: skip
+    run = run_train(args, tmp_path / "run")
+    assert run.returncode == 0, run.output[-3000:]
+    checked = [int(v) for v in re.findall(r"--check-weight-update-equal: version (\d+) identical", run.output)]
+    assert checked == [0, 1, 2], checked
+
+    saved, base = load_file(hf / "model.safetensors"), load_file(model / "model.safetensors")
+    assert saved.keys() == base.keys()  # mlp.experts.<e>.gate_proj/up_proj/down_proj, as the checkpoint
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(hf / "adapter")
+    ).merge_and_unload()
+    for k, v in checkpoint_named(reference, reference.named_parameters()):
+        torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-6, msg=k)
+    changed = [k for k in saved if not torch.equal(saved[k], base[k])]
+    assert any(".mlp.experts." in k for k in changed), changed

@@ -24,6 +24,7 @@ from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
 from miles_async.vision.hf import is_vision_model, model_class
 from miles_async.weights.disk import write_hf_checkpoint
+from miles_async.weights.hf_names import checkpoint_named
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:
@@ -242,11 +243,14 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     def _weight_source(self) -> WeightSource:
         # Sharded: every rank takes part in each parameter's gather, rank 0 sends. One worker: its own tensors.
         # With LoRA the engines get each adapted layer merged, under the model's HF names.
+        # Each goes out under its checkpoint's name (hf_names), as SGLang, vLLM and an HF folder take it.
         if self.cfg.lora is not None:
-            return WeightSource(lambda: merged_parameters(self.module), sends=self.rank == 0, gathers=self._sharded)
-        if not self._sharded:
-            return WeightSource(self.module.named_parameters, sends=True)
-        return WeightSource(lambda: full_parameters(self.module), sends=self.rank == 0, gathers=True)
+            tensors, sends, gathers = merged_parameters, self.rank == 0, self._sharded
+        elif not self._sharded:
+            tensors, sends, gathers = torch.nn.Module.named_parameters, True, False
+        else:
+            tensors, sends, gathers = full_parameters, self.rank == 0, True
+        return WeightSource(lambda: checkpoint_named(self.module, tensors(self.module)), sends=sends, gathers=gathers)
 
     def save_hf(self, path: str) -> None:
         """--save-hf: rank 0 writes the policy (merged with its adapters) from tensors gathered one at a time;

@@ -61,9 +61,11 @@ def add_adapters(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
 
 
 def _check_linear(model: torch.nn.Module) -> None:
-    from peft.tuners.lora import Linear, LoraLayer
+    from peft.tuners.lora import Linear, LoraLayer, ParamWrapper
 
-    other = [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and not isinstance(m, Linear)]
+    other = [
+        n for n, m in model.named_modules() if isinstance(m, LoraLayer) and not isinstance(m, (Linear, ParamWrapper))
+    ]
     if other:
         raise ValueError(f"--lora-target-modules: only linear layers take adapters here, not {other[:3]}")
 
@@ -71,7 +73,7 @@ def _check_linear(model: torch.nn.Module) -> None:
 def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full tensor)`` of the model with each adapter merged into its layer's weight, gathered one
     layer at a time (sharded tensors are collectives: every rank must drain it)."""
-    from peft.tuners.lora import Linear
+    from peft.tuners.lora import Linear, ParamWrapper
 
     seen: set[int] = set()  # tied weights (embeddings and head) go once, as named_parameters() gives them
     merged: tuple[str, ...] = ()  # prefixes of the LoRA layers yielded: their base layers and adapters follow
@@ -89,10 +91,32 @@ def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
                 yield f"{prefix}bias", full_tensor(base.bias.detach())
             merged += (prefix,)
             continue
+        if isinstance(module, ParamWrapper):
+            yield from _merged_wrapped(module, prefix)
+            merged += (prefix,)
+            continue
         for name, p in module.named_parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
                 yield f"{prefix}{name}", full_tensor(p.detach())
+
+
+def _merged_wrapped(wrapper: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters of the module under a chain of peft ``ParamWrapper``s (adapters on parameters rather than on
+    linear layers: an MoE layer's fused experts ``gate_up_proj`` and ``down_proj`` [experts, out, in], its router's
+    weight), each adapted one merged with its adapter (peft's own delta, one rank-r update per expert), under the
+    wrapped module's names."""
+    from peft.tuners.lora import ParamWrapper
+
+    deltas: dict[str, torch.Tensor] = {}
+    inner = wrapper
+    while isinstance(inner, ParamWrapper):
+        # The factors are sharded like any parameter: peft's delta of sharded tensors is gathered whole.
+        deltas[inner.parameter_name] = full_tensor(inner.get_delta_weight(ADAPTER).detach())
+        inner = inner.base_layer
+    for name, p in inner.named_parameters():
+        weight = full_tensor(p.detach())
+        yield f"{prefix}{name}", weight + deltas[name] if name in deltas else weight
 
 
 def adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -301,8 +301,11 @@ class Engine:
     def weights_checksum(self) -> concurrent.futures.Future:
         """(per-parameter checksums, weight version), computed between two decode steps."""
         from miles_async.utils.weight_checksum import tensor_checksums
+        from miles_async.weights.hf_names import checkpoint_named
 
-        return self.run_between_steps(lambda: (tensor_checksums(self.model.named_parameters()), self.weight_version))
+        # Under the checkpoint's names, as the trainers send them (an MoE's experts fused here are each its own).
+        named = checkpoint_named(self.model, self.model.named_parameters())
+        return self.run_between_steps(lambda: (tensor_checksums(named), self.weight_version))
 
     def load_snapshot(self) -> dict[str, Any]:
         """Cheap, slightly racy view of the engine's load (for /get_load)."""

@@ -4,7 +4,8 @@ generates, copied in by the engine's commit).
 
 Names are HF parameter names (``model.state_dict()`` keys); for tied embeddings either or both of
 ``lm_head.weight`` and ``model.embed_tokens.weight`` may be given. An MoE model's routed experts may also be
-named as its checkpoint names them (``checkpoint_aliases``), which is how the trainers stream them.
+named as its checkpoint names them (``checkpoint_aliases``), and so may any parameter transformers renamed on load
+(``renamed_aliases``): that is how the trainers stream them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,22 @@ def param_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     table = dict(model.named_parameters(remove_duplicate=False))
     for name, buf in model.named_buffers(remove_duplicate=False):
         table.setdefault(name, buf)
-    return {**checkpoint_aliases(model, table), **table}
+    return {**checkpoint_aliases(model, table), **renamed_aliases(model, table), **table}
+
+
+def renamed_aliases(model: torch.nn.Module, table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter that transformers renamed on load (a vision-language model's ``model.language_model.*`` is
+    ``model.*`` in its checkpoint, its ``model.visual.*`` is ``visual.*``) under its checkpoint name too: the name
+    the trainers stream (``weights.hf_names``). Only pure renames: transformers' inverse of a fused tensor makes
+    copies, which a weight update could not write through (``checkpoint_aliases`` gives those as views)."""
+    from miles_async.weights.hf_names import checkpoint_named
+
+    return {
+        alias: t
+        for name, t in table.items()
+        for alias, same in checkpoint_named(model, [(name, t)])
+        if alias != name and same.data_ptr() == t.data_ptr() and same.shape == t.shape
+    }
 
 
 _FUSED_EXPERTS = re.compile(r"^(.*)\.mlp\.(experts\.(gate_up_proj|down_proj)|gate\.weight)$")
