@@ -1,5 +1,6 @@
 """Memory per training worker of the torch backend on SmolLM2-135M: DDP (the code before FSDP2) against FSDP2
-and FSDP2 + LoRA, at 1 and 2 workers, with a projection to 4B and 8B models on 8 GPUs.
+and FSDP2 + LoRA, at 1 and 2 workers, with a projection to 4B and 8B models on 8 GPUs; then the Megatron backend's
+MoE layouts and a Qwen3-30B-A3B projection (``benchmarks/train_memory_moe.py``, under the result's ``moe``).
 
 Variants (``VARIANTS``):
 
@@ -324,7 +325,14 @@ def run(quick: bool, out_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS))
         "lora_flags": list(LORA_FLAGS),
         "variants": list(variants),
     }
-    return report(raw, settings, json.loads((model / "config.json").read_text()), notes)
+    result = report(raw, settings, json.loads((model / "config.json").read_text()), notes)
+    # The Megatron MoE layouts and the Qwen3-30B-A3B projection (benchmarks/train_memory_moe.py).
+    from benchmarks import train_memory_moe
+
+    result["moe"] = moe = train_memory_moe.run(quick, out_dir)
+    result["tables"] += moe["tables"]
+    result["notes"] += moe["notes"]
+    return result
 
 
 def report(raw: dict, settings: dict, model_config: dict, notes: list[str]) -> dict:
