@@ -3,9 +3,9 @@ counted from its config (``benchmarks/moe_memory_core.py``), then projected to Q
 
 Measured: each layout (one rank; EP 2; TP 2; PP 2; TP 2 x EP 2 with expert TP 2 and 1; PP 2 x EP 2, the multi-rank
 ones with the distributed optimizer, as Miles runs) runs one training step of ``train_step``'s batch in spawned
-ranks, and each rank counts what it holds afterwards: its parameters, the gradient buffers of Megatron's DDP and the optimizer's
-state tensors. The fullest rank's bytes are compared with the count from ``config.json``: the ratio says how far
-the projection's formula is from what megatron-core allocates (it leaves out Megatron's buffer padding).
+ranks, and each rank counts what it holds afterwards: its parameters, the gradient buffers of Megatron's DDP and the
+optimizer's state tensors. The fullest rank's bytes are compared with the count from ``config.json``: the ratio says
+how far the projection's formula is from what megatron-core allocates (it leaves out Megatron's buffer padding).
 
 Projected: the same formula on Qwen3-30B-A3B in bf16 with fp32 gradients and master weights (Miles' GPU setting),
 every layout megatron-core would build on 8 GPUs (the training half of the Qwen3-30B-A3B launcher's two nodes) and
