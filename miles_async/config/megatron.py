@@ -97,7 +97,14 @@ GROUPS = (
             check=at_least(1),
             help="refused: the interleaved (virtual pipeline) schedule is not run by the megatron backend",
         ),
-        flag("--context-parallel-size", type=int, default=1, check=at_least(1), help="only 1 for now"),
+        flag(
+            "--context-parallel-size",
+            type=int,
+            default=1,
+            check=at_least(1),
+            help="context parallelism: each sequence split over this many ranks in 2 x CP chunks, as Megatron splits "
+            "it (needs Transformer Engine's attention)",
+        ),
         flag(
             "--sequence-parallel",
             action=argparse.BooleanOptionalAction,
@@ -263,18 +270,13 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
     te = machine.has_module("transformer_engine")
     mcfg = _optimizer_memory(mcfg, machine, te)
     tp, pp, cp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size, mcfg.context_parallel_size
-    if cp > 1:
-        missing = [
-            "the backend's context-parallel data path (each packed sequence split over the CP ranks as Megatron "
-            "splits it, log-probs and the loss gathered back), which is not written yet: log-probs are computed "
-            "from whole sequences"
-        ]
-        if not te:
-            missing.append(
-                "Transformer Engine (megatron-core's context-parallel attention is Transformer Engine's; "
-                "transformer_engine is not installed here)"
-            )
-        require(False, f"--context-parallel-size {cp} > 1 needs " + ", and ".join(missing))
+    # The data path splits each sequence over the CP ranks (backends/megatron/context_parallel.py); the attention
+    # that exchanges keys and values between them is Transformer Engine's.
+    machine.require(
+        cp == 1 or te,
+        f"--context-parallel-size {cp} needs Transformer Engine: megatron-core's context-parallel attention is "
+        "Transformer Engine's (transformer_engine is not installed here)",
+    )
     require(
         num_workers % mcfg.model_parallel_size == 0,
         f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",

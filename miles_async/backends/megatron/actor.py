@@ -19,13 +19,16 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.data_parallel import DataParallel, all_reduce_max
+from miles_async.backends.megatron.context_parallel import gather as cp_gather
+from miles_async.backends.megatron.context_parallel import next_token_labels
+from miles_async.backends.megatron.context_parallel import split as cp_split
 from miles_async.backends.megatron.convert import ExpertLayout, HFReader, export_hf, load_hf
 from miles_async.backends.megatron.model import (
     ArchSpec,
@@ -70,6 +73,16 @@ def megatron_layout(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[tor
     pos = torch.arange(s).expand(b, s).contiguous()
     targets = (prompt_lens[:, None] - 1 + torch.arange(r)[None, :]).clamp(0, s - 1)
     return ids, pos, targets
+
+
+class _Layout(NamedTuple):
+    """A micro-batch as the model takes it (``megatron_layout``), cut to this CP rank's positions under context
+    parallelism, where ``labels`` (``[B, S / CP]``, the token each of those positions predicts) is set."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    targets: torch.Tensor  # [B, R]: the whole sequence's position predicting each response token
+    labels: torch.Tensor | None = None
 
 
 _LAYOUT_FLAGS = {
@@ -150,6 +163,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group()
         self.experts = ExpertLayout.current()
         self.stages = Stages.current()
         self.dp = DataParallel(
@@ -219,17 +234,38 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         return model(ids.to(self.device), pos.to(self.device), None)  # [B, S, V_padded]
 
     def _outputs(
-        self, logits: torch.Tensor, mb: MicroBatch, targets: torch.Tensor, temperature: float, with_entropy: bool
-    ):
+        self, logits: torch.Tensor, mb: MicroBatch, layout: _Layout, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, R]`` log-probs (and entropies) of ``mb``'s response tokens from the model's ``logits``."""
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        logits = logits[rows, targets.to(logits.device), : self.arch.vocab_size].float()  # [B, R, V]
+        targets = layout.targets.to(logits.device)
+        if layout.labels is not None:  # context parallel: this rank's tokens, then every rank's (context_parallel)
+            local = logits[..., : self.arch.vocab_size].float()
+            if temperature != 1.0:
+                local = local / temperature
+            logprobs = logprobs_from_logits(local, layout.labels.to(local.device))
+            entropy = entropy_from_logits(local) if with_entropy else None
+            whole = [cp_gather(t, self.par.cp, self.cp_group)[rows, targets] if t is not None else None
+                     for t in (logprobs, entropy)]  # fmt: skip
+            return whole[0], whole[1]
+        logits = logits[rows, targets, : self.arch.vocab_size].float()  # [B, R, V]
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = logprobs_from_logits(logits, mb.response_ids.to(logits.device))
         return logprobs, entropy_from_logits(logits) if with_entropy else None
 
-    def _layout(self, mb: MicroBatch):
-        return megatron_layout(mb, self.pad_id, self.tp if self.par.sequence_parallel else 1)
+    def _layout(self, mb: MicroBatch) -> _Layout:
+        """The model's input for ``mb``: under context parallelism, this CP rank's part of each sequence."""
+        multiple = self.tp if self.par.sequence_parallel else 1
+        cp = self.par.cp
+        if cp == 1:
+            return _Layout(*megatron_layout(mb, self.pad_id, multiple))
+        # Every sequence cuts into 2 x CP chunks (each a multiple of TP under sequence parallelism).
+        ids, pos, targets = megatron_layout(mb, self.pad_id, 2 * cp * multiple)
+        labels = next_token_labels(ids, self.pad_id)
+        return _Layout(
+            *(cp_split(t, cp, self.cp_rank) for t in (ids, pos)), targets, cp_split(labels, cp, self.cp_rank)
+        )
 
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
         # Under expert parallelism every MoE layer's forward exchanges tokens with the other replicas' ranks: all
@@ -239,15 +275,15 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
 
     def _schedule(self, model, batch: RolloutBatch, micro: list[list[int]], on_output, forward_only: bool) -> None:
         """The micro-batches ``micro`` (rows of ``batch``) through Megatron's schedule: with pipeline stages,
-        activations flow between them; ``on_output(mb, rows, logits, targets)`` runs on the last stage and
+        activations flow between them; ``on_output(mb, rows, logits, layout)`` runs on the last stage and
         returns the micro-batch's loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             rows = next(data_iterator)
             mb = self._collate(batch, rows or [0])  # no rows: even_out's throw-away pass
-            ids, pos, targets = self._layout(mb)
-            return self._logits(model, ids, pos), lambda output: (on_output(mb, rows, output, targets), {})
+            layout = self._layout(mb)
+            return self._logits(model, layout.ids, layout.pos), lambda output: (on_output(mb, rows, output, layout), {})
 
         get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -263,8 +299,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
     def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
         out: dict[int, list[float]] = {}
 
-        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, targets: torch.Tensor):
-            logprobs, _ = self._outputs(logits, mb, targets, temperature, with_entropy=False)
+        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, layout: _Layout):
+            logprobs, _ = self._outputs(logits, mb, layout, temperature, with_entropy=False)
             for r, i in enumerate(rows):
                 out[i] = logprobs[r, : batch.response_lengths[i]].float().cpu().tolist()
             return logprobs.new_zeros(())
@@ -281,8 +317,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         n_micro = len(micro)
         step_metrics: dict[str, list[float]] = {}
 
-        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, targets: torch.Tensor):
-            logprobs, entropy = self._outputs(logits, mb, targets, temperature, with_entropy=True)
+        def on_output(mb: MicroBatch, rows: list[int], logits: torch.Tensor, layout: _Layout):
+            logprobs, entropy = self._outputs(logits, mb, layout, temperature, with_entropy=True)
             if not rows:
                 return (logprobs * 0.0).sum()
             loss, m = loss_of(mb, rows, logprobs, entropy)
