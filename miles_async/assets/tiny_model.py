@@ -64,7 +64,7 @@ def build_tiny_tokenizer():
     return tokenizer
 
 
-def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_dim: int = 16):
+def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_dim: int = 16, tied: bool = True):
     if 64 % head_dim or head_dim > 32:
         raise ValueError(f"head_dim {head_dim}: expected 16 or 32 (the hidden size is 64, with at least 2 heads)")
     heads = 64 // head_dim
@@ -76,7 +76,7 @@ def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_d
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         **special_ids,
     )
     if arch == "llama":
@@ -100,11 +100,15 @@ def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_d
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
 
 
-def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama", head_dim: int = 16) -> Path:
+def make_tiny_model(
+    out_dir: Path, seed: int = 0, arch: str = "llama", head_dim: int = 16, tied: bool = True
+) -> Path:
     """Write a random tiny causal LM (hidden 64, 2 layers) with its tokenizer to ``out_dir``.
 
-    The same ``seed``, ``arch`` and ``head_dim`` always give the same weights. ``head_dim`` 32 (2 query
-    heads, 1 KV head) is for vLLM's CPU attention, which has no kernel for head size 16.
+    The same ``seed``, ``arch``, ``head_dim`` and ``tied`` always give the same weights. ``head_dim`` 32 (2 query
+    heads, 1 KV head) is for vLLM's CPU attention, which has no kernel for head size 16. ``tied`` False gives the
+    model an output layer of its own, as Qwen3-30B-A3B has: SGLang's CPU server gave a tied tiny Qwen3-MoE uniform
+    logits.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -116,7 +120,7 @@ def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama", head_dim:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = _tiny_config(arch, len(tokenizer), special_ids, head_dim)
+    config = _tiny_config(arch, len(tokenizer), special_ids, head_dim, tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(**special_ids)

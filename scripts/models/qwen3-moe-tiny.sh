@@ -1,14 +1,16 @@
 # shellcheck shell=bash
 # A tiny random Qwen3-MoE for rehearsals on a CPU machine: the config.json of
-# miles_async/assets/tiny_model.py's make_tiny_model(arch="qwen3_moe"): 2 layers, both MoE (4 experts
+# miles_async/assets/tiny_model.py's make_tiny_model(arch="qwen3_moe", tied=False): 2 layers, both MoE (4 experts
 # of FFN 32, top-2 with softmax scores renormalised), hidden 64, GQA 4 heads / 2 KV groups of head_dim
-# 16, RMSNorm eps 1e-6, RoPE theta 1e4, vocab 54 (its character tokenizer), QK-norm, no biases, tied
-# embeddings: the shape of Qwen3-30B-A3B at toy size, with the same MoE layer settings. Use it with
+# 16, RMSNorm eps 1e-6, RoPE theta 1e4, vocab 54 (its character tokenizer), QK-norm, no biases, an output
+# layer of its own (SGLang's CPU server gave the tied one uniform logits): the shape of Qwen3-30B-A3B at toy
+# size, with the same MoE layer settings. Use it with
 # scripts/run-qwen3-30B-A3B-async.sh through MODEL_ARGS_FILE.
 # Sourced by launchers: defines MODEL_ARGS (Megatron-LM flag names).
 # shellcheck disable=SC2034  # MODEL_ARGS is read by the script that sources this file
 MODEL_ARGS=(
   --disable-bias-linear
+  --untie-embeddings-and-output-weights
   --qk-layernorm
   --group-query-attention
   --num-attention-heads 4

@@ -230,7 +230,7 @@ def test_the_tiny_qwen3_moe_args_pass_check_config_against_the_tiny_qwen3_moe(tm
     env = _launcher_env(tmp_path, QWEN3_MOE, "Qwen3-30B-A3B")
     env.update(
         MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-moe-tiny.sh"),
-        HF_CHECKPOINT=str(make_tiny_model(tmp_path / "tiny", arch="qwen3_moe")),
+        HF_CHECKPOINT=str(make_tiny_model(tmp_path / "tiny", arch="qwen3_moe", tied=False)),
     )
     layout = [
         "--actor-num-gpus-per-node",

@@ -12,6 +12,9 @@ The run records where each actor worker and engine ran and which GPUs Ray gave i
 before the time limit (USR1): the run saves, the job asks to be requeued, Slurm stops it (SIGTERM) and starts it
 again, and the new run resumes from that checkpoint and ends at --num-rollout. Nothing is left running on any
 node after either run.
+
+A second, shorter run does the same for the MoE launcher (scripts/run-qwen3-30B-A3B-async.sh) on a tiny
+Qwen3-MoE: Megatron TP 2 x EP 2 over two nodes, SGLang on the third.
 """
 
 from __future__ import annotations
@@ -206,3 +209,68 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
     assert int(pointer.read_text()) == NUM_ROLLOUT - 1  # the final save
     _check_nothing_left(job, json.loads((out / "processes.json").read_text()))
     print(f"rehearsal cluster: {time.monotonic() - t0:.0f} s (saved at rollout {saved})")
+
+
+MOE_LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-30B-A3B-async.sh")]
+MOE_ROLLOUTS = 2
+# The MoE launcher's layout at toy size: 4 Megatron workers on 2 nodes as TP 2 (sequence parallel, which MoE
+# layers under TP need) x EP 2 with expert TP 1 (each TP group on one node, the experts split across the two), and
+# 2 SGLang engines of 1 GPU on the third node.
+MOE_SIZES = [
+    "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+    "--expert-model-parallel-size", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
+    "--num-rollout", str(MOE_ROLLOUTS), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+    "--global-batch-size", "4", "--rollout-max-response-len", "4",
+    "--eval-max-response-len", "4", "--n-samples-per-eval-prompt", "1",
+]  # fmt: skip
+
+
+def test_rehearsal_cluster_trains_the_moe_launcher_at_tp2_ep2_with_sglang(job_factory):
+    """The Qwen3-30B-A3B launcher as written, through the same sbatch script and three-node cluster, on a tiny
+    Qwen3-MoE (MODEL_ARGS_FILE=scripts/models/qwen3-moe-tiny.sh): Megatron TP 2 x EP 2 over gloo on two nodes and
+    two real SGLang CPU servers on the third, which take every weight update. Where each process ran is asserted
+    as for the dense run; the run ends at --num-rollout and leaves nothing running."""
+    from miles_async.assets.tiny_model import make_tiny_model
+
+    t0 = time.monotonic()
+    job = job_factory(
+        NODES,
+        MILES_ASYNC_SGLANG_PYTHON=_engine_python("sglang"),
+        STUB_SRUN_NODE_RESOURCE=NODE_RESOURCE,
+        RAY_ADDRESS="",
+        RAY_START_TIMEOUT="180",
+        RAY_raylet_start_wait_time_s="120",
+        RAY_STOP_GRACE="60",
+        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-moe-tiny.sh"),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    _, data = _model_and_data(job.tmp)
+    model = make_tiny_model(job.tmp / "moe", seed=2, arch="qwen3_moe", tied=False)
+    out = job.tmp / "out"
+    job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
+    cpu = [f for f in CPU if f != "--no-sequence-parallel"]
+    job.start(*MOE_LAUNCHER, *MOE_SIZES, *cpu)
+    assert job.wait_exit(780) == 0, job.log[-5000:]
+    assert "[miles-async] done." in job.log
+
+    procs = json.loads((out / "processes.json").read_text())
+    placement = procs["placement"]
+    actor = [p for p in placement if p["role"] == "actor"]
+    engines = [p for p in placement if p["role"] == "rollout"]
+    assert sorted(p["index"] for p in actor) == [0, 1, 2, 3] and len(engines) == 2, placement
+    assert {p["pid"] for p in actor} == set(procs["train_workers"]), placement
+    actor_nodes, engine_nodes = {p["node_id"] for p in actor}, {p["node_id"] for p in engines}
+    assert len(actor_nodes) == 2 and len(engine_nodes) == 1, f"--actor-num-nodes 2: {placement}"
+    assert actor_nodes.isdisjoint(engine_nodes), f"actor and engines share a node: {placement}"
+    gpus = [(p["node_id"], g) for p in actor + engines for g in p["gpu_ids"]]
+    assert len(set(gpus)) == len(gpus) == 6, f"a GPU given twice: {placement}"
+    metrics = _metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, MOE_ROLLOUTS + 1)), metrics
+    _check_trained(metrics, out)
+    # Step 1 trains on samples of the initial weights, which the trainer still holds: SGLang's MoE and
+    # Megatron's agree on their log-probs (a head or experts SGLang failed to load would put them nats apart).
+    assert metrics[0]["train/train_rollout_logprob_abs_diff"] < 1e-2, metrics[0]
+    _check_nothing_left(job, procs)
+    print(f"MoE rehearsal: {time.monotonic() - t0:.0f} s, step 1's train-rollout log-prob gap "
+          f"{metrics[0]['train/train_rollout_logprob_abs_diff']:.2e}")  # fmt: skip
