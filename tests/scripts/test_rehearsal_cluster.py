@@ -142,9 +142,10 @@ def _check_nothing_left(job: Job, procs: dict) -> None:
     assert left == [], [cmdline(p) for p in left]
 
 
-def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_factory):
-    t0 = time.monotonic()
-    job = job_factory(
+def _job(job_factory, model_args: str) -> Job:
+    """The Slurm script's job on the three rehearsal nodes, with the launcher's model args from
+    scripts/models/``model_args``."""
+    return job_factory(
         NODES,
         MILES_ASYNC_SGLANG_PYTHON=_engine_python("sglang"),
         STUB_SRUN_NODE_RESOURCE=NODE_RESOURCE,
@@ -153,10 +154,15 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
         RAY_raylet_start_wait_time_s="120",  # three nodes starting at once on 2 cores
         RAY_STOP_GRACE="60",  # the run stops its engines (a few seconds each) before Ray goes
         SAVE_TIMEOUT="300",
-        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-tiny.sh"),
+        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / model_args),
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+
+
+def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_factory):
+    t0 = time.monotonic()
+    job = _job(job_factory, "qwen3-tiny.sh")
     model, data = _model_and_data(job.tmp)
     out = job.tmp / "out"
     job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
@@ -233,18 +239,7 @@ def test_rehearsal_cluster_trains_the_moe_launcher_at_tp2_ep2_with_sglang(job_fa
     from miles_async.assets.tiny_model import make_tiny_model
 
     t0 = time.monotonic()
-    job = job_factory(
-        NODES,
-        MILES_ASYNC_SGLANG_PYTHON=_engine_python("sglang"),
-        STUB_SRUN_NODE_RESOURCE=NODE_RESOURCE,
-        RAY_ADDRESS="",
-        RAY_START_TIMEOUT="180",
-        RAY_raylet_start_wait_time_s="120",
-        RAY_STOP_GRACE="60",
-        MODEL_ARGS_FILE=str(ROOT / "scripts" / "models" / "qwen3-moe-tiny.sh"),
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
+    job = _job(job_factory, "qwen3-moe-tiny.sh")
     _, data = _model_and_data(job.tmp)
     model = make_tiny_model(job.tmp / "moe", seed=2, arch="qwen3_moe", tied=False)
     out = job.tmp / "out"
