@@ -100,9 +100,7 @@ def _tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], head_d
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
 
 
-def make_tiny_model(
-    out_dir: Path, seed: int = 0, arch: str = "llama", head_dim: int = 16, tied: bool = True
-) -> Path:
+def make_tiny_model(out_dir: Path, seed: int = 0, arch: str = "llama", head_dim: int = 16, tied: bool = True) -> Path:
     """Write a random tiny causal LM (hidden 64, 2 layers) with its tokenizer to ``out_dir``.
 
     The same ``seed``, ``arch``, ``head_dim`` and ``tied`` always give the same weights. ``head_dim`` 32 (2 query

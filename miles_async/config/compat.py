@@ -15,10 +15,6 @@ MOE_ROUTER = (
     "where the router's softmax sits is config.json's (norm_topk_prob false: before the top-k, as "
     "--moe-router-pre-softmax; true, and Mixtral: over the top-k)"
 )
-MOE_GROUPS = (
-    "group-limited top-k is DeepSeek's router (config.json's n_group > 1), for a family the megatron backend does "
-    "not build yet; with one group it changes nothing"
-)
 OFFLOAD = "Miles' colocated-mode memory management; here the trainer and the engines never share a GPU"
 PACKING = "micro-batches are packed to --max-tokens-per-gpu tokens (Miles' --use-dynamic-batch-size)"
 FUSION = "a Megatron-LM kernel-fusion switch; the backend sets its own fusions"
@@ -95,20 +91,12 @@ GROUPS = (
             "--transformer-impl",
             "the layer spec is Transformer Engine's when it is installed, else Megatron's local one",
         ),
-        _value(
-            "--rotary-scaling-factor",
-            "it scales YaRN RoPE (Megatron's MLA models); llama3-style scaling is "
-            "--use-rope-scaling --rope-scaling-factor",
-            float,
-        ),
         _value("--wandb-key", WANDB),
         _value("--wandb-host", WANDB),
         _value("--wandb-team", WANDB),
         _value("--wandb-run-id", "the run's name is --wandb-run-name"),
         _switch("--moe-router-pre-softmax", MOE_ROUTER),
         _switch("--moe-shared-expert-gate", "the shared expert's sigmoid gate is config.json's (Qwen2-MoE has one)"),
-        _value("--moe-router-num-groups", MOE_GROUPS, int),
-        _value("--moe-router-group-topk", MOE_GROUPS, int),
         _switch(
             "--moe-enable-deepep",
             "DeepEP is what --moe-token-dispatcher-type flex dispatches with (megatron-core's default backend)",

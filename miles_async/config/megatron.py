@@ -277,6 +277,15 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"--context-parallel-size {cp} needs Transformer Engine: megatron-core's context-parallel attention is "
         "Transformer Engine's (transformer_engine is not installed here)",
     )
+    # megatron-core 0.16.1's local spec splits multi-latent attention's down projections over TP and gathers their
+    # output; the RoPE key part of that output then gets back only its own TP rank's heads' gradient (a step at TP 2
+    # differed from the unparallel one in exactly those rows). Transformer Engine's spec keeps them whole.
+    machine.require(
+        tp == 1 or te or not _is_mla(ns),
+        f"--tensor-model-parallel-size {tp} with multi-latent attention (DeepSeek-V3) needs Transformer Engine's "
+        "layers: without them megatron-core 0.16.1 loses part of the RoPE key's gradient under TP (use expert "
+        "parallelism and data parallelism instead; transformer_engine is not installed here)",
+    )
     require(
         num_workers % mcfg.model_parallel_size == 0,
         f"{num_workers} training workers do not split into TP {tp} x PP {pp} x CP {cp} model-parallel groups",
@@ -303,6 +312,12 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"--recompute-num-layers {layers} is more than the model's {num_layers} layers",
     )
     return mcfg
+
+
+def _is_mla(ns: argparse.Namespace) -> bool:
+    from miles_async.config.model import MLA, hf_config_json
+
+    return hf_config_json(ns).get("model_type") in MLA
 
 
 def _optimizer_memory(mcfg: MegatronConfig, machine: Machine, te: bool) -> MegatronConfig:

@@ -8,7 +8,7 @@ use: the one given, or Megatron-LM's default when it is not (e.g. no --swiglu me
 means hidden-size / heads). A mismatch fails before anything starts, naming the flag, its value and the config's.
 
 ``megatron_args(hf)`` is the one mapping, config.json -> the value of each flag, pure and unit-tested for the
-llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral and glm4_moe families.
+llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, glm4_moe and deepseek_v3 families.
 
 --vocab-size is the vocabulary before Megatron-LM pads it to a multiple of --make-vocab-size-divisible-by (x TP).
 A launcher may give config.json's vocab_size, or that size already padded to a multiple of
@@ -21,22 +21,27 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from miles_async.config.declare import ConfigError, at_least, flag, group
+from miles_async.config.declare import ConfigError, When, at_least, flag, group
 
 # Families whose layout is known: which have q/k norms, and which put a bias on q/k/v only.
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 QK_NORM = ("qwen3", "qwen3_moe")
 QKV_BIAS = ("qwen2", "qwen2_moe")
 # Families whose attention_bias biases q/k/v only (Llama's also biases o_proj).
 QKV_ONLY_ATTENTION_BIAS = QKV_BIAS + ("glm4_moe",)
-# Sigmoid routers that choose by score plus a learned per-expert bias and scale the chosen weights (GLM-4.5).
-EXPERT_BIAS = ("glm4_moe",)
+# Sigmoid routers that choose by score plus a learned per-expert bias and scale the chosen weights (GLM-4.5,
+# DeepSeek-V3), with shared experts.
+EXPERT_BIAS = ("glm4_moe", "deepseek_v3")
+# Multi-latent attention (DeepSeek-V3).
+MLA = ("deepseek_v3",)
 
 
 # -- config.json -> Megatron-LM flags (pure) ------------------------------------------------------
@@ -66,14 +71,34 @@ def _moe_layers(hf: Mapping[str, Any]) -> list[int] | None:
 
 
 def _shared_expert(hf: Mapping[str, Any]) -> int | None:
-    """The shared expert's hidden size: Qwen2-MoE's own, GLM's n_shared_experts routed-expert sizes."""
-    if hf.get("model_type") == "glm4_moe":
+    """The shared expert's hidden size: Qwen2-MoE's own, GLM's and DeepSeek's n_shared_experts routed-expert
+    sizes."""
+    if hf.get("model_type") in EXPERT_BIAS:
         return (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None
     return hf.get("shared_expert_intermediate_size") or None
 
 
 def _qk_norm(hf: Mapping[str, Any]) -> bool:
-    return hf["model_type"] in QK_NORM or (hf["model_type"] == "glm4_moe" and bool(hf.get("use_qk_norm")))
+    # Under multi-latent attention, Megatron-LM's --qk-layernorm is the norm of each low-rank latent.
+    mt = hf["model_type"]
+    return mt in QK_NORM + MLA or (mt == "glm4_moe" and bool(hf.get("use_qk_norm")))
+
+
+def _mla(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in MLA
+
+
+def _not_mla(hf: Mapping[str, Any]) -> bool:
+    return not _mla(hf)
+
+
+def _yarn(hf: Mapping[str, Any]) -> bool:
+    return _mla(hf) and _rope(hf)["rope_type"] == "yarn"
+
+
+def _groups(hf: Mapping[str, Any]) -> int | None:
+    """DeepSeek's expert groups (n_group), None without group-limited routing."""
+    return hf.get("n_group") if (hf.get("n_group") or 1) > 1 else None
 
 
 def _expert_bias(hf: Mapping[str, Any]) -> bool:
@@ -124,7 +149,10 @@ TABLE: tuple[Row, ...] = (
         lambda hf: hf.get("num_key_value_heads") or hf["num_attention_heads"],
     ),
     Row(
-        "--kv-channels", ("head_dim",), lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        "--kv-channels",
+        ("head_dim",),
+        lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        _not_mla,  # multi-latent attention's heads are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim
     ),
     Row("--swiglu", ("hidden_act",), lambda hf: hf.get("hidden_act", "silu") == "silu"),
     Row("--normalization", ("model_type",), lambda hf: "RMSNorm", _known),
@@ -146,6 +174,20 @@ TABLE: tuple[Row, ...] = (
         lambda hf: not hf.get("tie_word_embeddings", False),
     ),
     Row("--qk-layernorm", ("model_type", "use_qk_norm"), _qk_norm, _known),
+    Row("--multi-latent-attention", ("model_type",), _mla, _known),
+    Row("--q-lora-rank", ("q_lora_rank",), lambda hf: hf.get("q_lora_rank"), _mla),
+    Row("--kv-lora-rank", ("kv_lora_rank",), lambda hf: hf["kv_lora_rank"], _mla),
+    Row("--qk-head-dim", ("qk_nope_head_dim",), lambda hf: hf["qk_nope_head_dim"], _mla),
+    Row("--qk-pos-emb-head-dim", ("qk_rope_head_dim",), lambda hf: hf["qk_rope_head_dim"], _mla),
+    Row("--v-head-dim", ("v_head_dim",), lambda hf: hf["v_head_dim"], _mla),
+    Row("--rotary-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), _yarn),
+    Row("--mscale", ("rope_type", "mscale"), lambda hf: float(_rope(hf).get("mscale", 1.0)), _yarn),
+    Row(
+        "--mscale-all-dim",
+        ("rope_type", "mscale_all_dim"),
+        lambda hf: float(_rope(hf).get("mscale_all_dim", 0.0)),
+        _yarn,
+    ),
     Row(
         "--add-qkv-bias",
         ("model_type", "attention_bias"),
@@ -179,6 +221,13 @@ TABLE: tuple[Row, ...] = (
         "--moe-router-topk-scaling-factor",
         ("routed_scaling_factor",),
         lambda hf: float(hf.get("routed_scaling_factor") or 1.0),
+        _expert_bias,
+    ),
+    Row("--moe-router-num-groups", ("n_group",), _groups, _expert_bias),
+    Row(
+        "--moe-router-group-topk",
+        ("topk_group",),
+        lambda hf: hf.get("topk_group") if _groups(hf) else None,
         _expert_bias,
     ),
 )
@@ -274,6 +323,15 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
         "--qk-layernorm": switch("--qk-layernorm"),
         "--add-qkv-bias": switch("--add-qkv-bias"),
         "--disable-bias-linear": switch("--disable-bias-linear"),
+        "--multi-latent-attention": switch("--multi-latent-attention"),
+        "--q-lora-rank": value("--q-lora-rank", None, "queries without a low-rank projection"),
+        "--kv-lora-rank": value("--kv-lora-rank", 32),
+        "--qk-head-dim": value("--qk-head-dim", 128),
+        "--qk-pos-emb-head-dim": value("--qk-pos-emb-head-dim", 64),
+        "--v-head-dim": value("--v-head-dim", 128),
+        "--rotary-scaling-factor": value("--rotary-scaling-factor", 1.0),
+        "--mscale": value("--mscale", 1.0),
+        "--mscale-all-dim": value("--mscale-all-dim", 0.0),
         "--num-experts": experts,
     }
     if experts.value is not None:
@@ -293,6 +351,8 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
                 "--moe-router-topk-scaling-factor": value(
                     "--moe-router-topk-scaling-factor", 1.0, "the chosen experts' weights unscaled"
                 ),
+                "--moe-router-num-groups": value("--moe-router-num-groups", None, "no expert groups"),
+                "--moe-router-group-topk": value("--moe-router-group-topk", None, "no expert groups"),
             }
         )
     return out
@@ -301,7 +361,13 @@ def effective_args(ns: argparse.Namespace) -> dict[str, Effective]:
 # Megatron-LM's None for these means "no such part" (a dense model, no shared expert), which config.json may
 # contradict; for every other flag a None default (--vocab-size, --max-position-embeddings, ...) means "taken from
 # elsewhere", and the flag is compared only when given.
-NONE_MEANS_ABSENT = ("--num-experts", "--moe-shared-expert-intermediate-size")
+NONE_MEANS_ABSENT = (
+    "--num-experts",
+    "--moe-shared-expert-intermediate-size",
+    "--q-lora-rank",
+    "--moe-router-num-groups",
+    "--moe-router-group-topk",
+)
 
 
 def _dest(name: str) -> str:
@@ -355,6 +421,26 @@ def _archflag(name: str, type_: Callable | None = None, **options: Any):
         return flag(name, action="store_true", **options)
     return flag(name, type=type_, default=None, **options)
 
+
+def hf_config_json(ns: argparse.Namespace) -> dict:
+    """--hf-checkpoint's config.json as written; {} when there is none to read (--hf-checkpoint's own check names
+    why). For the checks that must not wait on transformers (``load_hf_config`` fills in its defaults)."""
+    if ns.hf_checkpoint is None:
+        return {}
+    try:
+        return json.loads((Path(str(ns.hf_checkpoint)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _yarn_model(ns: argparse.Namespace) -> bool:
+    hf = hf_config_json(ns)
+    return bool(hf) and _yarn(hf)
+
+
+# --rotary-scaling-factor, --mscale and --mscale-all-dim describe YaRN; slime's Llama launcher gives
+# --rotary-scaling-factor for Llama 3's own scaling, which is --use-rope-scaling --rope-scaling-factor.
+YARN_MODEL = When("a model with multi-latent attention and YaRN RoPE (DeepSeek-V3's rope_scaling)", _yarn_model)
 
 VALUE_FLAGS = (
     "--num-layers",
@@ -469,6 +555,39 @@ GROUPS = (
             "--moe-router-topk-scaling-factor",
             float,
             help="MoE: the chosen experts' weights scaled by it (config.json's routed_scaling_factor)",
+        ),
+        _archflag(
+            "--moe-router-num-groups",
+            int,
+            check=at_least(1),
+            help="MoE: group-limited routing's expert groups (DeepSeek-V3's n_group)",
+        ),
+        _archflag(
+            "--moe-router-group-topk",
+            int,
+            check=at_least(1),
+            help="MoE: the groups each token chooses its experts from (DeepSeek-V3's topk_group)",
+        ),
+        _archflag("--multi-latent-attention", help="multi-latent attention (DeepSeek-V3)"),
+        _archflag(
+            "--q-lora-rank", int, check=at_least(1), help="MLA: the queries' low rank (config.json's q_lora_rank)"
+        ),
+        _archflag("--kv-lora-rank", int, check=at_least(1), help="MLA: the keys' and values' latent (kv_lora_rank)"),
+        _archflag("--qk-head-dim", int, check=at_least(1), help="MLA: each head's query/key part without RoPE"),
+        _archflag("--qk-pos-emb-head-dim", int, check=at_least(1), help="MLA: each head's RoPE part"),
+        _archflag("--v-head-dim", int, check=at_least(1), help="MLA: each head's value size"),
+        _archflag(
+            "--rotary-scaling-factor",
+            float,
+            effect_needs=YARN_MODEL,
+            help="MLA: YaRN's scaling factor (config.json's rope factor)",
+        ),
+        _archflag("--mscale", float, effect_needs=YARN_MODEL, help="MLA: YaRN's mscale; Megatron-LM's default: 1.0"),
+        _archflag(
+            "--mscale-all-dim",
+            float,
+            effect_needs=YARN_MODEL,
+            help="MLA: YaRN's mscale_all_dim; Megatron-LM's default: 0.0",
         ),
     ),
 )

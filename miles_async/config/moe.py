@@ -12,23 +12,23 @@ experts run one matmul each (megatron-core's SequentialMLP), which computes the 
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from miles_async.config.declare import When, at_least, flag, group
 from miles_async.config.machine import Machine
+from miles_async.config.model import EXPERT_BIAS, hf_config_json
 
 # The MoE families the megatron backend builds, and for others what it would need (in the error).
-BUILT = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
-_DEEPSEEK = (
-    "multi-latent attention and DeepSeek's router (sigmoid scores with an expert-score bias, group-limited "
-    "top-k, routed_scaling_factor)"
-)
+BUILT = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 MISSING = {
-    "deepseek_v3": _DEEPSEEK,
-    "deepseek_v2": _DEEPSEEK,
-    "kimi_k2": _DEEPSEEK,
+    "deepseek_v2": (
+        "DeepSeek-V2's router (softmax scores, each expert group ranked by its best expert, which megatron-core's "
+        "group-limited top-k does not do)"
+    ),
+    "kimi_k2": (
+        "a transformers model for model_type kimi_k2 (Kimi-K2's modeling code is remote code; its architecture is "
+        "DeepSeek-V3's, which the backend builds from a config.json with model_type deepseek_v3)"
+    ),
     "minimax_m2": "MiniMax's sigmoid router with an expert-score bias",
 }
 
@@ -57,26 +57,14 @@ class MoEConfig:
     bias_update_rate: float = 1e-3  # how fast an expert-bias router's bias follows the experts' loads
 
 
-def _hf_config(ns: argparse.Namespace) -> dict:
-    """--hf-checkpoint's config.json; {} when there is none to read (--hf-checkpoint's own check names why)."""
-    if ns.hf_checkpoint is None:
-        return {}
-    try:
-        return json.loads((Path(str(ns.hf_checkpoint)) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def is_moe(ns: argparse.Namespace) -> bool:
     """--hf-checkpoint's config.json describes an MoE model."""
-    hf = _hf_config(ns)
+    hf = hf_config_json(ns)
     return bool(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"))
 
 
 def _has_expert_bias(ns: argparse.Namespace) -> bool:
-    from miles_async.config.model import EXPERT_BIAS
-
-    return _hf_config(ns).get("model_type") in EXPERT_BIAS
+    return hf_config_json(ns).get("model_type") in EXPERT_BIAS
 
 
 MOE_MODEL = When(
@@ -88,7 +76,7 @@ CAPACITY = When(
     lambda ns: MOE_MODEL.holds(ns) and ns.moe_expert_capacity_factor is not None,
 )
 EXPERT_BIAS_MODEL = When(
-    "--train-backend megatron on a model whose router has an expert bias (GLM-4.5)",
+    "--train-backend megatron on a model whose router has an expert bias (GLM-4.5, DeepSeek-V3)",
     lambda ns: MOE_MODEL.holds(ns) and _has_expert_bias(ns),
 )
 _TE_KERNEL = "Transformer Engine's GPU kernel; without Transformer Engine it stays off"

@@ -88,7 +88,7 @@ def test_lora_on_an_moe_at_two_workers_adapts_the_experts_and_sends_the_merge_un
     from transformers import AutoModelForCausalLM
 
     from miles_async.assets.tiny_model import make_tiny_model
-    from miles_async.weights.hf_names import checkpoint_named
+    from miles_async.utils.hf_names import checkpoint_named
 
     model, hf = make_tiny_model(tmp_path / "model", seed=0, arch="qwen3_moe"), tmp_path / "hf"
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "all-linear", "--lr", "1e-2"]

@@ -1,6 +1,7 @@
 """train_async.py with --train-backend megatron on an MoE model, expert-parallel (EP 2, alltoall), with the embedded
-engine: a tiny GLM-4.5 trains, and its router's expert bias moves by --moe-router-bias-update-rate each step and
-reaches the HF export, or stays the checkpoint's at rate 0. The export is the stream each weight update sends; the
+engine: a tiny GLM-4.5 and a tiny DeepSeek-V3 (multi-latent attention, group-limited routing) train, and their
+routers' expert bias moves by --moe-router-bias-update-rate each step and reaches the HF export, or stays the
+checkpoint's at rate 0. The export is the stream each weight update sends; the
 embedded engine loads the biases from it (a name it does not hold would fail the update, and with it the run)."""
 
 from __future__ import annotations
@@ -27,14 +28,23 @@ EP2 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_glm(tmp_path_factory):
+def _with_tokenizer(path):
     from miles_async.assets.tiny_model import build_tiny_tokenizer
-    from tests.integration.test_megatron_moe import _tiny_glm4_moe
 
-    path = _tiny_glm4_moe(tmp_path_factory.mktemp("tiny_glm4_moe"))
     build_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_sigmoid_router(tmp_path_factory):
+    """The tiny GLM-4.5 and DeepSeek-V3 of the integration tests, with the tiny tokenizer: the families whose
+    router has an expert bias."""
+    from tests.integration.test_megatron_moe import _tiny_deepseek_v3, _tiny_glm4_moe
+
+    return {
+        "glm4_moe": _with_tokenizer(_tiny_glm4_moe(tmp_path_factory.mktemp("tiny_glm4_moe"))),
+        "deepseek_v3": _with_tokenizer(_tiny_deepseek_v3(tmp_path_factory.mktemp("tiny_deepseek_v3"))),
+    }
 
 
 def _biases(path) -> dict[str, torch.Tensor]:
@@ -45,10 +55,11 @@ def _biases(path) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("rate", ["1e-3", "0"])
-def test_glm_moe_trains_expert_parallel_and_its_expert_bias_moves_by_the_update_rate(
-    tiny_glm, tiny_task, tmp_path, rate
+@pytest.mark.parametrize("family, rate", [("glm4_moe", "1e-3"), ("glm4_moe", "0"), ("deepseek_v3", "1e-3")])
+def test_sigmoid_router_moe_trains_expert_parallel_and_its_expert_bias_moves_by_the_update_rate(
+    tiny_sigmoid_router, tiny_task, tmp_path, family, rate
 ):
+    tiny_glm = tiny_sigmoid_router[family]
     out, hf = tmp_path / "run", tmp_path / "hf"
     args = tiny_args(tiny_glm, tiny_task, out, *EP2, "--moe-router-bias-update-rate", rate, "--save-hf", str(hf))
     run = run_train(args, out)

@@ -1,7 +1,7 @@
 """An MoE model's trained weights reach SGLang's real CPU server: the torch backend on a tiny Qwen3-MoE pushes
 them through /update_weights_from_tensor, and the engine's log-probs of its own greedy outputs then equal the
 trainer's. transformers 5 holds the routed experts fused (``mlp.experts.gate_up_proj``) where SGLang loads each
-expert's projections by the checkpoint's names: the trainer sends those (weights/hf_names.py). SGLang's loader
+expert's projections by the checkpoint's names: the trainer sends those (utils/hf_names.py). SGLang's loader
 skips a name it does not know without a word, so only the log-probs show whether the experts arrived (an engine
 with the experts of before fails assert_engine_logprobs_match's comparison). vLLM's CPU build is not run on an MoE
 here."""

@@ -103,11 +103,53 @@ def _tiny_glm4_moe(path: Path, seed: int = 5) -> Path:
     return save_with_biases(config, path, sharpen_and_bias)
 
 
+def _tiny_deepseek_v3(path: Path, yarn: bool = False, seed: int = 5) -> Path:
+    """A tiny DeepSeek-V3: multi-latent attention (queries through a rank-32 projection, keys and values from a
+    rank-24 latent plus an 8-wide RoPE part, 16-wide heads without RoPE and 12-wide values), a dense first layer,
+    8 routed experts in 4 groups of which each token's top-4 come from the best 2 groups (ranked by their 2 best
+    scores plus bias, as DeepSeek-V3's 8 of 256 from 4 of 8 groups), a shared expert, the sigmoid router with its
+    expert bias and scale 2.5; with ``yarn`` DeepSeek-V3's YaRN RoPE (factor 4 over 32 original positions, mscale
+    1). The router is sharpened and the bias made non-zero as for GLM (``_tiny_glm4_moe``)."""
+    from transformers import DeepseekV3Config
+
+    torch.manual_seed(seed)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    config = DeepseekV3Config(
+        **{**TINY_QWEN2, "num_hidden_layers": 3, "num_key_value_heads": 4},
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+        **({"rope_scaling": rope} if yarn else {}),
+    )
+
+    def sharpen_and_bias(model) -> None:
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(10.0)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.05)
+
+    return save_with_biases(config, path, sharpen_and_bias)
+
+
 def _router_choice_scores(hf, config, ids: torch.Tensor) -> list[torch.Tensor]:
     """What each MoE layer's router ranks experts by, per token: its logits (softmax routers) or, for GLM's sigmoid
     router, sigmoid(logits) plus the expert bias. (A sigmoid's slope is at most 1/4, so the logits' float32 bound
     bounds these scores too.)"""
-    if config.model_type != "glm4_moe":
+    if config.model_type not in ("glm4_moe", "deepseek_v3"):
         return [logits.float() for logits in hf(input_ids=ids, output_router_logits=True).router_logits]
     scores, hooks = [], []
     for layer in hf.model.layers:
@@ -142,8 +184,9 @@ def _assert_routing_is_not_near_a_tie(path: str | Path, rows: list[list[int]]) -
 
 def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path):
     """Qwen3-MoE (renormalised top-k, q/k norms), Mixtral (block_sparse_moe, w1/w2/w3), Qwen2-MoE (a dense
-    layer, the shared expert and its gate, q/k/v biases, top-k before renormalising) and GLM-4.5 (the sigmoid
-    router with its expert bias and scale, shared experts, partial RoPE): megatron-core's MoE layers
+    layer, the shared expert and its gate, q/k/v biases, top-k before renormalising), GLM-4.5 (the sigmoid
+    router with its expert bias and scale, shared experts, partial RoPE) and DeepSeek-V3 (multi-latent attention,
+    plain and YaRN RoPE, group-limited routing): megatron-core's MoE layers
     give transformers' float32 logits within tests/tolerance.py's bound; HF -> Megatron -> HF is exact. Negative
     control: two experts' output projections swapped are out of bounds."""
     from miles_async.assets.tiny_model import make_tiny_model
@@ -153,6 +196,8 @@ def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path
         str(make_tiny_model(tmp_path / "mixtral", seed=1, arch="mixtral")),
         str(_tiny_qwen2_moe(tmp_path / "qwen2_moe")),
         str(_tiny_glm4_moe(tmp_path / "glm4_moe")),
+        str(_tiny_deepseek_v3(tmp_path / "deepseek_v3")),
+        str(_tiny_deepseek_v3(tmp_path / "deepseek_v3_yarn", yarn=True)),
     ]
     from transformers import AutoConfig
 
@@ -161,6 +206,25 @@ def test_moe_logits_match_transformers_and_weights_round_trip(tiny_moe, tmp_path
         ids = torch.randint(3, AutoConfig.from_pretrained(path).vocab_size, (2, 17))
         _assert_routing_is_not_near_a_tie(path, ids.tolist())
     assert_logits_and_round_trip(models, tmp_path / "out.json")
+    _assert_groups_choose(models[-2])
+
+
+def _assert_groups_choose(path: str) -> None:
+    """The tiny DeepSeek-V3's group limit changes what it computes (its logits without it differ by more than the
+    comparison's bound), so the match above shows megatron-core's group-limited top-k is transformers'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(3, hf.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        grouped = hf(input_ids=ids).logits
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "gate") and hasattr(layer.mlp.gate, "num_group"):
+                layer.mlp.gate.num_group = layer.mlp.gate.topk_group = 1
+        ungrouped = hf(input_ids=ids).logits
+    bound = forward_tolerance(transformer_depth(AutoConfig.from_pretrained(path), 17), 1.0)
+    assert (grouped - ungrouped).abs().max() > bound, "the expert groups change nothing on these tokens"
 
 
 def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str | None, resume: bool = False) -> None:
@@ -180,7 +244,8 @@ def _step_worker(rank, world, port, argv: list[str], out: str, ckpt: str | None,
         actor.save_hf(ckpt + "/hf")
     exported = actor.hf_state()
     layout = (actor.tp, actor.experts.ep, actor.experts.etp, actor.dp.size)
-    local_experts = len(actor.module.decoder.layers[0].mlp.experts.local_experts)
+    moe_layers = [layer for layer in actor.module.decoder.layers if hasattr(layer.mlp, "experts")]
+    local_experts = len(moe_layers[0].mlp.experts.local_experts)
     resumed = _save_and_resume(actor, cfg, rank, world, port, ckpt) if resume else None
     if rank == 0:
         torch.save(
@@ -210,8 +275,9 @@ def _swap_experts(named: dict[str, torch.Tensor], a: int, b: int) -> dict[str, t
 
 
 def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_checkpoints(tiny_moe, tiny_task, tmp_path):
-    """EP 2 (experts 0-1 on one rank, 2-3 on the other, tokens exchanged by the alltoall dispatcher) and TP 2 x EP 2
-    (expert tensor parallelism 2, sequence parallelism) over gloo: the first step's loss, gradients, gradient norm
+    """EP 2 (experts 0-1 on one rank, 2-3 on the other, tokens exchanged by the alltoall dispatcher), TP 2 x EP 2
+    (expert tensor parallelism 2, sequence parallelism) and PP 2 x EP 2 (a layer per stage, each stage's experts
+    split over 2 ranks) over gloo: the first step's loss, gradients, gradient norm
     and weights are the unparallel step's, within tests/tolerance.py's float32 bounds (split matmuls, all-reduces
     and the experts' token exchange sum in other orders). --moe-aux-loss-coeff 0, as Miles' launchers give it: EP
     ranks come out of data parallelism, so a per-rank load-balancing loss differs from the unparallel one by
@@ -234,6 +300,7 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
         "ep2": (2, base + ["--actor-num-gpus-per-node", "2", *ep]),
         "tp2_ep2": (4, base + ["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel", *ep]),
+        "pp2_ep2": (4, base + ["--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2", *ep]),
     }  # fmt: skip
     out = {}
     for name, (world, argv) in runs.items():
@@ -245,12 +312,13 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
         ((1, 1, 1, 1), 4),
         ((1, 2, 1, 2), 2),
         ((2, 2, 2, 2), 2),
+        ((1, 2, 1, 2), 2),  # and one of the 2 layers on each stage
     ]
     one = out["one"]
     assert all(any(f".experts.{e}." in k and g.abs().sum() > 0 for k, g in one["grads"].items()) for e in range(4))
     bounds = StepBounds.of(tiny_moe, _batch(0).tokens, group_size=4)
     # Loss and entropy are logged from rank 0's own samples: the whole batch only without data parallelism.
-    for name in ("ep2", "tp2_ep2"):
+    for name in ("ep2", "tp2_ep2", "pp2_ep2"):
         margins = assert_same_first_step(one, out[name], bounds)
         print(f"{name} vs one rank, largest |diff| / tolerance: {margins}")
     grad_tol, _ = gradient_tolerance(one["grads"], bounds.gradient, clipped=one["metrics"]["grad_norm"][0] > 1.0)
@@ -275,3 +343,45 @@ def test_expert_parallel_steps_match_the_unparallel_step_and_export_as_their_che
     hf.save_pretrained(tmp_path / "resaved")
     resaved = load_file(tmp_path / "resaved" / "model.safetensors")
     assert resaved.keys() == reference.keys() and all(torch.equal(resaved[k], v) for k, v in reference.items())
+
+
+def test_deepseek_v3_expert_parallel_matches_the_unparallel_step(tiny_task, tmp_path):
+    """The tiny DeepSeek-V3 (``_tiny_deepseek_v3``) at EP 2 over gloo (data parallel 2, its 8 experts 4 per rank,
+    multi-latent attention whole on each): the first step's loss, gradients, gradient norm and weights are the
+    unparallel step's within tests/tolerance.py's bounds, with a misplaced-expert negative control, and the engines'
+    stream holds the checkpoint's tensors, every expert's and the expert biases included. TP > 1 is refused without
+    Transformer Engine: at TP 2 megatron-core 0.16.1's local spec gave the RoPE rows of kv_a_proj_with_mqa another
+    step (config/megatron.py says why)."""
+    from safetensors.torch import load_file
+
+    from miles_async.arguments import ConfigError, parse_args
+    from miles_async.assets.tiny_model import build_tiny_tokenizer
+    from miles_async.config.declare import module_installed
+
+    model = _tiny_deepseek_v3(tmp_path / "deepseek_v3")
+    build_tiny_tokenizer().save_pretrained(model)
+    train, _ = tiny_task
+    _assert_routing_is_not_near_a_tie(model, _batch(0).tokens)
+    base = _args(model, train, tmp_path, "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall",
+                 "--moe-router-bias-update-rate", "0")  # fmt: skip
+    ep2 = base + ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]
+    if not module_installed("transformer_engine"):
+        tp2 = base + ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+        with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2 with multi-latent attention"):
+            parse_args(tp2)
+    _spawn(_step_worker, 1, base, str(tmp_path / "one.pt"), None)
+    _spawn(_step_worker, 2, ep2, str(tmp_path / "ep2.pt"), None)
+    one, both = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "ep2"))
+    assert [(one["layout"], one["local_experts"]), (both["layout"], both["local_experts"])] == [
+        ((1, 1, 1, 1), 8),
+        ((1, 2, 1, 2), 4),
+    ]
+    # The expert biases are buffers (no gradient, no Adam step; --moe-router-bias-update-rate 0 keeps them): equal.
+    for name in [k for k in one["after"] if k.endswith("e_score_correction_bias")]:
+        assert torch.equal(one["after"].pop(name), both["after"].pop(name)), name
+    bounds = StepBounds.of(model, _batch(0).tokens, group_size=4)
+    margins = assert_same_first_step(one, both, bounds)
+    print(f"deepseek_v3 ep2 vs one rank, largest |diff| / tolerance: {margins}")
+    grad_tol, _ = gradient_tolerance(one["grads"], bounds.gradient, clipped=one["metrics"]["grad_norm"][0] > 1.0)
+    assert_rejected(_swap_experts(both["grads"], 1, 5), one["grads"], grad_tol, "gradients with experts misplaced")
+    assert both["exported"].keys() == load_file(model / "model.safetensors").keys()

@@ -122,3 +122,27 @@ def test_pipeline_parallel_steps_match_the_unparallel_step_and_export_as_their_c
         assert torch.equal(exported[k], v), k
     down = "model.layers.2.mlp.down_proj.weight"
     assert not torch.equal(reference[down], one["before"][down])  # the step's weights, not the initial ones
+
+
+def test_tensor_and_pipeline_parallel_together_match_the_unparallel_step(tiny_model, tiny_task, tmp_path):
+    """TP 2 x PP 2 over gloo (4 ranks: each stage's layers split over a TP pair, the uneven stages of the test
+    above): the first step's loss, entropy, gradients, gradient norm and weights are the unparallel step's within
+    tests/tolerance.py's float32 bounds, and the engines' stream, gathered over TP and sent from the last stage,
+    holds the same tensors as the unparallel step's."""
+    train, _ = tiny_task
+    model = _three_layers(tiny_model, tmp_path / "policy", seed=0)
+    base = _args(model, train, tmp_path)
+    tp2_pp2 = base + ["--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]  # fmt: skip
+    _spawn(_step_worker, 4, tp2_pp2, str(tmp_path / "tp2_pp2.pt"), None, None)
+    _spawn(_step_worker, 1, base, str(tmp_path / "one.pt"), None, None)
+    one, both = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "tp2_pp2"))
+    # (TP, PP, DP, layers built on rank 0)
+    assert [one["layout"], both["layout"]] == [(1, 1, 1, 3), (2, 2, 1, 2)]
+    bounds = StepBounds.of(model, _batch(0).tokens, group_size=4)
+    margins = assert_same_first_step(one, both, bounds, ("loss", "pg_loss", "entropy", "ratio_mean"))
+    print(f"tp2_pp2 vs one rank, largest |diff| / tolerance: {margins}")
+    grad_tol, _ = gradient_tolerance(one["grads"], bounds.gradient, clipped=one["metrics"]["grad_norm"][0] > 1.0)
+    weight_tol = adam_tolerance(one["grads"], grad_tol, one["after"], one["hyper"], 1)
+    assert_rejected(_swap_layers(both["after"], 1, 2), one["after"], weight_tol, "weights with layers misnumbered")
+    assert list(both["exported"]) == list(one["exported"])

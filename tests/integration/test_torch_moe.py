@@ -1,7 +1,7 @@
 """MoE models on the torch backend, one worker on tiny random Qwen3-MoE and Mixtral checkpoints.
 
 transformers 5 fuses each MoE layer's routed experts into two parameters and renames Mixtral's ``block_sparse_moe``,
-so what the backend exports must be turned back into the checkpoint's names (``weights.hf_names``): SGLang, vLLM and
+so what the backend exports must be turned back into the checkpoint's names (``utils.hf_names``): SGLang, vLLM and
 any HF tool load those. Checked here: the export's names and tensors are the checkpoint's before training, and
 after a step the ``--save-hf`` folder, loaded by transformers itself, computes the trained module's logits. With
 ``--lora-target-modules all-linear`` peft puts adapters on the fused experts and the router as well; the merged
@@ -81,7 +81,7 @@ def test_lora_on_an_moe_adapts_the_experts_and_exports_peft_s_merge(tiny_task, t
     reference = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(tmp_path / "hf" / "adapter")
     ).merge_and_unload()
-    from miles_async.weights.hf_names import checkpoint_named
+    from miles_async.utils.hf_names import checkpoint_named
 
     expected = dict(checkpoint_named(reference, reference.named_parameters()))
     assert expected.keys() == saved.keys()

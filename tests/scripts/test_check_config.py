@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from miles_async.config.declare import module_installed
 from miles_async.config.precision import cpu_has_bf16
 from tests.scripts.helpers import ROOT, STUBS
 from tests.scripts.test_launchers import _env, _run, _words
@@ -252,3 +253,23 @@ def test_the_tiny_qwen3_moe_args_pass_check_config_against_the_tiny_qwen3_moe(tm
     # The published launcher's EP 8 does not fit 4 experts, and the refusal names the flag.
     proc = _run(QWEN3_MOE, env, ["--tensor-model-parallel-size", "2", "--check-config"], timeout=240)
     assert proc.returncode == 2 and "--expert-model-parallel-size 8" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_moe_launcher_with_deepseek_v3_args_passes_check_config_against_the_published_config(tmp_path):
+    """The Qwen3-30B-A3B launcher's exact command with MODEL_ARGS_FILE=scripts/models/deepseek-v3.sh (Miles'
+    DeepSeek-V3 MODEL_ARGS: multi-latent attention, YaRN, 256 experts in 8 groups) against DeepSeek-R1's published
+    config.json, whose architecture is DeepSeek-V3's, at the launcher's TP 4 x EP 8."""
+    env = _launcher_env(tmp_path, QWEN3_MOE, "DeepSeek-R1")
+    env["MODEL_ARGS_FILE"] = str(ROOT / "scripts" / "models" / "deepseek-v3.sh")
+    words = _words(_run(QWEN3_MOE, env, ["--dry-run"]).stdout)
+    start, end = words.index(str(ROOT / "train_async.py")) + 1, words.index("--hf-checkpoint")
+    assert words[start:end] == _script_model_args("deepseek-v3")
+    proc = _check_config(QWEN3_MOE, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _plan(proc.stdout)[0] == (
+        "actor: 8 workers x 1 GPU = 8 GPUs; megatron TP 4 x PP 1 x CP 1, data parallel 2; experts EP 8; placement "
+        "group of 8 bundles x 1 GPU (PACK)"
+    )
+    # Without Transformer Engine (here) TP with multi-latent attention would stop a run; the GPU node has it.
+    te = "--tensor-model-parallel-size 4 with multi-latent attention (DeepSeek-V3) needs Transformer Engine"
+    assert (te in proc.stdout) != module_installed("transformer_engine")

@@ -96,7 +96,12 @@ def test_an_expert_layout_that_cannot_split_the_model_is_refused(tmp_path, extra
 
 
 @pytest.mark.parametrize(
-    "model_type, missing", [("deepseek_v3", "multi-latent attention"), ("minimax_m2", "MiniMax's sigmoid router")]
+    "model_type, missing",
+    [
+        ("deepseek_v2", "each expert group ranked by its best expert"),
+        ("kimi_k2", "a transformers model for model_type kimi_k2"),
+        ("minimax_m2", "MiniMax's sigmoid router"),
+    ],
 )
 def test_an_moe_family_the_megatron_backend_does_not_build_is_refused_naming_what_is_missing(
     tmp_path, model_type, missing
@@ -134,7 +139,7 @@ def test_moe_flags_without_effect_here_are_named_with_the_reason(tmp_path, caplo
     qwen = _warnings(caplog, _args(tmp_path, *MOE_RUN, "--moe-router-bias-update-rate", "0", **QWEN3_MOE))
     assert [w for w in qwen if w.startswith("--moe-router-bias")] == [
         "--moe-router-bias-update-rate 0.0 is ignored: it only takes effect with --train-backend megatron on a "
-        "model whose router has an expert bias (GLM-4.5)"
+        "model whose router has an expert bias (GLM-4.5, DeepSeek-V3)"
     ]
     glm = {**QWEN3_MOE, "model_type": "glm4_moe", "n_routed_experts": QWEN3_MOE["num_experts"]}
     glm.pop("num_experts")

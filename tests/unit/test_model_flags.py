@@ -117,6 +117,7 @@ def test_the_mapping_of_qwen3_4b_flag_by_flag():
         "--vocab-size": 151936,
         "--untie-embeddings-and-output-weights": False,
         "--qk-layernorm": True,
+        "--multi-latent-attention": False,
         "--add-qkv-bias": False,
         "--disable-bias-linear": True,
         "--num-experts": None,
@@ -349,4 +350,64 @@ def test_glm45_maps_to_the_sigmoid_router_with_expert_bias_and_partial_rope():
     assert mismatches(_namespace(words), QWEN3_30B_A3B, "m/config.json") == [
         "--moe-router-enable-expert-bias does not match m/config.json: model_type qwen3_moe (that is no "
         "--moe-router-enable-expert-bias)"
+    ]
+
+
+# Miles' scripts/models/deepseek-v3-5layer.sh (radixark/miles) with its 61 layers, as its comment says the full one
+# differs; DeepSeek-R1's published config.json has DeepSeek-V3's architecture.
+DEEPSEEK_V3_MODEL_ARGS = (
+    "--disable-bias-linear --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
+    "--kv-channels 128 --normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --swiglu "
+    "--untie-embeddings-and-output-weights --vocab-size 129280 --multi-latent-attention --q-lora-rank 1536 "
+    "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+    "--rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0 --mscale-all-dim 1.0 --attention-softmax-in-fp32 "
+    f"--no-rope-fusion --num-experts 256 --moe-layer-freq [{','.join(['0'] * 3 + ['1'] * 58)}] "
+    "--moe-ffn-hidden-size 2048 --moe-router-topk 8 --moe-shared-expert-intermediate-size 2048 "
+    "--moe-router-pre-softmax --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+    "--moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0 "
+    "--moe-router-bias-update-rate 0 --moe-router-group-topk 4 --moe-router-num-groups 8 --moe-grouped-gemm "
+    "--moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-permute-fusion"
+)
+
+
+def test_deepseek_v3_maps_to_multi_latent_attention_and_group_limited_routing():
+    hf = _published("DeepSeek-R1")
+    wanted = megatron_args(hf)
+    mla = ("--q-", "--kv-l", "--qk-", "--v-", "--multi", "--mscale")
+    assert {k: wanted[k] for k in wanted if k.startswith(mla)} == {
+        "--multi-latent-attention": True, "--q-lora-rank": 1536, "--kv-lora-rank": 512, "--qk-head-dim": 128,
+        "--qk-pos-emb-head-dim": 64, "--v-head-dim": 128, "--qk-layernorm": True, "--mscale": 1.0,
+        "--mscale-all-dim": 1.0,
+    }  # fmt: skip
+    assert wanted["--rotary-scaling-factor"] == 40.0 and "--kv-channels" not in wanted
+    assert (wanted["--moe-router-num-groups"], wanted["--moe-router-group-topk"]) == (8, 4)
+    assert wanted["--moe-router-score-function"] == "sigmoid" and wanted["--moe-router-enable-expert-bias"]
+    assert wanted["--moe-shared-expert-intermediate-size"] == 2048
+    assert wanted["--moe-layer-freq"] == [0] * 3 + [1] * 58
+
+
+def test_miles_deepseek_v3_model_args_describe_the_published_config_and_a_wrong_one_is_named():
+    words = _script_model_args("deepseek-v3")
+    assert words == DEEPSEEK_V3_MODEL_ARGS.split()
+    hf = _published("DeepSeek-R1")
+    assert len(_compared(words, hf)) >= 30
+    assert mismatches(_namespace(words), hf, "config.json") == []
+    wrong = [w if w != "1536" else "1024" for w in words]
+    assert mismatches(_namespace(wrong), hf, "config.json") == [
+        "--q-lora-rank 1024 does not match config.json: q_lora_rank 1536 (that is --q-lora-rank 1536)"
+    ]
+    ungrouped = words[: words.index("--moe-router-group-topk")] + words[words.index("--moe-grouped-gemm") :]
+    assert [m.split(" does not")[0] for m in mismatches(_namespace(ungrouped), hf, "config.json")] == [
+        "--moe-router-num-groups not given (Megatron-LM then uses None: no expert groups)",
+        "--moe-router-group-topk not given (Megatron-LM then uses None: no expert groups)",
+    ]
+
+
+def test_yarn_flags_on_a_model_without_yarn_are_named_as_ignored(tmp_path):
+    """slime's Llama launcher gives --rotary-scaling-factor, which is YaRN's (multi-latent attention models):
+    accepted, and named once in a warning."""
+    cfg = parse_args(minimal_flags(tmp_path) + ["--num-rollout", "1", "--rotary-scaling-factor", "8.0"])
+    assert [w for w in cfg.warnings if w.startswith("--rotary-scaling-factor")] == [
+        "--rotary-scaling-factor 8.0 is ignored: it only takes effect with a model with multi-latent attention and "
+        "YaRN RoPE (DeepSeek-V3's rope_scaling)"
     ]

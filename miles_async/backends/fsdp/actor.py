@@ -22,9 +22,9 @@ from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
+from miles_async.utils.hf_names import checkpoint_named
 from miles_async.vision.hf import is_vision_model, model_class
 from miles_async.weights.disk import write_hf_checkpoint
-from miles_async.weights.hf_names import checkpoint_named
 from miles_async.weights.source import WeightSource
 
 if TYPE_CHECKING:

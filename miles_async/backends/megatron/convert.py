@@ -6,7 +6,10 @@ gate/up into one ``linear_fc1`` (``[gate; up]``, per TP shard). Column-parallel 
 are split on dim 0, row-parallel ones on dim 1, the vocabulary (padded to a multiple
 of TP) on dim 0; norms are replicated.
 
-MoE layers: the router (and GLM's expert bias, a buffer: ``expert_bias`` is
+Multi-latent attention (DeepSeek-V3) maps one Megatron projection to one HF projection (``_MLA_NAMES``), each
+split over TP on its output rows but the output projection.
+
+MoE layers: the router (and GLM's and DeepSeek's expert bias, a buffer: ``expert_bias`` is
 ``gate.e_score_correction_bias``) and the shared expert (and its gate) are named like the dense
 parts; each routed expert is an MLP of its own, ``experts.local_experts.<i>`` (megatron-core's
 SequentialMLP; ``experts.linear_fc1.weight<i>`` with Transformer Engine's grouped GEMM),
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from miles_async.backends.megatron.model import ArchSpec
+from miles_async.backends.megatron.model import SIGMOID_ROUTER, ArchSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -48,6 +51,18 @@ _LAYER_NAMES = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+# Multi-latent attention (DeepSeek-V3): Megatron suffix -> HF suffix. Every projection but the output is
+# column-parallel, the down projections included (megatron-core gathers their output); the latent norms whole.
+_MLA_NAMES = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+_MLA_NORMS = ("self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight")
 # A routed expert's projection: local spec (SequentialMLP) or Transformer Engine's grouped GEMM.
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
@@ -90,7 +105,7 @@ def _moe_suffixes(arch: ArchSpec) -> dict[str, tuple[str, ...]]:
     """Megatron suffix -> HF suffixes of the MoE block's router (and its expert bias) and shared expert (fc1: gate,
     up): Qwen2-MoE's ``shared_expert``, GLM's ``shared_experts``."""
     block, _ = _moe_names(arch)
-    shared = "mlp.shared_experts." if arch.model_type == "glm4_moe" else "mlp.shared_expert."
+    shared = "mlp.shared_experts." if arch.model_type in SIGMOID_ROUTER else "mlp.shared_expert."
     return {
         "mlp.router.weight": (block + "gate.weight",),
         EXPERT_BIAS: (block + "gate.e_score_correction_bias",),
@@ -171,6 +186,9 @@ def hf_shard(
         raise KeyError(f"no HF source for Megatron parameter {name}")
     pre = f"model.layers.{layer_number(int(m.group(1)))}."
     suffix = m.group(2)
+    if arch.mla is not None and suffix in _MLA_NAMES:
+        w = get(pre + _MLA_NAMES[suffix])
+        return w if suffix in _MLA_NORMS else w.chunk(tp)[rank]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         fused = fuse_qkv(arch, *(get(f"{pre}self_attn.{p}_proj.{kind}") for p in "qkv"))
@@ -297,7 +315,9 @@ def export_hf(
             raise KeyError(f"no HF name for Megatron parameter {name}")
         pre = f"model.layers.{numbers[int(m.group(1))]}."
         suffix = m.group(2)
-        if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        if arch.mla is not None and suffix in _MLA_NAMES:
+            yield pre + _MLA_NAMES[suffix], t if suffix in _MLA_NORMS else _gather(t, 0, group, tp)
+        elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = suffix.rsplit(".", 1)[1]
             q, k, v = split_qkv(arch, _gather(t, 0, group, tp))
             yield from ((f"{pre}self_attn.{n}_proj.{kind}", x) for n, x in zip("qkv", (q, k, v)))

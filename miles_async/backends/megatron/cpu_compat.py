@@ -8,7 +8,7 @@ all of those land on the CPU:
 
 * ``torch.cuda.current_device`` returns 0 and every device that names CUDA (``"cuda"``,
   ``"cuda:N"``, ``torch.device("cuda")``, a bare int) is rewritten to the CPU by a
-  ``TorchFunctionMode`` on factory calls, ``Tensor.to``/``.cuda()`` and friends;
+  ``TorchFunctionMode`` on factory calls, ``torch.device(...)`` itself, ``Tensor.to``/``.cuda()`` and friends;
 * the CUDA RNG-state functions (torch's and Megatron's tracker helpers) read and write
   the CPU generator;
 * CUDA streams, events and synchronisation become no-ops;
@@ -61,6 +61,8 @@ class _CudaToCpu(TorchFunctionMode):
             # Megatron's optimizers dispatch on (and assert) 'torch.cuda.FloatTensor'-style names.
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if func is torch.device and args and _is_cuda(args[0]):
+            return _CPU  # e.g. ``with torch.device(torch.cuda.current_device()):`` (YaRN's RoPE tables)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

@@ -1,11 +1,12 @@
 """A Megatron-core ``GPTModel`` built from an HF config (Llama, Qwen2, Qwen3 and look-alikes, and the MoE
-families Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5).
+families Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3).
 
 ``ArchSpec`` reads what the conversion and the model need from an HF ``config.json``
 (RMSNorm, SwiGLU, RoPE with the model's theta, grouped-query attention, tied or untied
 embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms; for MoE models ``MoESpec``: experts, top-k,
 where the router's softmax sits or GLM's sigmoid router with its expert bias and scale, which layers are MoE,
-the shared expert and its gate; GLM's partial RoPE) and refuses
+the shared expert and its gate; GLM's partial RoPE; DeepSeek-V3's multi-latent attention, ``MLASpec``, and its
+group-limited routing) and refuses
 what it cannot map. The layer spec is Transformer Engine's when ``transformer_engine`` imports,
 otherwise Megatron's local one; the conversion names follow whichever was used.
 """
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
     from miles_async.config.megatron import MegatronConfig
 
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
+# The families whose router is a sigmoid choosing by score plus an expert bias, with shared experts and dense first
+# layers, named alike in HF (mlp.gate.e_score_correction_bias, mlp.shared_experts).
+SIGMOID_ROUTER = ("glm4_moe", "deepseek_v3")
 SUPPORTED = DENSE + MOE
 
 
@@ -65,6 +69,10 @@ class MoESpec:
     score_function: str = "softmax"
     expert_bias: bool = False
     topk_scaling_factor: float | None = None
+    # DeepSeek-V3's group-limited routing: the experts in num_groups groups, each token choosing among the
+    # group_topk groups whose best two scores sum highest (None: no groups).
+    num_groups: int | None = None
+    group_topk: int | None = None
 
     @classmethod
     def from_hf(cls, config) -> MoESpec:
@@ -77,8 +85,8 @@ class MoESpec:
                 )
             n = config.num_local_experts
             return cls(n, config.num_experts_per_tok, config.intermediate_size, (1,) * config.num_hidden_layers, False)
-        if mt == "glm4_moe":
-            return cls._glm4_moe(config)
+        if mt in SIGMOID_ROUTER:
+            return cls._sigmoid_router(config)
         step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", ()) or ())
         freq = tuple(0 if i in dense or (i + 1) % step else 1 for i in range(config.num_hidden_layers))
         shared = getattr(config, "shared_expert_intermediate_size", None) if mt == "qwen2_moe" else None
@@ -93,12 +101,16 @@ class MoESpec:
         )
 
     @classmethod
-    def _glm4_moe(cls, config) -> MoESpec:
-        k, groups = config.num_experts_per_tok, getattr(config, "n_group", 1) or 1
-        if groups > 1:
+    def _sigmoid_router(cls, config) -> MoESpec:
+        """GLM-4.5's and DeepSeek-V3's MoE block."""
+        k = config.num_experts_per_tok
+        groups, group_topk = getattr(config, "n_group", 1) or 1, getattr(config, "topk_group", 1) or 1
+        if groups > 1 and k != 2 * group_topk:
+            # HF ranks a group by its best two scores; Megatron by its best topk / group_topk.
             raise ValueError(
-                f"--train-backend megatron: GLM's group-limited top-k (n_group {groups}) is not mapped; GLM-4.5's "
-                "own configs have one group"
+                f"--train-backend megatron: group-limited top-k with num_experts_per_tok {k} and topk_group "
+                f"{group_topk} is not mapped: transformers ranks each group by its 2 best experts, megatron-core by "
+                f"its num_experts_per_tok / topk_group = {k / group_topk:g} best (DeepSeek-V3's 8 / 4 agree)"
             )
         if k > 1 and not getattr(config, "norm_topk_prob", True):
             # Megatron renormalises a sigmoid router's top-k weights whenever k > 1.
@@ -115,7 +127,75 @@ class MoESpec:
             score_function="sigmoid",
             expert_bias=True,
             topk_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            num_groups=groups if groups > 1 else None,
+            group_topk=group_topk if groups > 1 else None,
         )
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek-V3's multi-latent attention as megatron-core's ``MLASelfAttention`` builds it: queries through a
+    low-rank projection (``q_lora_rank``; None: a plain one), keys and values from one shared latent of
+    ``kv_lora_rank`` plus a RoPE part of ``qk_rope_head_dim`` per token, each with its RMSNorm; RoPE on the
+    interleaved pairs of each head's last ``qk_rope_head_dim`` (both transformers, with ``rope_interleave``, and
+    megatron-core de-interleave them first), plain or YaRN-scaled."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_theta: float
+    yarn: tuple[tuple[str, float], ...] | None  # MLATransformerConfig's YaRN fields, None: plain RoPE
+
+    @classmethod
+    def from_hf(cls, config) -> MLASpec:
+        if not getattr(config, "rope_interleave", True):
+            raise ValueError(
+                "--train-backend megatron: rope_interleave false is not mapped (megatron-core's multi-latent "
+                "attention always rotates the interleaved pairs)"
+            )
+        rope = {**(getattr(config, "rope_scaling", None) or {}), **(getattr(config, "rope_parameters", None) or {})}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        yarn = None
+        if kind == "yarn":
+            yarn = (
+                ("rotary_scaling_factor", float(rope["factor"])),
+                ("original_max_position_embeddings", float(rope.get("original_max_position_embeddings", 4096))),
+                ("beta_fast", float(rope.get("beta_fast", 32))),
+                ("beta_slow", float(rope.get("beta_slow", 1))),
+                ("mscale", float(rope.get("mscale", 1.0))),
+                ("mscale_all_dim", float(rope.get("mscale_all_dim", 0.0))),
+            )
+        elif kind != "default":
+            raise ValueError(f"--train-backend megatron: RoPE type {kind!r} with multi-latent attention is not mapped")
+        return cls(
+            q_lora_rank=getattr(config, "q_lora_rank", None) or None,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            yarn=yarn,
+        )
+
+    def fields(self) -> dict[str, Any]:
+        """MLATransformerConfig's fields."""
+        out: dict[str, Any] = {
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_head_dim": self.qk_nope_head_dim,
+            "qk_pos_emb_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "rotary_base": self.rope_theta,
+            "rope_type": "yarn" if self.yarn else "rope",
+            # The latent norms (q_layernorm, kv_layernorm) exist only with qk_layernorm.
+            "qk_layernorm": True,
+        }
+        if self.yarn:
+            out.update(dict(self.yarn))
+            out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+        return out
 
 
 @dataclass(frozen=True)
@@ -137,6 +217,7 @@ class ArchSpec:
     qk_norm: bool
     moe: MoESpec | None = None
     rotary_percent: float = 1.0  # GLM's partial_rotary_factor: RoPE on the first part of each head only
+    mla: MLASpec | None = None  # DeepSeek-V3's multi-latent attention
 
     @classmethod
     def from_hf(cls, config) -> ArchSpec:
@@ -154,10 +235,11 @@ class ArchSpec:
         if attention_bias and mt not in QKV_ONLY_ATTENTION_BIAS:
             # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear.
             raise ValueError("--train-backend megatron: attention_bias=True on a llama-style model is not mapped")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
+        mla = MLASpec.from_hf(config) if mt == "deepseek_v3" else None
+        rope = dict(getattr(config, "rope_parameters", None) or {}) if mla is None else {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", "default")
-        legacy = getattr(config, "rope_scaling", None)
+        legacy = getattr(config, "rope_scaling", None) if mla is None else None  # MLA's RoPE: MLASpec
         if legacy and not rope.get("rope_type"):
             rope.update(legacy)
             rope_type = legacy.get("rope_type", legacy.get("type", "default"))
@@ -193,6 +275,7 @@ class ArchSpec:
             qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and getattr(config, "qkv_bias", True)) or bool(attention_bias),
             qk_norm=mt in ("qwen3", "qwen3_moe") or (mt == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             moe=MoESpec.from_hf(config) if mt in MOE else None,
+            mla=mla,
             rotary_percent=float(
                 rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
             ),
@@ -231,6 +314,47 @@ class LocalRMSNorm:
         return norm
 
 
+class LocalMLACoreAttention(torch.nn.Module):
+    """Causal attention for multi-latent attention without Transformer Engine: megatron-core 0.16.1's local
+    ``DotProductAttention`` takes no ``k_channels``/``v_channels``, which MLA gives it (its keys are wider than its
+    values), so its local spec does not build. torch's ``scaled_dot_product_attention`` with MLA's softmax scale;
+    the micro-batches are laid out so that a causal mask is the only mask (``actor.megatron_layout``)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type, softmax_scale=None, **_):
+        super().__init__()
+        self.config, self.softmax_scale = config, softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, packed_seq_params=None, **_):
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (THD) in the local multi-latent attention")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        dropout = self.config.attention_dropout if self.training else 0.0
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, dropout_p=dropout
+        )
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [s, b, h * d_v]
+
+
+def _local_mla(spec):
+    """``spec`` with the local ``DotProductAttention`` swapped for ``LocalMLACoreAttention``."""
+    import dataclasses
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is DotProductAttention:
+        return LocalMLACoreAttention
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_local_mla(spec.module), submodules=_local_mla(spec.submodules))
+    if isinstance(spec, list):
+        return [_local_mla(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(
+            spec, **{f.name: _local_mla(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+        )
+    return spec
+
+
 def _local_norms(spec):
     """``spec`` (a layer's or block's) with every torch norm of the local spec replaced by ``LocalRMSNorm``."""
     import dataclasses
@@ -265,7 +389,10 @@ def layer_spec(arch: ArchSpec, use_te: bool, config):
         layer = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
         # As a block, so that the final norm is ours too (given one layer, Megatron picks it itself).
         spec = TransformerBlockSubmodules([layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
-    return spec if use_te else _local_norms(spec)
+    if use_te:
+        return spec
+    spec = _local_norms(spec)
+    return _local_mla(spec) if arch.mla is not None else spec
 
 
 def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
@@ -326,6 +453,8 @@ def moe_fields(arch: ArchSpec) -> dict[str, Any]:
         "moe_router_topk_scaling_factor": m.topk_scaling_factor,
         "moe_shared_expert_intermediate_size": m.shared_ffn_hidden_size,
         "moe_shared_expert_gate": m.shared_gate,
+        "moe_router_num_groups": m.num_groups,
+        "moe_router_group_topk": m.group_topk,
     }
 
 
@@ -333,14 +462,17 @@ def transformer_config(
     arch: ArchSpec, par: ParallelSizes, bf16: bool, use_cpu_init: bool, knobs: Mapping[str, Any] | None = None
 ):
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     # A dense model keeps Megatron's MoE defaults whatever the --moe-* flags say (they warn there).
     knobs = {k: v for k, v in (knobs or {}).items() if arch.moe is not None or not k.startswith("moe_")}
     if arch.moe is None and par.pp > 1:
         # megatron-core refuses its default allgather dispatcher with variable_seq_lengths, even with no MoE layer.
         knobs["moe_token_dispatcher_type"] = "alltoall"
-    return TransformerConfig(
+    config_class, attention = TransformerConfig, {"qk_layernorm": arch.qk_norm}
+    if arch.mla is not None:
+        config_class, attention = MLATransformerConfig, arch.mla.fields()
+    return config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -353,7 +485,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        **attention,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -392,7 +524,7 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
 
     use_te = have_transformer_engine()
     if not use_te:
-        _define_te_gemm()
+        _without_te()
     cfg = transformer_config(arch, par, bf16, use_cpu_init=not torch.cuda.is_available(), knobs=knobs)
     # Megatron's autograd functions are custom_fwd(device_type="cuda"); torch autocast is not used here.
     model = GPTModel(
@@ -414,14 +546,18 @@ def build_gpt_model(arch: ArchSpec, par: ParallelSizes, bf16: bool = False, knob
     return model
 
 
-def _define_te_gemm() -> None:
-    """megatron-core 0.16.1's router matmul tests ``te_general_gemm is not None``, a name its module defines only
-    when Transformer Engine imports: without it (the local spec, any device) define it as absent, so the router
-    takes its torch matmul."""
+def _without_te() -> None:
+    """Two places where megatron-core 0.16.1 believes in a Transformer Engine that is not installed (the local
+    spec, any device): its router matmul tests ``te_general_gemm is not None``, a name its module defines only when
+    Transformer Engine imports, so define it as absent and the router takes its torch matmul; and its multi-latent
+    attention, whose module imports the MagicMock stand-ins megatron-core makes for Transformer Engine's layers and
+    so sets ``HAVE_TE``, then fails on ``isinstance(linear_proj, <a MagicMock>)``, so say it is absent."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = False
 
 
 def init_parallel(

@@ -300,8 +300,8 @@ class Engine:
 
     def weights_checksum(self) -> concurrent.futures.Future:
         """(per-parameter checksums, weight version), computed between two decode steps."""
+        from miles_async.utils.hf_names import checkpoint_named
         from miles_async.utils.weight_checksum import tensor_checksums
-        from miles_async.weights.hf_names import checkpoint_named
 
         # Under the checkpoint's names, as the trainers send them (an MoE's experts fused here are each its own).
         named = checkpoint_named(self.model, self.model.named_parameters())

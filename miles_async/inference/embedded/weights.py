@@ -41,9 +41,9 @@ def param_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def renamed_aliases(model: torch.nn.Module, table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each parameter that transformers renamed on load (a vision-language model's ``model.language_model.*`` is
     ``model.*`` in its checkpoint, its ``model.visual.*`` is ``visual.*``) under its checkpoint name too: the name
-    the trainers stream (``weights.hf_names``). Only pure renames: transformers' inverse of a fused tensor makes
+    the trainers stream (``utils.hf_names``). Only pure renames: transformers' inverse of a fused tensor makes
     copies, which a weight update could not write through (``checkpoint_aliases`` gives those as views)."""
-    from miles_async.weights.hf_names import checkpoint_named
+    from miles_async.utils.hf_names import checkpoint_named
 
     return {
         alias: t

@@ -12,14 +12,14 @@ dict.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from miles_async.weights.source import NamedTensors
 
-
-def checkpoint_named(model: torch.nn.Module, named: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_named(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``named`` (the model's live parameter names) renamed, and fused tensors split, as the checkpoint names them.
     A split tensor's parts are views of it: nothing is copied here."""
     from transformers.core_model_loading import revert_weight_conversion
