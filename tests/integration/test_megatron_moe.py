@@ -65,6 +65,17 @@ def _tiny_qwen2_moe(path: Path) -> Path:
     return save_with_biases(config, path)
 
 
+def _sharpen_and_bias(model) -> None:
+    """A sigmoid router's logits of a random init are tiny, so its scores barely differ: sharpened, each token picks
+    its own experts, and a bias of about their spread changes some of those picks."""
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.mul_(10.0)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.normal_(0, 0.05)
+
+
 def _tiny_glm4_moe(path: Path, seed: int = 5) -> Path:
     """A tiny GLM-4.5: a dense first layer (first_k_dense_replace), the sigmoid router choosing by score plus an
     expert bias (made non-zero, so that it changes choices) with scaled weights, a shared expert, q/k/v biases, q/k
@@ -90,17 +101,7 @@ def _tiny_glm4_moe(path: Path, seed: int = 5) -> Path:
         topk_group=1,
     )
 
-    def sharpen_and_bias(model) -> None:
-        # Router logits of a random init are tiny, so its sigmoid scores barely differ: sharpened, each token picks
-        # its own experts, and a bias of about their spread changes some of those picks.
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(10.0)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.05)
-
-    return save_with_biases(config, path, sharpen_and_bias)
+    return save_with_biases(config, path, _sharpen_and_bias)
 
 
 def _tiny_deepseek_v3(path: Path, yarn: bool = False, seed: int = 5) -> Path:
@@ -134,15 +135,7 @@ def _tiny_deepseek_v3(path: Path, yarn: bool = False, seed: int = 5) -> Path:
         **({"rope_scaling": rope} if yarn else {}),
     )
 
-    def sharpen_and_bias(model) -> None:
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(10.0)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.05)
-
-    return save_with_biases(config, path, sharpen_and_bias)
+    return save_with_biases(config, path, _sharpen_and_bias)
 
 
 def _router_choice_scores(hf, config, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -335,44 +335,37 @@ class LocalMLACoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [s, b, h * d_v]
 
 
-def _local_mla(spec):
-    """``spec`` with the local ``DotProductAttention`` swapped for ``LocalMLACoreAttention``."""
+def _swap_modules(spec, swaps: Mapping[type, type]):
+    """``spec`` (a layer's or block's) with every module class in ``swaps`` replaced by its value, however deep."""
     import dataclasses
 
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    if spec is DotProductAttention:
-        return LocalMLACoreAttention
+    if isinstance(spec, type) and spec in swaps:
+        return swaps[spec]
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=_local_mla(spec.module), submodules=_local_mla(spec.submodules))
+        return dataclasses.replace(
+            spec, module=_swap_modules(spec.module, swaps), submodules=_swap_modules(spec.submodules, swaps)
+        )
     if isinstance(spec, list):
-        return [_local_mla(s) for s in spec]
+        return [_swap_modules(s, swaps) for s in spec]
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         return dataclasses.replace(
-            spec, **{f.name: _local_mla(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
+            spec, **{f.name: _swap_modules(getattr(spec, f.name), swaps) for f in dataclasses.fields(spec) if f.init}
         )
     return spec
 
 
-def _local_norms(spec):
-    """``spec`` (a layer's or block's) with every torch norm of the local spec replaced by ``LocalRMSNorm``."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
+def _local_modules(spec, mla: bool):
+    """The local spec with ``LocalRMSNorm`` for every torch norm and, for multi-latent attention,
+    ``LocalMLACoreAttention`` for the local ``DotProductAttention``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if spec is WrappedTorchNorm:
-        return LocalRMSNorm
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=_local_norms(spec.module), submodules=_local_norms(spec.submodules))
-    if isinstance(spec, list):
-        return [_local_norms(s) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(
-            spec, **{f.name: _local_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec) if f.init}
-        )
-    return spec
+    swaps: dict[type, type] = {WrappedTorchNorm: LocalRMSNorm}
+    if mla:
+        swaps[DotProductAttention] = LocalMLACoreAttention
+    return _swap_modules(spec, swaps)
 
 
 def layer_spec(arch: ArchSpec, use_te: bool, config):
@@ -389,10 +382,7 @@ def layer_spec(arch: ArchSpec, use_te: bool, config):
         layer = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
         # As a block, so that the final norm is ours too (given one layer, Megatron picks it itself).
         spec = TransformerBlockSubmodules([layer] * get_num_layers_to_build(config), layer_norm=LocalRMSNorm)
-    if use_te:
-        return spec
-    spec = _local_norms(spec)
-    return _local_mla(spec) if arch.mla is not None else spec
+    return spec if use_te else _local_modules(spec, arch.mla is not None)
 
 
 def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
