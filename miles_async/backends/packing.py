@@ -44,6 +44,13 @@ class MicroBatch:
     max_response_len: int
     shared: SharedPrefixLayout | None = None  # the same rows with one copy of each prompt (shared_prefix.py)
     pixels: dict[str, torch.Tensor] | None = None  # a VLM's rows' images in row order: pixel_values, image_grid_thw
+    routing: list | None = None  # --use-rollout-routing-replay: each row's routing record (backends/routing_replay.py)
+
+    def padded_source(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, P + R]`` each: the row and the position in its sample of the token at each column (-1: padding)."""
+        real = self.attention_mask.bool()
+        rows = torch.arange(real.shape[0])[:, None].expand(real.shape)
+        return rows, torch.where(real, real.long().cumsum(dim=1) - 1, -1)
 
 
 def collate(

@@ -34,6 +34,7 @@ from miles_async.algorithms.losses import (
 )
 from miles_async.backends.data_parallel import DataParallel, all_gather_dict, all_gather_keys, shard
 from miles_async.backends.packing import MicroBatch, pad_rows
+from miles_async.backends.routing_replay import Replayer, ReplayStats
 from miles_async.utils.weight_checksum import tensor_checksums
 from miles_async.weights.disk import write_engine_folder
 from miles_async.weights.sender import WeightSender
@@ -157,6 +158,9 @@ class PolicyMixin:
         self._kept_weights: dict[int, dict[str, torch.Tensor]] = {}
         self._prepared = None
         self._weight_sender = WeightSender()
+        # --use-rollout-routing-replay: the backend installs it on its policy models and sets each pass's target.
+        self._replayer = Replayer() if self.cfg.routing_replay else None
+        self._routing_stats = ReplayStats()
 
     def _require(self, protocol: type) -> None:
         missing = [name for name in _protocol_members(protocol) if not hasattr(self, name)]
@@ -235,6 +239,7 @@ class PolicyMixin:
         alg = self.cfg.algorithm
         n = len(batch)
         steps, mine = shard(n, self.cfg.global_batch_size, self.dp)
+        self._routing_stats = ReplayStats()
         if alg.use_tis or alg.use_rollout_logprobs:
             require_rollout_logprobs(batch, mine, "--use-tis" if alg.use_tis else "--use-rollout-logprobs")
         self.model.eval()
@@ -294,7 +299,10 @@ class PolicyMixin:
 
         for step_idx in prep.steps:
             self._train_step(batch, step_idx, temperature, loss_of, metrics_acc)
+        if self._replayer is not None:
+            self._replayer.clear()
         metrics = reduce_metrics(metrics_acc, "train")
+        metrics.update({f"train/{k}": v for k, v in self._routing_stats.metrics().items()})
         metrics.update(
             {
                 "train/lr": self._current_lr(),

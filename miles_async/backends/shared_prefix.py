@@ -29,6 +29,8 @@ class SharedPrefixLayout:
     logits_to_keep: int  # the tail of columns whose logits the log-probs need: K * R + 1
     sequence: torch.Tensor  # [B] the sequence (group) of each row of the micro-batch
     column: torch.Tensor  # [B, R] index into the kept logits predicting each response token
+    source_row: torch.Tensor  # [G, L] the row (sample) whose token sits at each column; the prompt's: the group's first
+    source_pos: torch.Tensor  # [G, L] that token's position in its sample, -1 for padding
 
 
 def group_rows(prompts: list[list[int]]) -> list[list[int]]:
@@ -50,6 +52,8 @@ def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     real = torch.zeros((len(groups), width), dtype=torch.bool)
     slot_of = torch.full((len(groups), width), -1, dtype=torch.long)  # -1: the prompt
     sequence = torch.zeros(len(prompts), dtype=torch.long)
+    source_row = torch.zeros((len(groups), width), dtype=torch.long)
+    source_pos = torch.full((len(groups), width), -1, dtype=torch.long)
     column = torch.zeros((len(prompts), r), dtype=torch.long)
     for g, rows in enumerate(groups):
         prompt = prompts[rows[0]]
@@ -57,6 +61,8 @@ def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: 
         ids[g, start:p] = torch.tensor(prompt, dtype=torch.long)
         pos[g, start:p] = torch.arange(len(prompt))
         real[g, start:p] = True
+        source_row[g, start:p] = rows[0]
+        source_pos[g, start:p] = torch.arange(len(prompt))
         for j, row in enumerate(rows):
             lo = p + j * r
             slot_of[g, lo : lo + r] = j
@@ -64,6 +70,8 @@ def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: 
             if resp:
                 ids[g, lo : lo + len(resp)] = torch.tensor(resp, dtype=torch.long)
                 real[g, lo : lo + len(resp)] = True
+                source_row[g, lo : lo + len(resp)] = row
+                source_pos[g, lo : lo + len(resp)] = len(prompt) + torch.arange(len(resp))
             pos[g, lo : lo + r] = len(prompt) + torch.arange(r)
             sequence[row] = g
             # Kept logits start at column p - 1: index 0 predicts the first response token of every slot.
@@ -73,7 +81,7 @@ def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     key_is_prompt = (slot_of == -1)[:, None, :]
     visible = causal & (same_slot | key_is_prompt) & real[:, :, None] & real[:, None, :]
     visible |= torch.eye(width, dtype=torch.bool)  # padding sees itself
-    return SharedPrefixLayout(ids, visible[:, None], pos, k * r + 1, sequence, column)
+    return SharedPrefixLayout(ids, visible[:, None], pos, k * r + 1, sequence, column, source_row, source_pos)
 
 
 def pack_shared(prompts: list[list[int]], response_lengths: list[int], max_tokens: int) -> list[list[int]]:

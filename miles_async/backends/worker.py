@@ -23,6 +23,7 @@ import torch
 
 from miles_async.backends.data_parallel import DataParallel, all_reduce_sum
 from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
+from miles_async.backends.routing_replay import records_for
 from miles_async.backends.shared_prefix import pack_shared
 from miles_async.config import OptimizerConfig, TrainConfig
 from miles_async.utils.checkpoint import CheckpointError, load_tensors
@@ -181,7 +182,10 @@ class BaseWorker:
     def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
         responses = [batch.tokens[i][batch.prompt_lengths[i] :] for i in idx]
-        return collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id, self._shares_prefix)
+        mb = collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id, self._shares_prefix)
+        if self.cfg.routing_replay:
+            mb.routing = records_for(batch, idx)
+        return mb
 
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
         if self._shares_prefix:

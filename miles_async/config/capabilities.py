@@ -87,6 +87,13 @@ CAPABILITIES: tuple[Capability, ...] = (
         value="sglang",
         why="SGLang's router speaks SGLang's API",
     ),
+    Capability(
+        "--use-rollout-routing-replay",
+        ROLLOUT_BACKEND,
+        ("embedded", "sglang"),
+        why="vLLM 0.32 returns routed experts only from its Model Runner V2, which needs Triton (none in its CPU "
+        "build); its GPU path is not wired here",
+    ),
     Capability("--sglang-*", ROLLOUT_BACKEND, ("sglang",), why="--sglang-<flag> goes to SGLang's server as --<flag>"),
     Capability("--vllm-*", ROLLOUT_BACKEND, ("vllm",), why="--vllm-<flag> goes to vLLM's server as --<flag>"),
     *(

@@ -19,6 +19,7 @@ from miles_async.config.declare import (
     when_value,
 )
 from miles_async.config.machine import Machine
+from miles_async.config.moe import is_moe
 from miles_async.inference.auth import ApiKey, api_key_from_env, new_api_key
 from miles_async.utils.cpus import cpu_list
 
@@ -66,6 +67,7 @@ class EngineConfig:
     # run's own random one, or $MILES_ASYNC_ENGINE_API_KEY. Masked wherever the config is printed or dumped.
     api_key: ApiKey | None = None
     cpu_affinity: tuple[int, ...] | None = None  # --rollout-cpu-affinity: the cores each engine server is pinned to
+    return_routed_experts: bool = False  # --use-rollout-routing-replay: /generate can return each token's experts
 
 
 PASSTHROUGH_ENGINES = ("sglang", "vllm")
@@ -343,4 +345,5 @@ def build(ns: argparse.Namespace, num_threads: int, use_gpu: bool) -> EngineConf
         weight_update_method=resolve_weight_update_method(ns),
         # Always one: every engine requires it, on loopback too (docs/security.md).
         api_key=api_key_from_env() or new_api_key(),
+        return_routed_experts=ns.use_rollout_routing_replay and is_moe(ns),
     )

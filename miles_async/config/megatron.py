@@ -221,6 +221,19 @@ def validate(ns: argparse.Namespace) -> None:
         "(virtual pipeline) schedule is not supported by the megatron backend (each rank builds one model chunk); "
         "drop it to run the 1F1B schedule over --pipeline-model-parallel-size stages",
     )
+    full_recompute = ns.recompute_granularity == "full" or (ns.gradient_checkpointing and not ns.recompute_granularity)
+    require(
+        not (
+            ns.train_backend == "megatron"
+            and ns.use_rollout_routing_replay
+            and ns.pipeline_model_parallel_size > 1
+            and full_recompute
+        ),
+        "--use-rollout-routing-replay with --pipeline-model-parallel-size > 1 and full activation recompute: the 1F1B "
+        "schedule recomputes a micro-batch's layers after later micro-batches' forwards, and the replay routes each "
+        "pass by the latest micro-batch's record; drop the recompute (--recompute-granularity selective keeps the "
+        "routers out of it) or the pipeline",
+    )
     if ns.train_backend != "megatron" or ns.recompute_granularity is None:
         return
     if ns.recompute_granularity == "selective":

@@ -80,6 +80,16 @@ EXPERT_BIAS_MODEL = When(
     lambda ns: MOE_MODEL.holds(ns) and _has_expert_bias(ns),
 )
 _TE_KERNEL = "Transformer Engine's GPU kernel; without Transformer Engine it stays off"
+ANY_MOE_MODEL = When("an MoE model (experts in --hf-checkpoint's config.json)", is_moe)
+ROUTING_REPLAY = flag(
+    "--use-rollout-routing-replay",
+    action="store_true",
+    effect_needs=ANY_MOE_MODEL,
+    help="rollout routing replay (R3, slime's flag): the engine returns the experts its router chose for every "
+    "token, and the trainer's policy passes (old log-probs and training) route each token to those experts instead "
+    "of their own top-k; the router still gets gradients through the replayed experts' weights. Both training "
+    "backends; the embedded and SGLang engines",
+)
 
 GROUPS = (
     group(
@@ -142,6 +152,7 @@ GROUPS = (
         flag("--moe-grouped-gemm", action="store_true", effect_needs=MOE_MODEL, help=_TE_KERNEL),
         flag("--moe-permute-fusion", action="store_true", effect_needs=MOE_MODEL, help=_TE_KERNEL),
     ),
+    group("training", ROUTING_REPLAY),
 )
 
 

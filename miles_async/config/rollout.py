@@ -24,6 +24,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.loop import FullyAsyncConfig
+from miles_async.config.moe import is_moe
 from miles_async.config.multimodal import multimodal_problem, parse_multimodal_keys, validate_multimodal
 from miles_async.utils.urls import redact_url
 
@@ -166,6 +167,7 @@ class RolloutConfig:
     partial_rollout: bool = False
     mask_offpolicy_in_partial_rollout: bool = False
     dynamic_sampling: DynamicSamplingConfig | None = None  # None: every rollout draws --rollout-batch-size prompts
+    return_routed_experts: bool = False  # --use-rollout-routing-replay: samples record each token's experts
 
 
 GROUPS = (
@@ -580,4 +582,5 @@ def build(ns: argparse.Namespace, fully_async: FullyAsyncConfig | None) -> Rollo
         partial_rollout=ns.partial_rollout,
         mask_offpolicy_in_partial_rollout=ns.mask_offpolicy_in_partial_rollout,
         dynamic_sampling=dynamic_sampling_config(ns),
+        return_routed_experts=ns.use_rollout_routing_replay and is_moe(ns),
     )

@@ -24,6 +24,7 @@ from miles_async.config.declare import (
     within,
 )
 from miles_async.config.megatron import MegatronConfig
+from miles_async.config.moe import is_moe
 from miles_async.utils.cpus import cpu_list
 
 
@@ -79,6 +80,7 @@ class TrainConfig:
     lora: LoraSettings | None = None  # the policy trains LoRA adapters only (torch backend)
     freeze_vision_tower: bool = False  # a VLM policy trains its language model only
     cpu_affinity: tuple[int, ...] | None = None  # --train-cpu-affinity: the cores each worker is pinned to
+    routing_replay: bool = False  # --use-rollout-routing-replay: policy passes route tokens as the rollout did
 
 
 SHARED_PREFIX = flag(
@@ -462,6 +464,7 @@ def build(
         if ns.lora_rank > 0
         else None,
         freeze_vision_tower=ns.freeze_vision_tower,
+        routing_replay=ns.use_rollout_routing_replay and is_moe(ns),
     )
 
 
@@ -477,5 +480,6 @@ def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | No
         model_path=ns.critic_load or ns.hf_checkpoint,
         ref_model_path=None,
         lora=None,  # the value model trains whole
+        routing_replay=False,  # the value model's routing is its own: the rollout never ran it
         optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup),
     )

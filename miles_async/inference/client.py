@@ -83,6 +83,18 @@ def check_finish_reason(out: Any, url: str) -> dict[str, Any]:
     return out
 
 
+def check_routed_experts(out: dict[str, Any], url: str) -> None:
+    """A /generate answer that was asked for its routed experts has them, unless it was aborted (SGLang leaves
+    them out, silently, when its server was started without ``--enable-return-routed-experts``)."""
+    meta = out["meta_info"]
+    if "routed_experts" not in meta and meta["finish_reason"]["type"] != "abort":
+        raise EngineProtocolError(
+            f"the engine at {url} answered a request for routed experts without meta_info.routed_experts (an SGLang "
+            f"server captures them only when started with --enable-return-routed-experts, which "
+            f"--use-rollout-routing-replay adds on an MoE model)"
+        )
+
+
 class EngineClient:
     """Async client for one inference server.
 
@@ -177,9 +189,13 @@ class EngineClient:
         rid: str | None = None,
         timeout: float | None = None,
         image_data: list[str] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict[str, Any]:
         """POST /generate; returns SGLang's response dict (text, output_ids, meta_info). ``image_data``: a VLM
-        prompt's images (paths, data: URIs or base64), as SGLang takes them."""
+        prompt's images (paths, data: URIs or base64), as SGLang takes them. ``return_routed_experts``: an MoE
+        model's experts for every position from ``routed_experts_start_len`` on, in ``meta_info["routed_experts"]``
+        (``inference/routed_experts.py`` has the format; sent only when asked, so other requests are unchanged)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
@@ -189,10 +205,16 @@ class EngineClient:
             body["rid"] = rid
         if image_data:
             body["image_data"] = list(image_data)
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = int(routed_experts_start_len)
         out = await self._request("POST", "/generate", json_body=body, timeout=timeout)
         if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
             normalize_meta(out["meta_info"], len(out.get("output_ids") or []))
-        return check_finish_reason(out, self.base_url)
+        out = check_finish_reason(out, self.base_url)
+        if return_routed_experts:
+            check_routed_experts(out, self.base_url)
+        return out
 
     async def health(self, timeout: float | None = None) -> bool:
         """True iff GET /health answers 200 within ``timeout`` (default: min(timeout, 10 s)); never raises."""

@@ -148,16 +148,21 @@ class Router:
         return_logprob: bool = True,
         rid: str | None = None,
         image_data: list[str] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict[str, Any]:
         errors: list[str] = []
-        images = {"image_data": image_data} if image_data else {}  # only a VLM prompt's client needs to take it
+        # Only a VLM prompt's client needs to take images, only an R3 request's the routed-experts arguments.
+        extra: dict[str, Any] = {"image_data": image_data} if image_data else {}
+        if return_routed_experts:
+            extra.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
         if not self.clients and not self.retry:
             raise NoEngineError(self.fatal or "the router has no engine yet (set_engines gives it them)")
         for attempt in range(1, self.max_attempts + 1):
             url = await self._acquire() if self.retry else min(self.clients, key=lambda u: self.outstanding[u])
             self.outstanding[url] += 1
             task = asyncio.ensure_future(
-                self.clients[url].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **images)
+                self.clients[url].generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **extra)
             )
             self._inflight[url].add(task)
             try:
@@ -259,11 +264,19 @@ class SGLangRouter:
         return_logprob: bool = True,
         rid: str | None = None,
         image_data: list[str] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict[str, Any]:
         if self.fatal is not None:
             raise NoEngineError(self.fatal)
         return await self.client.generate(
-            input_ids, sampling_params, return_logprob=return_logprob, rid=rid, image_data=image_data
+            input_ids,
+            sampling_params,
+            return_logprob=return_logprob,
+            rid=rid,
+            image_data=image_data,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
         )
 
     async def close(self) -> None:

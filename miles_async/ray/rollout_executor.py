@@ -26,6 +26,7 @@ from miles_async.rollout.generate import GenerateContext, encode_item, generate_
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn
 from miles_async.rollout.rewards import RewardModel
 from miles_async.rollout.rollout import RolloutContext, generate_rollout
+from miles_async.rollout.routing import RoutingShape
 from miles_async.rollout.staleness import StalenessManager
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir
 from miles_async.utils.plugins import load_function
@@ -116,6 +117,7 @@ class RolloutExecutor:
             Toolbox(tools) if tools is not None else None,
             processor=self.processor,
             template_kwargs=cfg.data.chat_template_kwargs,
+            routing=RoutingShape.of_model(cfg.tokenizer_path) if cfg.return_routed_experts else None,
         )
         self.ctx = RolloutContext(
             self.data_source,

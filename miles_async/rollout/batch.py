@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, fields
+from typing import Any
 
 from miles_async.rollout.sample import Sample, SampleStatus
 
@@ -23,6 +24,8 @@ class RolloutBatch:
     group_index: list[int]
     uids: list[str]
     images: list[list[str]] | None = None  # each sample's image references (Sample.images); None: no sample has one
+    # Each sample's routing record (Sample.routed_experts, a numpy array); None: no sample has one.
+    routed_experts: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -58,6 +61,9 @@ def to_train_batch(groups: list[list[Sample]]) -> RolloutBatch:
         group_index=[s.group_index for s in samples],
         uids=[s.uid for s in samples],
         images=[list(s.images) for s in samples] if any(s.images for s in samples) else None,
+        routed_experts=[s.routed_experts for s in samples]
+        if any(s.routed_experts is not None for s in samples)
+        else None,
     )
 
 

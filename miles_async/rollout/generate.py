@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_async.inference.router import Router
+from miles_async.rollout import routing
 from miles_async.rollout.data_source import DataError, PromptItem
+from miles_async.rollout.routing import RoutingShape
 from miles_async.rollout.sample import Sample, SampleStatus
 
 GenerateFn = Callable[["GenerateContext", Sample, dict], Awaitable[Sample]]
@@ -41,6 +43,7 @@ class GenerateContext:
     tools: Any = None  # a rollout.multi_turn.Toolbox under --tools-path; None: no tools
     processor: Any = None  # a vision-language model's processor (vision/hf.py): image prompts' tokens
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # --apply-chat-template-kwargs
+    routing: RoutingShape | None = None  # --use-rollout-routing-replay: samples record their experts (routing.py)
 
 
 def encode_prompt(
@@ -153,9 +156,14 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         # A resumed sample keeps its first start time: the metrics measure the whole generation.
         sample.started_at = time.time()
         input_ids, params = sample.prompt_tokens, sampling_params
-    images = {"image_data": list(sample.images)} if sample.images else {}  # a text-only router need not take it
-    out = await ctx.router.generate(input_ids, params, return_logprob=True, **images)
+        sample.routed_experts = None
+    extra = {"image_data": list(sample.images)} if sample.images else {}  # a text-only router need not take it
+    if ctx.routing is not None:
+        extra.update(routing.request_fields(sample))
+    out = await ctx.router.generate(input_ids, params, return_logprob=True, **extra)
     apply_engine_output(sample, out, append=resuming)
+    if ctx.routing is not None:
+        routing.record(sample, out, ctx.routing)
     if resuming and ctx.tokenizer is not None:
         # Decoding pieces separately can split a multi-byte character at the resume point.
         sample.response = ctx.tokenizer.decode(

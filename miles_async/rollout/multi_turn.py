@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from miles_async.config.tools import ToolsConfig
+from miles_async.rollout import routing
 from miles_async.rollout.generate import GenerateContext, finish_status
 from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.rollout.sandbox import describe, probe
@@ -165,6 +166,7 @@ def _start(ctx: GenerateContext, sample: Sample, box: Toolbox) -> None:
     """A fresh generation: no response, no turns; the prompt shows the tools if the template can."""
     sample.response_tokens, sample.rollout_logprobs, sample.weight_versions = [], [], []
     sample.response, sample.loss_mask, sample.turns = "", [], 0
+    sample.routed_experts = None
     sample.started_at = time.time()
     if box.schemas and shows_tools(ctx.tokenizer):
         sample.prompt_tokens = prompt_with_tools(ctx.tokenizer, sample.prompt, box.schemas, ctx.template_kwargs)
@@ -200,8 +202,11 @@ async def _turns(
         params = {**sampling_params, "max_new_tokens": left}
         if sample.response_length:  # a lower bound on the length is the first request's only
             params.pop("min_new_tokens", None)
-        out = await ctx.router.generate(sample.tokens, params, return_logprob=True)
+        extra = routing.request_fields(sample) if ctx.routing is not None else {}
+        out = await ctx.router.generate(sample.tokens, params, return_logprob=True, **extra)
         sample.status = _append_model_tokens(sample, out)
+        if ctx.routing is not None:
+            routing.record(sample, out, ctx.routing)
         if sample.status == SampleStatus.ABORTED:
             return sample  # continued when called again; nothing else to do now
         if sample.status != SampleStatus.COMPLETED:

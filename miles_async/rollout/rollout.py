@@ -77,6 +77,7 @@ async def _generate_until_done(ctx: RolloutContext, sample: Sample, sampling_par
                 raise RuntimeError(f"sample uid={sample.uid} was aborted {restarts} times in a row")
             sample.response_tokens, sample.rollout_logprobs, sample.weight_versions = [], [], []
             sample.response, sample.loss_mask, sample.status = "", None, SampleStatus.PENDING
+            sample.routed_experts = None
 
 
 async def generate_one(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample:

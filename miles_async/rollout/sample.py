@@ -52,6 +52,9 @@ class Sample:
     # Set by a multi-turn generate function (rollout/multi_turn.py): assistant turns generated so far. With the
     # response tokens and loss mask it is the whole conversation state a resumed partial rollout needs.
     turns: int = 0
+    # --use-rollout-routing-replay: the experts the engine's router chose, [len(tokens) - 1, layers, topk] (SGLang's
+    # layout, rollout/routing.py): every position but the last, prompt included. None: not recorded.
+    routed_experts: Any = None
 
     @property
     def tokens(self) -> list[int]:

@@ -50,6 +50,7 @@ def _actor_state(cp: int, rank: int, group) -> types.SimpleNamespace:
         cp_rank=rank,
         cp_group=group,
         arch=types.SimpleNamespace(vocab_size=VOCAB),
+        _replayer=None,  # no --use-rollout-routing-replay
     )
 
 

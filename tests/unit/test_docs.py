@@ -35,6 +35,7 @@ FOREIGN_FLAGS = {
         "--base-gpu-id",
         "--device",
         "--disable-cuda-graph",
+        "--enable-return-routed-experts",
         "--max-running-requests",
         "--max-total-tokens",
         "--tp-size",
@@ -49,6 +50,7 @@ FOREIGN_FLAGS = {
     "the tool sandbox's unshare": {"--fork"},
     "Chromium": {"--no-sandbox"},
     "the launchers": {"--dry-run"},
+    "slime's, named as not built": {"--use-routing-replay"},
     "benchmarks.run, benchmarks.soak, benchmarks.train_step": {"--only", "--out", "--runs", "--variants"},
 }
 FLAG_RE = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(-\*|-<)?")

@@ -20,6 +20,7 @@ from miles_async.backends.fsdp.vision import VisionInputs, forward_kwargs, freez
 from miles_async.backends.fsdp.worker import TrainWorker
 from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
+from miles_async.backends.routing_replay import targets
 from miles_async.backends.shared_prefix import row_logits
 from miles_async.config import TrainConfig
 from miles_async.utils.hf_names import checkpoint_named
@@ -125,6 +126,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
                 "(--no-shared-prefix says so and silences this)"
             )
         self._init_policy_state()
+        if self._replayer is not None:
+            self._replayer.install_hf(self.module)
         # --keep-old-actor: a scratch module to evaluate the kept weights in.
         self._old_module: torch.nn.Module | None = None
 
@@ -158,7 +161,16 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         return mb
 
     # -- forward passes --------------------------------------------------------------------
+    def _route(self, mb: MicroBatch) -> None:
+        """--use-rollout-routing-replay: the policy's routers take ``mb``'s records in its layout's token order."""
+        if self._replayer is None:
+            return
+        layout = mb.shared
+        rows, pos = mb.padded_source() if layout is None else (layout.source_row, layout.source_pos)
+        self._replayer.set(targets(mb.routing, rows, pos).flatten(0, 1), self._routing_stats)
+
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
+        self._route(mb)
         with self._autocast():
             logits = response_logits(model, mb, self.device, self.module.config._attn_implementation)
         logits = self._sampled_logits(logits, temperature)
@@ -182,6 +194,7 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         """``[B, R]``: what ``_forward`` gives without a gradient, each real response token's log-prob (0 at
         padding), its logits projected and reduced ``LOGPROB_CHUNK_TOKENS`` tokens at a time: the [tokens x vocab]
         logits of the micro-batch never exist at once, and padding gets none."""
+        self._route(mb)
         with self._autocast():
             hidden, head = response_hidden(model, mb, self.device, self.module.config._attn_implementation)
         real = mb.attention_mask[:, -mb.max_response_len :].bool().to(self.device)
@@ -231,6 +244,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     def _model_with_weights(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         if self._old_module is None:
             self._old_module = self._build_module().to(self.device).eval().requires_grad_(False)
+            if self._replayer is not None:
+                self._replayer.install_hf(self._old_module)
             self._old_module.config.use_cache = False
             if self._sharded:
                 shard_model(self._old_module, self.world_size, self.device, self.cfg.dtype == "bfloat16", False)

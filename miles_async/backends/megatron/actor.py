@@ -42,6 +42,7 @@ from miles_async.backends.megatron.model import (
 from miles_async.backends.megatron.pipeline import Stages
 from miles_async.backends.packing import MicroBatch, even_out
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
+from miles_async.backends.routing_replay import targets as replay_targets
 from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
@@ -83,6 +84,7 @@ class _Layout(NamedTuple):
     pos: torch.Tensor
     targets: torch.Tensor  # [B, R]: the whole sequence's position predicting each response token
     labels: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # --use-rollout-routing-replay: [tokens, layers, topk] in the router's order
 
 
 _LAYOUT_FLAGS = {
@@ -184,6 +186,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             trained = Float16Module(module.config, module)  # fp32 logits out of the bf16 model
         self.model = DistributedDataParallel(module.config, ddp_cfg, trained)
         self.module = module
+        if self._replayer is not None:
+            self._replayer.install_megatron(module)
         cfg = module.config
         cfg.no_sync_func = self.model.no_sync
         cfg.finalize_model_grads_func = finalize_model_grads
@@ -259,13 +263,31 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
         multiple = self.tp if self.par.sequence_parallel else 1
         cp = self.par.cp
         if cp == 1:
-            return _Layout(*megatron_layout(mb, self.pad_id, multiple))
+            ids, pos, targets = megatron_layout(mb, self.pad_id, multiple)
+            return _Layout(ids, pos, targets, None, self._routing(mb, ids) if self._replayer is not None else None)
         # Every sequence cuts into 2 x CP chunks (each a multiple of TP under sequence parallelism).
         ids, pos, targets = megatron_layout(mb, self.pad_id, 2 * cp * multiple)
         labels = next_token_labels(ids, self.pad_id)
         return _Layout(
-            *(cp_split(t, cp, self.cp_rank) for t in (ids, pos)), targets, cp_split(labels, cp, self.cp_rank)
+            *(cp_split(t, cp, self.cp_rank) for t in (ids, pos)),
+            targets,
+            cp_split(labels, cp, self.cp_rank),
+            self._routing(mb, ids) if self._replayer is not None else None,
         )
+
+    def _routing(self, mb: MicroBatch, ids: torch.Tensor) -> torch.Tensor | None:
+        """``mb``'s routing records (--use-rollout-routing-replay) in the order this rank's routers see the tokens of
+        ``ids`` (``megatron_layout``'s rows, each sample's tokens from column 0): this CP rank's chunks, under
+        sequence parallelism this TP rank's share of them, sequence major (``[S, B]`` flattened)."""
+        lens = mb.attention_mask.sum(dim=1)
+        cols = torch.arange(ids.shape[1]).expand(ids.shape)
+        rows = torch.arange(ids.shape[0])[:, None].expand(ids.shape)
+        routed = replay_targets(mb.routing, rows, torch.where(cols < lens[:, None], cols, -1))  # [B, S, L, k]
+        if self.par.cp > 1:
+            routed = cp_split(routed, self.par.cp, self.cp_rank)
+        if self.par.sequence_parallel and self.tp > 1:
+            routed = routed.chunk(self.tp, dim=1)[self.tp_rank]
+        return routed.transpose(0, 1).flatten(0, 1)
 
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
         # Under expert parallelism every MoE layer's forward exchanges tokens with the other replicas' ranks: all
@@ -283,6 +305,9 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             rows = next(data_iterator)
             mb = self._collate(batch, rows or [0])  # no rows: even_out's throw-away pass
             layout = self._layout(mb)
+            if self._replayer is not None:
+                # Left set until the next micro-batch's: a backward that recomputes this forward routes it alike.
+                self._replayer.set(layout.routing, self._routing_stats)
             return self._logits(model, layout.ids, layout.pos), lambda output: (on_output(mb, rows, output, layout), {})
 
         get_forward_backward_func()(

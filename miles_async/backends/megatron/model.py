@@ -411,6 +411,8 @@ def training_knobs(cfg: TrainConfig) -> dict[str, Any]:
         "moe_grouped_gemm": m.moe.grouped_gemm and te,
         "moe_permute_fusion": m.moe.permute_fusion and te,
         "moe_router_bias_update_rate": m.moe.bias_update_rate,
+        # --use-rollout-routing-replay: each router holds megatron-core's RouterReplay (backends/routing_replay.py)
+        "moe_enable_routing_replay": cfg.routing_replay,
     }
 
 

@@ -162,9 +162,19 @@ class Engine:
         params: SamplingParams,
         rid: str | None = None,
         images: Images | None = None,
+        routed_experts_start: int | None = None,
     ) -> concurrent.futures.Future:
         """Queue a generation; the future resolves to a ``GenerationResult``. ``images``: a VLM prompt's images
-        (``prepare_images``), whose placeholders ``input_ids`` holds already expanded."""
+        (``prepare_images``), whose placeholders ``input_ids`` holds already expanded. ``routed_experts_start``
+        (an MoE model): the result's ``routed_experts`` cover positions ``[routed_experts_start, prompt + output -
+        1)``; None: not recorded. ``RequestRejectedError`` for a dense model or a start outside the prompt."""
+        if routed_experts_start is not None:
+            if not self.supports_routed_experts:
+                raise RequestRejectedError(f"routed experts: {self.lm.routers.why_not}")
+            if not 0 <= routed_experts_start <= len(input_ids):
+                raise RequestRejectedError(
+                    f"routed_experts_start_len {routed_experts_start} is outside [0, {len(input_ids)}] (the prompt)"
+                )
         fut: concurrent.futures.Future = concurrent.futures.Future()
         seq = Seq(
             rid=rid if rid is not None else uuid.uuid4().hex,
@@ -175,9 +185,17 @@ class Engine:
             stop_ids=frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids),
             image_refs=images.refs if images is not None else (),
             pixels=images.pixels if images is not None else None,
+            routed_start=routed_experts_start or 0,
+            routed=[] if routed_experts_start is not None else None,
         )
         self._post(_Command("submit", fut, seq))
         return fut
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        """Whether requests may ask for their routed experts (an MoE model: ``CausalLM.routers``, whose ``why_not``
+        says why not)."""
+        return bool(self.lm.routers)
 
     def prepare_images(self, refs: list[str], input_ids: list[int]) -> Images:
         """Load a request's images and compute their pixel inputs (off the decode thread: this is IO and image
@@ -462,6 +480,7 @@ class Engine:
             weight_version=self.weight_version,
             text=self.lm.decode(seq.output, seq.params.skip_special_tokens),
             e2e_latency=time.monotonic() - seq.submitted_at,
+            routed_experts=seq.routed_experts(),
         )
         resolve(seq.future, result)
 
@@ -509,7 +528,10 @@ class Engine:
             for seq, row in zip(batch, expand):
                 seq.rope_delta = distinct[row].rope_delta
         cache = self.lm.new_cache()
-        logits = self.lm.forward(ids, mask, positions, cache, last_only=True, pixels=pixels)
+        routing = any(seq.routed is not None for seq in batch)
+        logits = self.lm.forward(ids, mask, positions, cache, last_only=True, pixels=pixels, capture_routing=routing)
+        if routing:
+            self._record_prefill_routing(batch, expand)
         if n < len(batch):
             idx = torch.tensor(expand, dtype=torch.long)
             select_rows(cache, idx)
@@ -520,12 +542,29 @@ class Engine:
         self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(self._batch.rows))
         self._sample_and_append(batch, logits)
 
+    def _record_prefill_routing(self, batch: list[Seq], expand: list[int]) -> None:
+        """Give each row that asked for it the routing of its whole context (left padded in the prefill's row
+        ``expand[i]``, shared by every row of the same context): a re-prefilled row's earlier routing is replaced
+        by this recomputation, which the cache its later tokens attend to comes from (SGLang's too: a prefill
+        rewrites its capture buffer at every position it computes)."""
+        routing = self.lm.last_routing.numpy()
+        width = routing.shape[1]
+        for seq, row in zip(batch, expand):
+            if seq.routed is not None:
+                seq.record_routing(routing[row, width - seq.context_len :], 0)
+
     def _decode_step(self) -> None:
         rows = self._batch.rows
         last, positions, mask = self._batch.step_inputs()
         if self.lm.is_vision:
             positions = decode_positions(rows, positions)
-        logits = self.lm.forward(last, mask, positions, self._batch.cache, last_only=False)
+        routing = any(seq.routed is not None for seq in rows)
+        logits = self.lm.forward(last, mask, positions, self._batch.cache, last_only=False, capture_routing=routing)
+        if routing:
+            step = self.lm.last_routing.numpy()  # [B, 1, layers, top_k]: the position each row's last token is at
+            for seq, experts in zip(rows, step):
+                if seq.routed is not None:
+                    seq.record_routing(experts, seq.context_len - 1)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
         self._sample_and_append(rows, logits)

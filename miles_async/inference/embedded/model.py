@@ -12,12 +12,17 @@ position-aware merging and are refused at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from miles_async.inference.routed_experts import DENSE_LAYER_FILL
+from miles_async.utils.moe_routers import find_routers
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,9 @@ class CausalLM:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
         self._check_cache_layout()
+        self.routers = MoERouters(self.model, text_config)
+        # What the last forward's MoE routers chose (``forward(..., capture_routing=True)``), else None.
+        self.last_routing: torch.Tensor | None = None
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -81,9 +89,12 @@ class CausalLM:
         cache: Any,
         last_only: bool,
         pixels: dict[str, torch.Tensor] | None = None,
+        capture_routing: bool = False,
     ) -> torch.Tensor:
         """The float32 logits of each row's last position; ``cache`` grows by the input's length. ``pixels``: the
-        rows' images, in row order (``pixel_values``, ``image_grid_thw``), for a prefill."""
+        rows' images, in row order (``pixel_values``, ``image_grid_thw``), for a prefill. ``capture_routing`` (an
+        MoE model): ``last_routing`` becomes the experts every MoE layer chose at every input position,
+        ``[B, S, num_hidden_layers, num_experts_per_tok]`` int32 (padding positions included; dense layers 0)."""
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": mask,
@@ -94,7 +105,15 @@ class CausalLM:
         }
         if last_only and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        out = self.model(**kwargs)
+        self.last_routing = None
+        if not capture_routing:
+            out = self.model(**kwargs)
+            return out.logits[:, -1, :].float()
+        if not self.routers:
+            raise ValueError(f"routed experts: {self.routers.why_not}")
+        with self.routers.capture() as captured:
+            out = self.model(**kwargs)
+        self.last_routing = self.routers.stack(captured, *input_ids.shape)
         return out.logits[:, -1, :].float()
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
@@ -107,6 +126,74 @@ class CausalLM:
         except Exception:  # noqa: BLE001 - text is best effort, ids are the contract
             logger.exception("decoding output text failed")
             return ""
+
+
+class MoERouters:
+    """The MoE routers of a transformers 5 model (``utils/moe_routers.py``) and the experts they choose in a forward
+    pass: a forward hook on each router keeps its ``indices`` while capturing (nothing otherwise: a hook that returns
+    at once). Falsy where routed experts cannot be returned: ``why_not`` says why (a dense model; an MoE block whose
+    router is not such a ``gate``, e.g. GPT-OSS's or Llama 4's ``router``).
+    """
+
+    def __init__(self, model: torch.nn.Module, text_config: Any):
+        self.by_layer, unsupported = find_routers(model)
+        self.num_layers = int(getattr(text_config, "num_hidden_layers", 0) or 0)
+        self.topk = int(getattr(text_config, "num_experts_per_tok", 0) or 0)
+        self.why_not: str | None = None
+        if unsupported:
+            self.why_not = (
+                f"the embedded engine reads the experts of transformers 5's top-k routers (an MoE block's `gate` "
+                f"returning (logits, weights, indices)); {unsupported[0]} has none"
+            )
+        elif not self.by_layer:
+            self.why_not = "the model has no MoE layers"
+        elif self.topk < 1 or max(self.by_layer) >= self.num_layers:
+            self.why_not = (
+                f"MoE routers in layers {sorted(self.by_layer)} do not fit the config's "
+                f"num_hidden_layers={self.num_layers}, num_experts_per_tok={self.topk}"
+            )
+        self._captured: dict[int, torch.Tensor] | None = None
+        if self.why_not is None:
+            for layer, gate in self.by_layer.items():
+                gate.register_forward_hook(self._hook(layer))
+
+    def __bool__(self) -> bool:
+        return self.why_not is None
+
+    def _hook(self, layer: int) -> Any:
+        def keep(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            if self._captured is None:
+                return
+            indices = output[-1] if isinstance(output, tuple) and len(output) == 3 else None
+            if not isinstance(indices, torch.Tensor) or indices.dtype.is_floating_point or indices.dim() != 2:
+                raise NotImplementedError(
+                    f"routed experts: the router of layer {layer} ({type(_module).__name__}) does not return "
+                    f"(router_logits, weights, indices [tokens, top_k]) as transformers 5's MoE routers do"
+                )
+            self._captured[layer] = indices
+
+        return keep
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[dict[int, torch.Tensor]]:
+        self._captured = captured = {}
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
+    def stack(self, captured: dict[int, torch.Tensor], batch: int, seq: int) -> torch.Tensor:
+        """The captured indices as one ``[batch, seq, num_layers, topk]`` int32 tensor; a dense layer's entries 0
+        (what SGLang returns for one: ``inference/routed_experts.py``)."""
+        out = torch.full((batch, seq, self.num_layers, self.topk), DENSE_LAYER_FILL, dtype=torch.int32)
+        for layer, indices in captured.items():
+            if indices.shape != (batch * seq, self.topk):
+                raise NotImplementedError(
+                    f"routed experts: layer {layer}'s router returned indices of shape {tuple(indices.shape)}, "
+                    f"expected ({batch * seq}, {self.topk}) for a [{batch}, {seq}] input"
+                )
+            out[:, :, layer] = indices.view(batch, seq, self.topk)
+        return out
 
 
 def _eos_ids(model: torch.nn.Module) -> set[int]:

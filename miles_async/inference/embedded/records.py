@@ -7,6 +7,8 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 class EngineDeadError(RuntimeError):
     """The decode thread has died; the engine cannot serve any request."""
@@ -48,6 +50,9 @@ class GenerationResult:
     weight_version: int
     text: str
     e2e_latency: float
+    # return_routed_experts: the experts of positions [routed_experts_start_len, prompt + output - 1),
+    # [rows, num_hidden_layers, num_experts_per_tok] int32 (inference/routed_experts.py); else None.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -70,6 +75,32 @@ class Seq:
     pixels: dict[str, Any] | None = None
     # Qwen2-VL: the row's last 3-D position + 1 - its length, set at prefill; a decode step's position adds it.
     rope_delta: int = 0
+    # Rollout routing replay (return_routed_experts): the experts every layer chose at each context position from
+    # routed_start on, as [n, layers, top_k] int32 chunks in position order. A prefill replaces them all (a flushed
+    # or retracted row is prefilled again, and its context's routing is then that prefill's), a decode step appends
+    # the row of the position it reads. None: not asked for (the request pays nothing).
+    routed_start: int = 0
+    routed: list[np.ndarray] | None = None
+
+    def record_routing(self, rows: np.ndarray, first_position: int) -> None:
+        """Keep ``rows`` (``[n, layers, top_k]``), the routing of context positions ``first_position`` on: a
+        prefill's (``first_position`` 0, replacing what was kept) or a decode step's (appended)."""
+        if self.routed is None:
+            return
+        if first_position == 0:
+            self.routed = []
+        skip = max(0, self.routed_start - first_position)
+        if skip < len(rows):
+            self.routed.append(rows[skip:].copy())  # a copy: never a view pinning the whole batch's array
+
+    def routed_experts(self) -> np.ndarray | None:
+        """The routing of positions ``[routed_start, context_len - 1)``: every position a forward pass read."""
+        if self.routed is None:
+            return None
+        rows = max(0, self.context_len - 1 - self.routed_start)
+        if not self.routed:
+            return np.zeros((0, 0, 0), dtype=np.int32)  # aborted before its first forward pass
+        return np.concatenate(self.routed)[:rows]
 
     @property
     def context_len(self) -> int:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from miles_async.inference import routed_experts
 from miles_async.inference.embedded.records import GenerationResult, SamplingParams
 
 # Sampling params we accept only at their neutral value: silently ignoring a
@@ -99,6 +100,9 @@ class GenerateRequest:
     return_logprob: bool
     rid: str | None
     image_data: list[str]  # a VLM prompt's images (paths, data: URIs or base64), in placeholder order
+    # Rollout routing replay: return each position's experts from routed_experts_start_len on (SGLang's fields).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def parse_image_data(raw: Any) -> list[str]:
@@ -132,7 +136,19 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_len: int | Non
     for key in ("text", "input_embeds", "stream"):
         if body.get(key):
             raise BadRequest(key, "is not supported by the embedded engine")
-    return GenerateRequest(list(ids), params, return_logprob, rid, parse_image_data(body.get("image_data")))
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise BadRequest("return_routed_experts", "must be a bool")
+    start = body.get("routed_experts_start_len", 0)
+    if start is None:
+        start = 0
+    if not _is_int(start):
+        raise BadRequest("routed_experts_start_len", "must be an int")
+    if routed and not 0 <= start <= len(ids):
+        raise BadRequest("routed_experts_start_len", f"{start} is outside [0, {len(ids)}] (the prompt's length)")
+    return GenerateRequest(
+        list(ids), params, return_logprob, rid, parse_image_data(body.get("image_data")), routed, int(start)
+    )
 
 
 def format_result(res: GenerationResult, return_logprob: bool) -> dict[str, Any]:
@@ -153,6 +169,8 @@ def format_result(res: GenerationResult, return_logprob: bool) -> dict[str, Any]
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(res.output_logprobs, res.output_ids)]
+    if res.routed_experts is not None:
+        meta["routed_experts"] = routed_experts.encode(res.routed_experts)
     return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
 
 

@@ -16,7 +16,9 @@ Endpoints (JSON unless noted):
 - ``GET  /get_model_info``              model_path, weight_version, is_generation
 - ``GET  /get_load``                    running/waiting counts and batching counters
 - ``POST /generate``                    SGLang-shaped single request (``input_ids`` only, no text prompts; a VLM's
-  images as ``image_data``: paths, data: URIs or base64, the prompt's placeholders already expanded)
+  images as ``image_data``: paths, data: URIs or base64, the prompt's placeholders already expanded; an MoE
+  model's experts per position with ``return_routed_experts`` / ``routed_experts_start_len``, answered in
+  ``meta_info.routed_experts`` as SGLang does: ``inference/routed_experts.py``; a dense model answers 400)
 - ``POST /pause_generation``            ``{"mode": "abort" | "in_place" | "retract"}``
 - ``POST /continue_generation``
 - ``POST /abort_request``               ``{"rid": str}`` or ``{"abort_all": true}``
@@ -177,9 +179,12 @@ async def generate(request: web.Request) -> web.Response:
             images = await asyncio.to_thread(engine.prepare_images, req.image_data, req.input_ids)
         except ImageRequestError as exc:
             raise BadRequest("image_data", str(exc)) from exc
+    if req.return_routed_experts and not engine.supports_routed_experts:
+        raise BadRequest("return_routed_experts", f"not available for {engine.model_path}: {engine.lm.routers.why_not}")
     # A server-side rid lets us abort the request if the client disconnects.
     rid = req.rid if req.rid is not None else uuid.uuid4().hex
-    fut = engine.submit(req.input_ids, req.params, rid, images)
+    start = req.routed_experts_start_len if req.return_routed_experts else None
+    fut = engine.submit(req.input_ids, req.params, rid, images, routed_experts_start=start)
     try:
         result = await _await(fut)
     except asyncio.CancelledError:

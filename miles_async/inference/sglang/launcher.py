@@ -6,7 +6,9 @@ engine: ``EngineProcess``), with the python of SGLang's virtual environment
 
 Command line: model, host/port, dtype, ``--max-running-requests`` (--sglang-server-concurrency),
 ``--tp-size`` (--rollout-num-gpus-per-engine), ``--random-seed``, ``--weight-version`` (the version
-the engine starts at), then every ``--sglang-<flag>`` of our command line as ``--<flag>``.
+the engine starts at), ``--enable-return-routed-experts`` under ``--use-rollout-routing-replay`` (an MoE model:
+``/generate`` then returns each token's experts when asked, ``return_routed_experts``), then every
+``--sglang-<flag>`` of our command line as ``--<flag>``.
 On GPUs an engine takes the ``tp`` GPUs of its slot (``--base-gpu-id``; ``EngineProcess.gpu_slot``) of those
 visible to it: on a cluster, its placement bundle's. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
 ``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
@@ -72,6 +74,8 @@ class SGLangEngineProcess(ServerEngineProcess):
             str(self.weight_version),
         ]
         given = self.given(cfg.sglang_args)
+        if cfg.return_routed_experts and "--enable-return-routed-experts" not in given:
+            cmd += ["--enable-return-routed-experts"]  # --use-rollout-routing-replay: capture each token's experts
         if cfg.use_gpu:
             if "--base-gpu-id" not in given:
                 cmd += ["--base-gpu-id", str(self.gpu_slot * cfg.num_gpus_per_engine)]

@@ -15,7 +15,9 @@ vLLM (0.32; ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_
   ``/update_weight_version``.
 
 Everything is mapped back to SGLang's response shape here, so nothing else knows which engine
-answered. Not available (the protocol's defaults refuse them): pushing tensors over HTTP, ``/get_weights``
+answered. Not available: routed experts (rollout routing replay: vLLM 0.32 captures them only in its Model Runner
+V2, which needs Triton, absent from its CPU build; ``config/capabilities.py`` refuses the flag), and (the
+protocol's defaults refuse them) pushing tensors over HTTP, ``/get_weights``
 and our per-tensor checksum (vLLM's ``/weight_checker`` hashes its own fused, and on the CPU repacked,
 parameters, which a trainer's HF-named tensors cannot be compared with).
 """
@@ -97,12 +99,23 @@ class VLLMEngineClient(EngineClient):
         rid: str | None = None,
         timeout: float | None = None,
         image_data: list[str] | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> dict[str, Any]:
         if image_data:
             raise EngineError(
                 self.base_url,
                 "/inference/v1/generate",
                 "image prompts are not wired to vLLM's multimodal API yet; use --rollout-backend embedded",
+            )
+        if return_routed_experts:
+            # vLLM 0.32 captures them only in its Model Runner V2, which needs Triton: not in its CPU build
+            # (config/capabilities.py refuses --use-rollout-routing-replay with vLLM).
+            raise EngineError(
+                self.base_url,
+                "/inference/v1/generate",
+                "routed experts (rollout routing replay) are not wired to vLLM; use --rollout-backend sglang or "
+                "embedded",
             )
         body: dict[str, Any] = {
             "token_ids": list(input_ids),

@@ -6,7 +6,16 @@ compiled ops (``torchvision/_C.so``) cannot load, and ``import torchvision`` the
 ``torchvision::qnms`` unconditionally. SGLang imports torchvision at start-up (image transforms
 of its multimodal configs; never used by a text model). Declaring the two op schemas (no
 implementation) lets the Python part of torchvision import; calling them would still fail.
+
+SGLang allocates its host-side buffers through ``ALLOC_MEMORY_FUNCS[device]``
+(``sglang.srt.mem_cache.pool_host.common``), which for ``"cpu"`` pins the buffer with
+``cudaHostRegister`` (``alloc_with_host_register``): with a CPU torch that raises "Torch not compiled
+with CUDA enabled". Its routed-experts capturer (``--enable-return-routed-experts``, rollout routing replay)
+allocates its host cache so on ``--device cpu``, and the server died at start-up. Without CUDA there is
+nothing to pin for: once that module is imported, its ``"cpu"`` entry allocates the same buffer unpinned.
 """
+
+import sys
 
 try:
     import importlib.util
@@ -23,5 +32,49 @@ try:
                     _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
                 except RuntimeError:
                     pass
+except Exception:  # noqa: BLE001 - never break interpreter start-up
+    pass
+
+
+_HOST_POOLS = "sglang.srt.mem_cache.pool_host.common"
+
+
+def _alloc_unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _unpinned_cpu_pools(module) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        module.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_unpinned
+
+
+class _AfterImport:
+    """A meta-path finder that runs ``patch(module)`` once the module ``name`` has been executed."""
+
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            run(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+try:
+    sys.meta_path.insert(0, _AfterImport(_HOST_POOLS, _unpinned_cpu_pools))
 except Exception:  # noqa: BLE001 - never break interpreter start-up
     pass
