@@ -8,43 +8,34 @@ import pytest
 import torch
 
 from miles_async.arguments import ConfigError, parse_args
-from miles_async.backends.megatron.convert import fuse_qkv, hf_shard, split_qkv
+from miles_async.backends.megatron.convert import hf_shard
 from miles_async.backends.megatron.model import ArchSpec
 from miles_async.backends.packing import collate
 from tests.flag_helpers import minimal_flags
 
 
-def _arch(**kw) -> ArchSpec:
-    base = dict(
-        model_type="llama",
-        vocab_size=10,
-        hidden_size=8,
-        ffn_hidden_size=12,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=2,
-        rms_norm_eps=1e-6,
-        rope_theta=1e4,
-        rope_scaling_factor=None,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        qkv_bias=False,
-        qk_norm=False,
-    )
-    return ArchSpec(**{**base, **kw})
+def _arch(vocab_size: int = 10) -> ArchSpec:
+    from transformers import LlamaConfig
+
+    return ArchSpec.from_hf(
+        LlamaConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=2, max_position_embeddings=32,
+                    tie_word_embeddings=True)
+    )  # fmt: skip
 
 
 def test_fused_qkv_is_interleaved_by_key_value_group_and_splits_back():
-    arch = _arch()
-    q = torch.arange(8.0)[:, None].expand(8, 3)  # 4 heads x head_dim 2 -> rows 0..7
-    k, v = 100 + torch.arange(4.0)[:, None].expand(4, 3), 200 + torch.arange(4.0)[:, None].expand(4, 3)
-    fused = fuse_qkv(arch, q, k, v)
+    """mbridge's fused layout, which the shards are cut from: Megatron's own."""
+    names = _arch().names
+    q = torch.arange(8.0)[:, None].expand(8, 8)  # 4 heads x head_dim 2 -> rows 0..7
+    k, v = 100 + torch.arange(4.0)[:, None].expand(4, 8), 200 + torch.arange(4.0)[:, None].expand(4, 8)
+    weight = names.lookup(["decoder.layers.0.self_attention.linear_qkv.weight"])
+    fused = weight.to_mcore([q, k, v])
     # group 0: q heads 0-1, k head 0, v head 0; group 1: q heads 2-3, k head 1, v head 1
     assert fused[:, 0].tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
-    for a, b in zip(split_qkv(arch, fused), (q, k, v)):
+    for (_, a), b in zip(weight.to_hf(fused), (q, k, v)):
         assert torch.equal(a, b)
-    bias = fuse_qkv(arch, q[:, 0], k[:, 0], v[:, 0])
+    bias = names.lookup(["decoder.layers.0.self_attention.linear_qkv.bias"]).to_mcore([q[:, 0], k[:, 0], v[:, 0]])
     assert torch.equal(bias, fused[:, 0])
 
 

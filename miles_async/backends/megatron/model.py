@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,7 @@ from miles_async.config.moe import not_built
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
+    from miles_async.backends.megatron.bridge import Names
     from miles_async.config import TrainConfig
     from miles_async.config.megatron import MegatronConfig
 
@@ -218,6 +220,14 @@ class ArchSpec:
     moe: MoESpec | None = None
     rotary_percent: float = 1.0  # GLM's partial_rotary_factor: RoPE on the first part of each head only
     mla: MLASpec | None = None  # DeepSeek-V3's multi-latent attention
+    hf_config: Any = field(default=None, compare=False, repr=False)  # the transformers config it was read from
+
+    @cached_property
+    def names(self) -> Names:
+        """HF names and fused layouts of this model's parameters (mbridge's tables: ``bridge.py``)."""
+        from miles_async.backends.megatron.bridge import Names
+
+        return Names(self.hf_config)
 
     @classmethod
     def from_hf(cls, config) -> ArchSpec:
@@ -279,6 +289,7 @@ class ArchSpec:
             rotary_percent=float(
                 rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
             ),
+            hf_config=config,
         )
 
     def padded_vocab(self, tp: int) -> int:
