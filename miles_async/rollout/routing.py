@@ -5,7 +5,8 @@ One rule serves fresh generations, resumed partial rollouts and multi-turn tool 
 the engine for the positions not recorded yet (SGLang's ``routed_experts_start_len``), and what comes back is
 appended. After each engine call the record covers every token but the last (``len(tokens) - 1`` positions): tool
 tokens appended after a turn are recorded by the next request, which runs them through the model as its prompt.
-A sample generated again from scratch (an abort without --partial-rollout) starts a new record.
+A sample generated again from scratch (an abort without --partial-rollout) starts a new record; an aborted request
+may leave it short (the engine never ran the rest), and the request that resumes the sample records the rest.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_async.rollout.sample import Sample
+from miles_async.rollout.sample import Sample, SampleStatus
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,11 @@ def record(sample: Sample, out: dict, shape: RoutingShape) -> None:
     rows = decode(encoded, shape.num_layers, shape.topk)
     sample.routed_experts = rows if sample.routed_experts is None else np.concatenate([sample.routed_experts, rows])
     expected = len(sample.tokens) - 1
-    if len(sample.routed_experts) != expected:
+    # An aborted request may have stopped before the model ran every position (an engine aborts a request still
+    # waiting for its prefill with none): its record covers a prefix, and the request that resumes it asks for the
+    # rest.
+    short = sample.status == SampleStatus.ABORTED and len(sample.routed_experts) < expected
+    if len(sample.routed_experts) != expected and not short:
         raise RuntimeError(
             f"--use-rollout-routing-replay: sample uid={sample.uid} has a routing record of "
             f"{len(sample.routed_experts)} positions after the engine's answer, for {expected} (its tokens but the "

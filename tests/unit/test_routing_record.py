@@ -52,6 +52,21 @@ def test_the_record_grows_request_by_request_to_every_position_but_the_last():
     np.testing.assert_array_equal(sample.routed_experts, _rows(0, 10))
 
 
+def test_an_aborted_request_may_leave_the_record_short_and_its_resume_records_the_rest():
+    from miles_async.rollout.sample import SampleStatus
+
+    sample = Sample(uid="u", group_index=0, index=0, prompt="", prompt_tokens=[1, 2, 3])
+    # Aborted while waiting for its prefill: no token, no routing.
+    sample.status = SampleStatus.ABORTED
+    routing.record(sample, {"meta_info": {"routed_experts": encode(_rows(0, 0))}}, SHAPE)
+    assert len(sample.routed_experts) == 0 and routing.request_fields(sample)["routed_experts_start_len"] == 0
+    sample.status = SampleStatus.COMPLETED
+    out = _answer(sample, [4, 5])
+    sample.response_tokens += out["output_ids"]
+    routing.record(sample, out, SHAPE)
+    np.testing.assert_array_equal(sample.routed_experts, _rows(0, 4))
+
+
 def test_an_answer_that_does_not_line_the_record_up_is_an_error_naming_the_sample():
     sample = Sample(uid="u7", group_index=0, index=0, prompt="", prompt_tokens=[1, 2, 3], response_tokens=[4])
     with pytest.raises(RuntimeError, match="no routed_experts for sample uid=u7.*--enable-return-routed-experts"):
