@@ -23,6 +23,7 @@ import torch
 from miles_async.arguments import parse_args
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.inference.routed_experts import decode
+from tests.routing_helpers import routing_reference
 
 ENGINE = "sglang"
 TIE = 1e-3
@@ -73,37 +74,12 @@ def engine(backend, engine_python, tiny_moe, tiny_task, tmp_path_factory):
         yield proc
 
 
-def _reference(model, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """``[N, layers, k]`` experts of an HF forward of ``ids`` and ``[N, layers]`` whether each top-k is clear."""
-    k = model.config.num_experts_per_tok
-    layers = model.model.layers
-    experts = np.zeros((len(ids), len(layers), k), dtype=np.int32)
-    clear = np.zeros((len(ids), len(layers)), dtype=bool)
-    hooks = []
-    for i, layer in enumerate(layers):
-
-        def keep(_m, _a, out, i=i):
-            logits, _, idx = out
-            top = logits.float().softmax(-1).topk(k + 1, dim=-1).values
-            clear[:, i] = (top[:, k - 1] - top[:, k] > TIE).numpy()
-            experts[:, i] = idx.numpy()
-
-        hooks.append(layer.mlp.gate.register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return experts, clear
-
-
 def _assert_matches(out: dict, prompt: list[int], model, start: int = 0) -> None:
     full = prompt + out["output_ids"]
     cfg = model.config
     got = decode(out["meta_info"]["routed_experts"], cfg.num_hidden_layers, cfg.num_experts_per_tok)
     assert got.shape == (len(full) - 1 - start, cfg.num_hidden_layers, cfg.num_experts_per_tok)
-    ref, clear = _reference(model, full)
+    ref, clear = routing_reference(model, full, TIE)
     ref, clear = ref[start:-1], clear[start:-1]
     assert clear.mean() > 0.85, f"too many near-ties to compare ({(~clear).sum()} of {clear.size})"
     same = (np.sort(got, axis=-1) == np.sort(ref, axis=-1)).all(-1)

@@ -27,6 +27,7 @@ from miles_async.inference.client import EngineError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.routed_experts import decode, encode
 from tests.integration.embedded.helpers import KEY, ServerProc, run, wait_running
+from tests.routing_helpers import routing_reference
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 TIE = 1e-4  # a top-k whose k-th and (k+1)-th scores are closer is a near-tie: float noise may flip it
@@ -86,44 +87,12 @@ def _glm4_moe(path: Path) -> Path:
     return path
 
 
-def _routing_reference(model: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(experts, clear) of an HF forward of ``ids``: ``[N, layers, k]`` experts (0 for a dense layer) and
-    ``[N, layers]`` whether that top-k set is clear of a tie, from hooks on the routers' inputs and outputs."""
-    layers = model.model.layers
-    experts = np.zeros((len(ids), len(layers), TOPK), dtype=np.int32)
-    clear = np.ones((len(ids), len(layers)), dtype=bool)
-    hooks = []
-    for i, layer in enumerate(layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if not hasattr(layer.mlp, "experts"):
-            continue
-
-        def keep(module: Any, _args: Any, out: Any, i: int = i) -> None:
-            logits, _, idx = out
-            if hasattr(module, "e_score_correction_bias"):  # sigmoid router: chosen on score + bias
-                scores = logits.float().sigmoid() + module.e_score_correction_bias
-            else:
-                scores = logits.float().softmax(-1)
-            top = scores.topk(TOPK + 1, dim=-1).values
-            clear[:, i] = (top[:, TOPK - 1] - top[:, TOPK] > TIE).numpy()
-            experts[:, i] = idx.numpy()
-
-        hooks.append(gate.register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return experts, clear
-
-
 def _assert_matches(out: dict[str, Any], prompt: list[int], model: Any, start: int = 0) -> None:
     full = prompt + out["output_ids"]
     layers = model.config.num_hidden_layers
     got = decode(out["meta_info"]["routed_experts"], layers, TOPK)
     assert got.shape == (len(full) - 1 - start, layers, TOPK)
-    ref, clear = _routing_reference(model, full)
+    ref, clear = routing_reference(model, full, TIE)
     ref, clear = ref[start:-1], clear[start:-1]
     assert clear.mean() > 0.9, f"too many near-ties to compare ({(~clear).sum()} of {clear.size})"
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
