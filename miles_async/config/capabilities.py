@@ -121,8 +121,8 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "--multimodal-keys",
         ROLLOUT_BACKEND,
-        ("embedded",),
-        why="image prompts reach only the embedded engine's /generate so far",
+        ("embedded", "sglang"),
+        why="vLLM's client does not send image prompts to its multimodal API yet: inference/vllm/client.py",
     ),
     *(
         Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)

@@ -6,19 +6,77 @@ and the engine maps the memory itself; the trainer's side (the shared memory and
 ``miles_async.weights.shared_memory``. SGLang wants ``/begin_weight_update`` before and
 ``/end_weight_update`` after the tensors of an update (its CPU kernels pack weights, which must be unpacked
 to load new ones); the weight routes call them.
+
+A VLM prompt: SGLang takes ``input_ids`` with ONE image placeholder token per image and expands each itself, with
+its own processor, to the image's patches (``BaseMultimodalProcessor._expand_input_ids``: the other tokens stay as
+sent). Our prompts hold each image's placeholders expanded already (the trainer's and the embedded engine's form;
+SGLang would decode them to text whose every placeholder its processor takes for another image, and fail), so
+``generate`` sends each run of the image token as one. The image token's id is the model's ``image_token_id``
+(config.json of the folder ``/model_info`` names). The engine's expansion equals ours where its processor does:
+see docs/guides/vision.md for SGLang's own image-size rule of Qwen2-VL.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from miles_async.inference.client import EngineClient, EngineError
+
+# A logit no token reaches (JSON has no -inf): exp(-1e30 + logit) is 0 in every float type.
+BANNED_LOGIT_BIAS = -1e30
+
+
+def collapse_image_runs(input_ids: list[int], image_token_id: int) -> list[int]:
+    """``input_ids`` with each run of ``image_token_id`` as one token (SGLang expands each image's placeholder)."""
+    out: list[int] = []
+    for t in input_ids:
+        if t == image_token_id and out and out[-1] == image_token_id:
+            continue
+        out.append(t)
+    return out
 
 
 class SGLangEngineClient(EngineClient):
     """``EngineClient`` for one SGLang server: the tensor route in SGLang's format."""
 
     _tp_size: int | None = None
+    _image_token_id: int | None = None
+    _model_checked = False
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *args: Any, **kwargs: Any):
+        image_token = await self.image_token_id()
+        if image_token is not None:
+            # A VLM: its image placeholder is never sampled (the trainer's log-probs use the same ban; see
+            # vision.hf.unsampled_token_ids); SGLang adds logit_bias before its log-probs.
+            bias = dict(sampling_params.get("logit_bias") or {})
+            bias[str(image_token)] = BANNED_LOGIT_BIAS
+            sampling_params = {**sampling_params, "logit_bias": bias}
+            if kwargs.get("image_data"):
+                input_ids = collapse_image_runs(list(input_ids), image_token)
+        return await super().generate(input_ids, sampling_params, *args, **kwargs)
+
+    async def image_token_id(self) -> int | None:
+        """The served VLM's image placeholder token (``image_token_id`` of its config.json); None for a text model
+        (``/model_info``'s ``has_image_understanding``)."""
+        if self._model_checked:
+            return self._image_token_id
+        try:
+            info = await self._request("GET", "/model_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            info = None  # not SGLang's server (a stand-in that answers /generate only): no VLM to adapt to
+        if isinstance(info, dict) and info.get("has_image_understanding"):
+            path = os.path.join(str(info.get("model_path", "")), "config.json")
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    self._image_token_id = int(json.load(fh)["image_token_id"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise EngineError(self.base_url, "/model_info", f"no image_token_id in {path}: {e}") from e
+        self._model_checked = True
+        return self._image_token_id
 
     async def begin_weight_update(self) -> None:
         await self._request("POST", "/begin_weight_update", json_body={})

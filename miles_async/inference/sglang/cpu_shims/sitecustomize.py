@@ -13,6 +13,14 @@ SGLang allocates its host-side buffers through ``ALLOC_MEMORY_FUNCS[device]``
 with CUDA enabled". Its routed-experts capturer (``--enable-return-routed-experts``, rollout routing replay)
 allocates its host cache so on ``--device cpu``, and the server died at start-up. Without CUDA there is
 nothing to pin for: once that module is imported, its ``"cpu"`` entry allocates the same buffer unpinned.
+
+SGLang's multimodal processor of Qwen2-VL and Qwen2.5-VL (``sglang.srt.multimodal.processors.qwen_vl``) imports the
+Qwen3.5 model, which on a CPU binds four ``torch.ops.sgl_kernel`` ops of the (unpublished) CPU sgl_kernel at import
+time (``sglang/srt/models/qwen3_5.py``: ``_fused_sigmoid_mul_cpu = torch.ops.sgl_kernel.fused_sigmoid_mul_cpu``
+...). Without them the import fails, SGLang skips the processor module ("Ignore import error"), and a Qwen-VL server
+dies at start-up with "No processor registered for architecture". Those four names are set on the op namespace as
+functions that raise ``NotImplementedError`` naming the op: only a Qwen3.5 model would call them. Only these names:
+SGLang picks CPU paths by ``hasattr(torch.ops.sgl_kernel, ...)`` for other ops.
 """
 
 import sys
@@ -32,6 +40,45 @@ try:
                     _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
                 except RuntimeError:
                     pass
+except Exception:  # noqa: BLE001 - never break interpreter start-up
+    pass
+
+
+# The torch.ops.sgl_kernel ops that sglang/srt/models/qwen3_5.py binds at import on a CPU (none is called by another
+# model).
+_OPS_BOUND_AT_IMPORT = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
+
+
+def _missing_op(name):
+    def missing(*args, **kwargs):
+        raise NotImplementedError(
+            f"torch.ops.sgl_kernel.{name} is not in the CPU stand-in (miles_async/inference/sglang/cpu_shims)"
+        )
+
+    missing.__name__ = name
+    return missing
+
+
+def _declare_import_time_ops() -> None:
+    import os
+
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return
+    import torch
+
+    namespace = torch.ops.sgl_kernel
+    for name in _OPS_BOUND_AT_IMPORT:
+        if not hasattr(namespace, name):
+            setattr(namespace, name, _missing_op(name))
+
+
+try:
+    _declare_import_time_ops()
 except Exception:  # noqa: BLE001 - never break interpreter start-up
     pass
 
