@@ -29,6 +29,7 @@ CONFIGS = ROOT / "tests" / "scripts" / "model_configs"
 QWEN3 = "scripts/run-qwen3-4B-async.sh"
 CPU = "scripts/run-smollm2-cpu-async.sh"
 QWEN3_MOE = "scripts/run-qwen3-30B-A3B-async.sh"
+QWEN25_VL = "scripts/run-qwen2.5-VL-7B-async.sh"
 QWEN3_PLAN = [
     "actor: 4 workers x 1 GPU = 4 GPUs; megatron TP 2 x PP 1 x CP 1, data parallel 2; placement group of 4 bundles "
     "x 1 GPU (PACK)",
@@ -39,7 +40,7 @@ QWEN3_PLAN = [
 
 def _launcher_env(tmp_path: Path, script: str, model: str) -> dict:
     paths = {"OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
-    if script in (QWEN3, QWEN3_MOE):
+    if script in (QWEN3, QWEN3_MOE, QWEN25_VL):
         paths.update(
             HF_CHECKPOINT=str(CONFIGS / model), DATA_DIR=str(tmp_path / "data"), SAVE_DIR=str(tmp_path / "ckpt")
         )
@@ -52,9 +53,20 @@ def _value(words: list[str], name: str) -> str:
     return words[len(words) - 1 - words[::-1].index(name) + 1]  # the last occurrence wins, as in argparse
 
 
+# A 1x1 PNG: what an image column of a launcher's data holds (a data: URI is one of the forms it takes).
+PNG = (
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
 def _write_data(words: list[str], prompts: int = 40) -> None:
-    """A small real prompt file at each path the command names, with its --input-key and --label-key."""
+    """A small real prompt file at each path the command names, with its --input-key and --label-key (and an image
+    for each record under --multimodal-keys' column), JSONL or Parquet as the path says."""
     key, label = _value(words, "--input-key"), _value(words, "--label-key")
+    image = json.loads(_value(words, "--multimodal-keys"))["image"] if "--multimodal-keys" in words else None
+    if "--rollout-batch-size" in words:  # at least a rollout's worth
+        prompts = max(prompts, int(_value(words, "--rollout-batch-size")))
     i = words.index("--eval-prompt-data") + 1 if "--eval-prompt-data" in words else len(words)
     evals = []
     while i < len(words) and not words[i].startswith("--"):
@@ -62,9 +74,16 @@ def _write_data(words: list[str], prompts: int = 40) -> None:
         i += 1
     for path in [_value(words, "--prompt-data"), *(evals[1::2] if len(evals) > 1 else evals)]:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(
-            "".join(json.dumps({key: f"What is {n} + {n}?", label: str(2 * n)}) + "\n" for n in range(prompts))
-        )
+        records = [
+            {key: f"What is {n} + {n}?", label: str(2 * n), **({image: [PNG]} if image else {})} for n in range(prompts)
+        ]
+        if path.endswith(".parquet"):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(records), path)
+        else:
+            Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def _check_config(script: str, env: dict, *extra: str) -> subprocess.CompletedProcess:
@@ -219,6 +238,25 @@ def test_the_qwen3_30b_a3b_launcher_passes_check_config_with_the_published_confi
     cfg = yaml.safe_load(proc.stdout.split("# resolved configuration\n", 1)[1].split("\n\n# worker plan", 1)[0])
     assert cfg["rollout"]["data"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert cfg["train"]["megatron"]["moe"]["token_dispatcher_type"] == "alltoall"
+    assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()  # nothing ran
+
+
+def test_the_qwen25_vl_launcher_passes_check_config_with_the_published_config(tmp_path):
+    """Miles' VLM launcher (geo3k, fsdp backend) moved onto train_async.py for Qwen2.5-VL-7B-Instruct, against that
+    model's published config.json: image prompts through --multimodal-keys from Parquet, the torch backend on 4 GPUs
+    beside 4 SGLang engines of 1 GPU."""
+    env = _launcher_env(tmp_path, QWEN25_VL, "Qwen2.5-VL-7B-Instruct")
+    proc = _check_config(QWEN25_VL, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.rstrip().endswith("check-config: OK, the run would start")
+    assert _plan(proc.stdout) == [
+        "actor: 4 workers x 1 GPU = 4 GPUs; fsdp (torch DDP), data parallel 4; placement group of 4 bundles x 1 GPU "
+        "(PACK)",
+        "rollout: 4 engines x 1 GPU = 4 GPUs; sglang engines, weights by distributed; placement group of 4 bundles x "
+        "1 GPU (PACK)",
+    ]
+    cfg = yaml.safe_load(proc.stdout.split("# resolved configuration\n", 1)[1].split("\n\n# worker plan", 1)[0])
+    assert cfg["rollout"]["data"]["image_key"] == "images"
     assert not (tmp_path / "out").exists() and not (tmp_path / "ckpt").exists()  # nothing ran
 
 
