@@ -21,7 +21,7 @@ Before replacing its choice, each router counts how many of its own top-k expert
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -53,14 +53,6 @@ class ReplayStats:
         if not self.chosen:
             return {}
         return {"routing_agreement": self.agreed / self.chosen, "routing_replayed_tokens": float(self.replayed_tokens)}
-
-
-@dataclass
-class Routing:
-    """A micro-batch's routing records, one per row (sample) in row order, as the worker collated them."""
-
-    records: list[np.ndarray]
-    stats: ReplayStats = field(default_factory=ReplayStats)
 
 
 def records_for(batch: Any, idx: Sequence[int]) -> list[np.ndarray]:

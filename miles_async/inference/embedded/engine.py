@@ -44,6 +44,7 @@ from miles_async.inference.embedded.records import (
     RequestRejectedError,
     SamplingParams,
     Seq,
+    record_routing,
     resolve,
 )
 from miles_async.inference.embedded.sampling import sample_tokens
@@ -531,7 +532,7 @@ class Engine:
         routing = any(seq.routed is not None for seq in batch)
         logits = self.lm.forward(ids, mask, positions, cache, last_only=True, pixels=pixels, capture_routing=routing)
         if routing:
-            self._record_prefill_routing(batch, expand)
+            record_routing(batch, expand, self.lm.last_routing.numpy())
         if n < len(batch):
             idx = torch.tensor(expand, dtype=torch.long)
             select_rows(cache, idx)
@@ -542,17 +543,6 @@ class Engine:
         self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(self._batch.rows))
         self._sample_and_append(batch, logits)
 
-    def _record_prefill_routing(self, batch: list[Seq], expand: list[int]) -> None:
-        """Give each row that asked for it the routing of its whole context (left padded in the prefill's row
-        ``expand[i]``, shared by every row of the same context): a re-prefilled row's earlier routing is replaced
-        by this recomputation, which the cache its later tokens attend to comes from (SGLang's too: a prefill
-        rewrites its capture buffer at every position it computes)."""
-        routing = self.lm.last_routing.numpy()
-        width = routing.shape[1]
-        for seq, row in zip(batch, expand):
-            if seq.routed is not None:
-                seq.record_routing(routing[row, width - seq.context_len :], 0)
-
     def _decode_step(self) -> None:
         rows = self._batch.rows
         last, positions, mask = self._batch.step_inputs()
@@ -561,10 +551,7 @@ class Engine:
         routing = any(seq.routed is not None for seq in rows)
         logits = self.lm.forward(last, mask, positions, self._batch.cache, last_only=False, capture_routing=routing)
         if routing:
-            step = self.lm.last_routing.numpy()  # [B, 1, layers, top_k]: the position each row's last token is at
-            for seq, experts in zip(rows, step):
-                if seq.routed is not None:
-                    seq.record_routing(experts, seq.context_len - 1)
+            record_routing(rows, range(len(rows)), self.lm.last_routing.numpy())
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
         self._sample_and_append(rows, logits)

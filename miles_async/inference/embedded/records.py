@@ -4,6 +4,7 @@ errors, and how a waiting caller is answered."""
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,3 +120,16 @@ def resolve(fut: concurrent.futures.Future | None, value: Any = None, error: Bas
             fut.set_result(value)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+def record_routing(seqs: Iterable[Seq], rows: Iterable[int], routing: np.ndarray) -> None:
+    """After a forward pass, give each of ``seqs`` that asked for it the routing of the positions the pass ran for it:
+    the last of its context's positions in its row ``rows[i]`` of ``routing`` (``[B, S, layers, top_k]``, rows left
+    padded). A prefill runs the whole context, so a re-prefilled row's earlier routing is replaced by the
+    recomputation its cache comes from (SGLang's too: a prefill rewrites its capture buffer at every position it
+    computes); a decode step runs the last position only. Rows shared by identical contexts serve each of them."""
+    width = routing.shape[1]
+    for seq, row in zip(seqs, rows):
+        if seq.routed is not None:
+            ran = min(width, seq.context_len)
+            seq.record_routing(routing[row, width - ran :], seq.context_len - ran)
