@@ -115,6 +115,10 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("--keep-old-actor", TRAIN_BACKEND, ("fsdp",), why="use --use-tis or --use-rollout-logprobs instead"),
     Capability("--lora-rank", TRAIN_BACKEND, ("fsdp",), why="the megatron backend trains no adapters yet"),
     *(
+        Capability(name, TRAIN_BACKEND, ("fsdp",), why="the megatron backend trains every weight it builds")
+        for name in ("--only-train-params-name-list", "--freeze-params-name-list")
+    ),
+    *(
         Capability(name, TRAIN_BACKEND, ("fsdp",), why="the megatron backend builds no vision tower (VLMs) yet")
         for name in ("--multimodal-keys", "--freeze-vision-tower")
     ),

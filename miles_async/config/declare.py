@@ -158,6 +158,17 @@ def each(check: Check) -> Check:
     return run
 
 
+def regex(name: str, pattern: Any) -> str | None:
+    """A valid Python regular expression."""
+    import re
+
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        return f"{name}: {pattern!r} is not a valid regular expression ({e})"
+    return None
+
+
 @dataclass(frozen=True)
 class OnMachine:
     """A check only the machine that runs the job can answer (an installed package): ``check_values`` hands its

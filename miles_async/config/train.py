@@ -13,12 +13,14 @@ from miles_async.config.cluster import num_train_workers
 from miles_async.config.declare import (
     When,
     at_least,
+    each,
     flag,
     given,
     group,
     hf_folder,
     importable,
     positive,
+    regex,
     require,
     when_value,
     within,
@@ -79,6 +81,9 @@ class TrainConfig:
     cpu_offload: bool = False  # sharded torch backend: shards, gradients and optimizer state in host memory
     lora: LoraSettings | None = None  # the policy trains LoRA adapters only (torch backend)
     freeze_vision_tower: bool = False  # a VLM policy trains its language model only
+    # --only-train-params-name-list / --freeze-params-name-list: regexes selecting the weights that train
+    only_train_params: tuple[str, ...] = ()
+    freeze_params: tuple[str, ...] = ()
     cpu_affinity: tuple[int, ...] | None = None  # --train-cpu-affinity: the cores each worker is pinned to
     routing_replay: bool = False  # --use-rollout-routing-replay: policy passes route tokens as the rollout did
 
@@ -226,6 +231,23 @@ GROUPS = (
             action="store_true",
             help="a vision-language policy trains its language model only; its vision encoder and projector keep "
             "the checkpoint's weights",
+        ),
+        flag(
+            "--only-train-params-name-list",
+            nargs="+",
+            default=None,
+            check=each(regex),
+            help="regexes (re.search) on the policy's parameter names: only the weights matching one train, the rest "
+            "keep the checkpoint's (slime's flag; e.g. 'visual' trains a VLM's vision tower only). Not with "
+            "--lora-rank",
+        ),
+        flag(
+            "--freeze-params-name-list",
+            nargs="+",
+            default=None,
+            check=each(regex),
+            help="regexes (re.search) on the policy's parameter names: the weights matching one keep the "
+            "checkpoint's (slime's flag; applied after --only-train-params-name-list). Not with --lora-rank",
         ),
         flag(
             "--seed",
@@ -419,6 +441,11 @@ def build(
     num_steps: int,
     num_threads: int,
 ) -> TrainConfig:
+    require(
+        ns.lora_rank == 0 or not (ns.only_train_params_name_list or ns.freeze_params_name_list),
+        "--only-train-params-name-list / --freeze-params-name-list with --lora-rank: LoRA already decides which "
+        "weights train (the adapters); drop one",
+    )
     optimizer = OptimizerConfig(
         ns.optimizer,
         ns.lr,
@@ -464,6 +491,8 @@ def build(
         if ns.lora_rank > 0
         else None,
         freeze_vision_tower=ns.freeze_vision_tower,
+        only_train_params=tuple(ns.only_train_params_name_list or ()),
+        freeze_params=tuple(ns.freeze_params_name_list or ()),
         routing_replay=ns.use_rollout_routing_replay and is_moe(ns),
     )
 
@@ -480,6 +509,8 @@ def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | No
         model_path=ns.critic_load or ns.hf_checkpoint,
         ref_model_path=None,
         lora=None,  # the value model trains whole
+        only_train_params=(),  # the policy's selection names the policy's weights; the value head is not among them
+        freeze_params=(),
         routing_replay=False,  # the value model's routing is its own: the rollout never ran it
         optimizer=dataclasses.replace(actor.optimizer, lr=lr, min_lr=min(ns.min_lr, lr), lr_warmup_iters=warmup),
     )

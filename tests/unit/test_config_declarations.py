@@ -14,7 +14,11 @@ from miles_async.config.declare import at_least, check_needs, check_values, flag
 from tests.flag_helpers import minimal_flags
 
 # A value for a feature flag whose default (None) gives no numeric one to step from.
-EXAMPLE_VALUES = {"--multimodal-keys": '{"image": "images"}'}
+EXAMPLE_VALUES = {
+    "--multimodal-keys": '{"image": "images"}',
+    "--only-train-params-name-list": "layers",
+    "--freeze-params-name-list": "embed",
+}
 
 
 def _feature_args(row: Capability) -> list[str]:

@@ -22,6 +22,7 @@ from miles_async.backends.packing import MicroBatch
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin, Prepared  # noqa: F401 - Prepared re-exported
 from miles_async.backends.routing_replay import targets
 from miles_async.backends.shared_prefix import row_logits
+from miles_async.backends.trainable import select_trainable
 from miles_async.config import TrainConfig
 from miles_async.utils.hf_names import checkpoint_named
 from miles_async.vision.hf import is_vision_model, model_class
@@ -151,6 +152,7 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         model = self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
         if self.cfg.freeze_vision_tower:
             freeze_vision_tower(model)
+        select_trainable(model, self.cfg.only_train_params, self.cfg.freeze_params)
         return add_adapters(model, self.cfg.lora) if self.cfg.lora is not None else model
 
     def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
