@@ -198,7 +198,7 @@ def _count_prompts(ns: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from e
     num_prompts = count_and_validate_prompts(
-        ns.prompt_data, ns.input_key, ns.label_key, "--prompt-data", ns.metadata_key
+        ns.prompt_data, ns.input_key, ns.label_key, "--prompt-data", ns.metadata_key, _image_key(ns)
     )
     require(
         num_prompts >= ns.rollout_batch_size,
@@ -214,8 +214,17 @@ def _eval_datasets(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     values = ns.eval_prompt_data or []
     pairs = (("eval", values[0]),) if len(values) == 1 else tuple(zip(values[::2], values[1::2], strict=True))
     for name, path in pairs:
-        count_and_validate_prompts(path, ns.input_key, ns.label_key, f"--eval-prompt-data ({name})", ns.metadata_key)
+        count_and_validate_prompts(
+            path, ns.input_key, ns.label_key, f"--eval-prompt-data ({name})", ns.metadata_key, _image_key(ns)
+        )
     return pairs
+
+
+def _image_key(ns: argparse.Namespace) -> str | None:
+    """--multimodal-keys' image column (the flag's own check has refused a malformed value already)."""
+    from miles_async.config.multimodal import parse_multimodal_keys
+
+    return parse_multimodal_keys(ns.multimodal_keys).get("image")
 
 
 def build_config(ns: argparse.Namespace) -> Config:

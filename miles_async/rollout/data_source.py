@@ -128,9 +128,15 @@ def load_prompts(
 
 
 def count_and_validate_prompts(
-    path: str, input_key: str, label_key: str | None, flag: str, metadata_key: str | None = None
+    path: str,
+    input_key: str,
+    label_key: str | None,
+    flag: str,
+    metadata_key: str | None = None,
+    image_key: str | None = None,
 ) -> int:
-    return len(load_prompts(path, input_key, label_key, metadata_key, flag))
+    """The file's prompts, each record checked as a run loads it (its images opened under ``image_key``)."""
+    return len(load_prompts(path, input_key, label_key, metadata_key, flag, image_key))
 
 
 class DataSource:
