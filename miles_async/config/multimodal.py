@@ -46,7 +46,6 @@ def validate_multimodal(ns: argparse.Namespace) -> None:
         f"--multimodal-keys: --hf-checkpoint {ns.hf_checkpoint} has no vision tower (no vision_config in its "
         "config.json); image prompts need a vision-language model",
     )
-    require(ns.tools_path is None, "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images yet")
     require(
         ns.advantage_estimator != "ppo",
         "--multimodal-keys with --advantage-estimator ppo: the critic of a vision-language policy is not built yet",

@@ -169,7 +169,16 @@ def _start(ctx: GenerateContext, sample: Sample, box: Toolbox) -> None:
     sample.routed_experts = None
     sample.started_at = time.time()
     if box.schemas and shows_tools(ctx.tokenizer):
-        sample.prompt_tokens = prompt_with_tools(ctx.tokenizer, sample.prompt, box.schemas, ctx.template_kwargs)
+        if sample.images:
+            # The processor's own template with the tools, each image's placeholder expanded to its patches.
+            from miles_async.vision.hf import encode_prompt as encode_with_images
+            from miles_async.vision.images import load_image
+
+            images = [load_image(r) for r in sample.images]
+            kwargs = {**ctx.template_kwargs, "tools": box.schemas}
+            sample.prompt_tokens = encode_with_images(ctx.processor, sample.prompt, images, True, kwargs)
+        else:
+            sample.prompt_tokens = prompt_with_tools(ctx.tokenizer, sample.prompt, box.schemas, ctx.template_kwargs)
 
 
 async def generate_multi_turn(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
@@ -202,7 +211,10 @@ async def _turns(
         params = {**sampling_params, "max_new_tokens": left}
         if sample.response_length:  # a lower bound on the length is the first request's only
             params.pop("min_new_tokens", None)
-        extra = routing.request_fields(sample) if ctx.routing is not None else {}
+        # Every turn's request carries the prompt's images: the engine sees the whole conversation each time.
+        extra = {"image_data": list(sample.images)} if sample.images else {}
+        if ctx.routing is not None:
+            extra.update(routing.request_fields(sample))
         out = await ctx.router.generate(sample.tokens, params, return_logprob=True, **extra)
         sample.status = _append_model_tokens(sample, out)
         if ctx.routing is not None:

@@ -30,7 +30,7 @@ from miles_async.rollout.generate import GenerateContext, encode_prompt
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn, prompt_with_tools
 from miles_async.rollout.rollout import RolloutContext, generate_one
 from miles_async.rollout.sample import Sample, SampleStatus
-from tests.multi_turn_helpers import CHATML_TEMPLATE, make_scripted_model, tool_call_ids
+from tests.multi_turn_helpers import CHATML_TEMPLATE, make_scripted_model, make_scripted_vlm, tool_call_ids
 from tests.sandbox_helpers import TIGHT, require_namespaces
 
 H = "tests.multi_turn_helpers"
@@ -168,6 +168,66 @@ def test_tool_turns_are_the_sampled_tokens_plus_masked_tool_segments(engine, qwe
     assert s.weight_versions == [0] * s.response_length
     _check_aligned(s)
     assert "<tool_response>\n5\n</tool_response>" in s.response and "<|im_end|>" not in s.response
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(tmp_path_factory):
+    model = make_scripted_vlm(tmp_path_factory.mktemp("scripted_vlm"))
+    cfg = EngineConfig(
+        backend="embedded",
+        model_path=str(model),
+        num_engines=1,
+        dtype="float32",
+        max_running_requests=4,
+        num_threads=1,
+        host="127.0.0.1",
+        startup_timeout=120.0,
+        request_timeout=60.0,
+        seed=0,
+        api_key=KEY,
+    )
+    proc = EmbeddedEngineProcess(cfg, 0, str(tmp_path_factory.mktemp("vlm_engine_logs")))
+    proc.start()
+    try:
+        proc.wait_healthy(120)
+        yield model, proc
+    finally:
+        proc.stop()
+
+
+def test_an_image_in_the_first_turn_goes_with_every_turn(vlm_engine, toolbox, tmp_path):
+    """A VLM conversation with tools: the prompt is rendered by the processor with the tools and the image's
+    placeholders expanded, and every turn's request carries the image (the engine refuses placeholders sent
+    without it), so the tool turns come out as for a text prompt."""
+    from PIL import Image
+
+    from miles_async.vision.hf import load_processor
+
+    model, proc = vlm_engine
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(tmp_path / "red.png")
+    processor = load_processor(str(model))
+    tok = processor.tokenizer
+    sample = Sample(
+        uid="v0", group_index=0, index=0, prompt=PROMPT, prompt_tokens=[], images=[str(tmp_path / "red.png")]
+    )
+
+    async def go():
+        router = make_router([proc.url], 60.0, api_key=KEY)
+        try:
+            ctx = GenerateContext(router, tok, toolbox(max_turns=2), processor=processor)
+            return await generate_multi_turn(ctx, sample, _params())
+        finally:
+            await router.close()
+
+    s = asyncio.run(go())
+    prompt = tok.decode(s.prompt_tokens, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\n<tools>\n") and '"name": "sum"' in prompt
+    # 16x16 pixels: 4x4 patches of 4, merged 2x2 into 4 image tokens.
+    assert "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>add 2 and 3" in prompt
+    tokens, mask = _expected(tok, ["5"])
+    assert s.response_tokens == tokens and s.loss_mask == mask
+    assert s.turns == 2 and s.status == SampleStatus.TRUNCATED
+    _check_aligned(s)
 
 
 def test_a_template_without_a_tool_role_gets_the_results_as_a_user_message(engine, chatml_tok, toolbox):

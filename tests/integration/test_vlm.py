@@ -326,13 +326,15 @@ def test_a_step_moves_only_the_selected_weights(cfg, prompts, selection, trains_
 
 
 def test_bad_image_requests_are_refused(cfg, engine, prompts):
-    """/generate names image_data's problem: an unreadable image, and images whose patches do not fill the
-    prompt's placeholders."""
+    """/generate names image_data's problem: an unreadable image, images whose patches do not fill the prompt's
+    placeholders, and placeholders sent without their images."""
     (_, ids), (blue, _) = prompts[0], prompts[1]
     with pytest.raises(EngineError, match=r"image_data: \[0\]: image file not found"):
         _generate(engine, cfg, [(ids, ["/nonexistent.png"])])
     with pytest.raises(EngineError, match="image_data: input_ids hold 16 image placeholder tokens .* fill 2"):
         _generate(engine, cfg, [(ids, list(blue.images))])
+    with pytest.raises(EngineError, match="image_data: input_ids hold 16 image placeholder tokens .* and no image_"):
+        _generate(engine, cfg, [(ids, [])])
 
 
 def _write(path: Path, records: list[dict]) -> str:
@@ -372,10 +374,6 @@ def test_bad_image_data_names_file_line_and_key(tmp_path, data, tiny_vlm):
     [
         (["--train-backend", "megatron"], "--multimodal-keys.*megatron.*no vision tower"),
         (["--advantage-estimator", "ppo"], "--multimodal-keys with --advantage-estimator ppo: the critic"),
-        (
-            ["--tools-path", "x:y", "--apply-chat-template"],
-            "--multimodal-keys with --tools-path: multi-turn rollouts do not carry images",
-        ),
     ],
 )
 def test_vision_language_runs_refuse_what_does_not_carry_images(tiny_vlm, tiny_model, data, extra, message):

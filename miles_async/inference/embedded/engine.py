@@ -198,10 +198,10 @@ class Engine:
         says why not)."""
         return bool(self.lm.routers)
 
-    def prepare_images(self, refs: list[str], input_ids: list[int]) -> Images:
+    def prepare_images(self, refs: list[str], input_ids: list[int]) -> Images | None:
         """Load a request's images and compute their pixel inputs (off the decode thread: this is IO and image
         processing); ``ImageRequestError`` when the model takes no images, an image does not load, or the prompt's
-        placeholders do not match the images' patches."""
+        placeholders do not match the images' patches (or have none)."""
         return prepare_images(self.lm, refs, input_ids)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> concurrent.futures.Future:

@@ -173,7 +173,7 @@ async def generate(request: web.Request) -> web.Response:
     engine = _engine(request)
     req = parse_generate(await _json_body(request), engine.vocab_size, engine.context_len)
     images = None
-    if req.image_data:
+    if req.image_data or engine.lm.is_vision:
         try:
             # Decoding and resizing images is CPU and IO work; keep it off the event loop.
             images = await asyncio.to_thread(engine.prepare_images, req.image_data, req.input_ids)

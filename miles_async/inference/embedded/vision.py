@@ -31,8 +31,17 @@ class Images:
     pixels: dict[str, torch.Tensor]  # pixel_values, image_grid_thw
 
 
-def prepare_images(lm: CausalLM, refs: list[str], input_ids: list[int]) -> Images:
-    """The pixel inputs of ``refs`` for a prompt ``input_ids``, checked against the prompt's placeholders."""
+def prepare_images(lm: CausalLM, refs: list[str], input_ids: list[int]) -> Images | None:
+    """The pixel inputs of ``refs`` for a prompt ``input_ids``, checked against the prompt's placeholders (None: no
+    images and none expected)."""
+    if not refs:
+        have = sum(t == lm.config.image_token_id for t in input_ids) if lm.is_vision else 0
+        if have:
+            # Without the images the placeholders would embed as an ordinary token: a silently blind answer.
+            raise ImageRequestError(
+                f"input_ids hold {have} image placeholder tokens (id {lm.config.image_token_id}) and no image_data"
+            )
+        return None
     if not lm.is_vision:
         raise ImageRequestError("this model has no vision tower (its config has no vision_config)")
     images = []
