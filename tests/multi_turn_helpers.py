@@ -189,7 +189,6 @@ def make_scripted_model(out_dir: Path, chat_template: str = QWEN_LIKE_TEMPLATE) 
 
 
 # -- the scripted vision-language model ------------------------------------------------------------------------
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 # QWEN_LIKE_TEMPLATE whose user content may be a list of parts, an image part being Qwen2-VL's placeholder.
 QWEN_LIKE_VLM_TEMPLATE = QWEN_LIKE_TEMPLATE.replace(
     "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
@@ -207,19 +206,14 @@ def make_scripted_vlm(out_dir: Path) -> Path:
     layer's output projections are zero. What a test of it checks is that images travel with every request."""
     import torch
     from tokenizers import AddedToken
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
-    from miles_async.vision.hf import image_only
+    from miles_async.assets.tiny_vlm import VISION_TOKENS, save_vlm, special_ids, vlm_token_ids
 
     assert QWEN_LIKE_VLM_TEMPLATE != QWEN_LIKE_TEMPLATE
     tokenizer = build_tokenizer(QWEN_LIKE_VLM_TEMPLATE)
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t in VISION_TOKENS], special_tokens=True)
     assert len(tokenizer) <= VOCAB
-    start, end, pad = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    special = dict(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
     config = Qwen2VLConfig(
         text_config=dict(
             vocab_size=VOCAB,
@@ -231,15 +225,11 @@ def make_scripted_vlm(out_dir: Path) -> Path:
             max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
             tie_word_embeddings=False,
-            **special,
+            **special_ids(tokenizer),
         ),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=HIDDEN, num_heads=2, mlp_ratio=2, patch_size=4),
-        image_token_id=pad,
-        video_token_id=tokenizer.unk_token_id,
-        vision_start_token_id=start,
-        vision_end_token_id=end,
         tie_word_embeddings=False,
-        **special,
+        **vlm_token_ids(tokenizer),
     )
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(config).float()
@@ -254,13 +244,6 @@ def make_scripted_vlm(out_dir: Path) -> Path:
         for cur, nxt in successor_ids(tokenizer).items():
             head[nxt, cur] = 8.0
         model.lm_head.weight.copy_(head)
-    model.generation_config = GenerationConfig(**special)
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    return save_vlm(
+        model, tokenizer, Path(out_dir), Qwen2VLProcessor, patch_size=4, min_pixels=8 * 8, max_pixels=32 * 32
     )
-    processor = image_only(Qwen2VLProcessor)(image_processor, tokenizer, chat_template=QWEN_LIKE_VLM_TEMPLATE)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    return out_dir

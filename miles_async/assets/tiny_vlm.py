@@ -9,6 +9,7 @@ cut into 4-pixel patches and at most 32x32 pixels, so an image costs a handful o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from miles_async.assets.tiny_model import build_tiny_tokenizer
 
@@ -47,10 +48,6 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
     the same weights."""
     import torch
     import transformers
-    from transformers import GenerationConfig
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from miles_async.vision.hf import image_only
 
     if arch not in VLM_ARCHES:
         raise ValueError(f"unknown VLM arch {arch!r}; expected one of {VLM_ARCHES}")
@@ -61,10 +58,7 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
     tokenizer = build_tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["</s>", "<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
-    vision_start, vision_end, image_pad = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    special = dict(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    tokens = vlm_token_ids(tokenizer)
     config = config_cls(
         text_config=dict(
             vocab_size=len(tokenizer),
@@ -77,24 +71,52 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
             # head_dim 16: 8 rotary frequencies split over (temporal, height, width).
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             tie_word_embeddings=True,
-            **special,
+            **special_ids(tokenizer),
         ),
         vision_config=dict(patch_size=4, spatial_merge_size=2, **_VISION[arch]),
-        image_token_id=image_pad,
-        video_token_id=tokenizer.unk_token_id,
-        vision_start_token_id=vision_start,
-        vision_end_token_id=vision_end,
         tie_word_embeddings=True,
-        **special,
+        **tokens,
     )
     torch.manual_seed(seed)
     model = model_cls(config).float()
-    model.generation_config = GenerationConfig(**special)
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    return save_vlm(model, tokenizer, Path(out_dir), processor_cls, patch_size=4, min_pixels=8 * 8, max_pixels=32 * 32)
+
+
+def special_ids(tokenizer: Any) -> dict[str, int]:
+    """The config entries of the tokenizer's bos, eos and pad tokens."""
+    return dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    processor = image_only(processor_cls)(image_processor, tokenizer, chat_template=VLM_CHAT_TEMPLATE)
-    out_dir = Path(out_dir)
+
+
+def vlm_token_ids(tokenizer: Any) -> dict[str, int]:
+    """A Qwen2-VL config's token entries: the special tokens and the vision tokens (``VISION_TOKENS``, which the
+    tokenizer must hold)."""
+    start, end, pad = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    return dict(
+        image_token_id=pad,
+        video_token_id=tokenizer.unk_token_id,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        **special_ids(tokenizer),
+    )
+
+
+def save_vlm(
+    model: Any, tokenizer: Any, out_dir: Path, processor_cls: Any, *, patch_size: int, min_pixels: int, max_pixels: int
+) -> Path:
+    """Save a Qwen2-VL-layout ``model`` with its processor (the image processor's PIL backend, images resized into
+    ``[min_pixels, max_pixels]``, patches merged 2x2, the tokenizer's chat template) to ``out_dir``."""
+    from transformers import GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from miles_async.vision.hf import image_only
+
+    model.generation_config = GenerationConfig(**special_ids(tokenizer))
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=patch_size, merge_size=2, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+    processor = image_only(processor_cls)(image_processor, tokenizer, chat_template=tokenizer.chat_template)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)

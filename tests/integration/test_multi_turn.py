@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -59,8 +60,8 @@ def model(tmp_path_factory):
     return make_scripted_model(tmp_path_factory.mktemp("scripted_model"))
 
 
-@pytest.fixture(scope="module")
-def engine(model, tmp_path_factory):
+def _serving(engine_cls: type, model, logs) -> Iterator[EmbeddedEngineProcess]:
+    """An embedded engine serving ``model`` (float32, one thread, the module's API key) for a fixture's length."""
     cfg = EngineConfig(
         backend="embedded",
         model_path=str(model),
@@ -74,13 +75,18 @@ def engine(model, tmp_path_factory):
         seed=0,
         api_key=KEY,
     )
-    proc = SlowEngine(cfg, 0, str(tmp_path_factory.mktemp("engine_logs")))
+    proc = engine_cls(cfg, 0, str(logs))
     proc.start()
     try:
         proc.wait_healthy(120)
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    yield from _serving(SlowEngine, model, tmp_path_factory.mktemp("engine_logs"))
 
 
 @pytest.fixture(scope="module")
@@ -173,26 +179,8 @@ def test_tool_turns_are_the_sampled_tokens_plus_masked_tool_segments(engine, qwe
 @pytest.fixture(scope="module")
 def vlm_engine(tmp_path_factory):
     model = make_scripted_vlm(tmp_path_factory.mktemp("scripted_vlm"))
-    cfg = EngineConfig(
-        backend="embedded",
-        model_path=str(model),
-        num_engines=1,
-        dtype="float32",
-        max_running_requests=4,
-        num_threads=1,
-        host="127.0.0.1",
-        startup_timeout=120.0,
-        request_timeout=60.0,
-        seed=0,
-        api_key=KEY,
-    )
-    proc = EmbeddedEngineProcess(cfg, 0, str(tmp_path_factory.mktemp("vlm_engine_logs")))
-    proc.start()
-    try:
-        proc.wait_healthy(120)
+    for proc in _serving(EmbeddedEngineProcess, model, tmp_path_factory.mktemp("vlm_engine_logs")):
         yield model, proc
-    finally:
-        proc.stop()
 
 
 def test_an_image_in_the_first_turn_goes_with_every_turn(vlm_engine, toolbox, tmp_path):
