@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-VISION = dict(depth=4, embed_dim=192, num_heads=4, mlp_ratio=2, hidden_size=576, patch_size=14, spatial_merge_size=2)
+# The merger's output width (hidden_size) is the language model's, set when the model is built.
+VISION = dict(depth=4, embed_dim=192, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2)
 # SGLang's Qwen2-VL keeps its own pixel bounds (3136 to 1003520); 112x112 images lie inside both, so every side
 # resizes them alike (to themselves: 112 is a multiple of 28).
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
@@ -57,7 +58,7 @@ def build_vlm(smollm2_dir: Path, out_dir: Path, seed: int = 0) -> Path:
             tie_word_embeddings=True,
             **special_ids(tokenizer),
         ),
-        vision_config=dict(VISION, in_channels=3, in_chans=3),
+        vision_config=dict(VISION, hidden_size=smol["hidden_size"], in_channels=3, in_chans=3),
         tie_word_embeddings=True,
         **vlm_token_ids(tokenizer),
     )

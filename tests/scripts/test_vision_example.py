@@ -1,5 +1,5 @@
-"""examples/vision_count: the pictures hold the number of shapes their label says, the VLM assembled from SmolLM2
-computes SmolLM2's logits on text (``build_vlm`` checks it before saving), and run.sh's exact command passes
+"""examples/vision_count: the pictures hold the number of shapes their label says, the VLM assembled around a Llama
+computes the Llama's logits on text (``build_vlm`` checks it before saving), and run.sh's exact command passes
 ``train_async.py --check-config`` on that model and the example's data. The RL run itself and its control are
 measured by ``python -m examples.vision_count.study`` (docs/examples/vision-count.md), not here."""
 
@@ -51,10 +51,12 @@ def test_each_picture_holds_as_many_shapes_as_its_label(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def example_model(smollm2, tmp_path_factory):
+def example_model(tiny_model, tmp_path_factory):
+    """The example's VLM assembled around the tiny Llama (the real SmolLM2 takes the same path at 576 wide, and
+    costs a conversion): ``build_vlm`` refuses to save unless its text logits equal the Llama's."""
     from examples.vision_count.model import build_vlm
 
-    return build_vlm(smollm2, tmp_path_factory.mktemp("vision_count_init"))
+    return build_vlm(tiny_model, tmp_path_factory.mktemp("vision_count_init"))
 
 
 def test_run_sh_passes_check_config_on_the_assembled_model(example_model, tmp_path):
