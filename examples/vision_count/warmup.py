@@ -147,9 +147,6 @@ def main() -> None:
     parser.add_argument("--curve", type=Path, help="append held-out accuracy here as training goes")
     parser.add_argument("--eval-every-s", type=float, default=60.0, help="seconds of training between evaluations")
     args = parser.parse_args()
-    import torch
-
-    torch.set_num_threads(torch.get_num_threads())
     counter = Counter(args.model, args.data)
     seconds = None if args.minutes is None else args.minutes * 60
     counter.train(args.seed, args.steps, seconds, args.curve, args.eval_every_s)

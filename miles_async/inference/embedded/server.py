@@ -175,8 +175,12 @@ async def generate(request: web.Request) -> web.Response:
     images = None
     if req.image_data or engine.lm.is_vision:
         try:
-            # Decoding and resizing images is CPU and IO work; keep it off the event loop.
-            images = await asyncio.to_thread(engine.prepare_images, req.image_data, req.input_ids)
+            # Decoding and resizing images is CPU and IO work; keep it off the event loop. A text request to a
+            # VLM only has its placeholders counted (none allowed): no thread for that.
+            if req.image_data:
+                images = await asyncio.to_thread(engine.prepare_images, req.image_data, req.input_ids)
+            else:
+                engine.prepare_images([], req.input_ids)
         except ImageRequestError as exc:
             raise BadRequest("image_data", str(exc)) from exc
     if req.return_routed_experts and not engine.supports_routed_experts:
