@@ -7,6 +7,7 @@ response starts at the same column and ``logits_to_keep`` can skip the prompt lo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,10 @@ def collate(
     loss_masks: list[list[int]],
     pad_id: int = 0,
     share_prefix: bool = False,
+    keys: list[Hashable] | None = None,
 ) -> MicroBatch:
+    """One micro-batch of padded rows; with ``share_prefix`` also its shared-prefix layout, rows sharing a
+    prompt where their ``keys`` are equal (``shared_prefix.prompt_keys``; default: the prompt's tokens)."""
     b = len(prompts)
     p = max(len(x) for x in prompts)
     r = max(1, max(len(x) for x in responses))
@@ -77,7 +81,7 @@ def collate(
             mask[i, : len(rs)] = torch.tensor(lm, dtype=torch.float32)
     # Positions count real tokens only, so left padding does not shift RoPE.
     pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
-    shared = shared_layout(prompts, responses, pad_id) if share_prefix else None
+    shared = shared_layout(prompts, responses, pad_id, keys) if share_prefix else None
     return MicroBatch(ids, attn, pos, resp, mask, r, shared)
 
 

@@ -12,10 +12,15 @@ to float summation order, and the gradient of every response flows into the one 
 Every sequence of a micro-batch has the same columns (prompts left-padded to the longest, slots of one width),
 so the logits needed are one contiguous tail: the last prompt column (which predicts each response's first token)
 and the slots. Packing by ``--max-tokens-per-gpu`` counts a shared prompt once (``pack_shared``).
+
+Rows share a prompt when their prompt keys are equal: the tokens, and for a vision-language prompt its images too
+(two pictures of one size give the same placeholder tokens). A VLM's sequences get their 3-D positions and their
+images' pixels from ``miles_async.backends.fsdp.vision``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -25,24 +30,34 @@ import torch
 class SharedPrefixLayout:
     input_ids: torch.Tensor  # [G, L], L = P + K * R
     attention_mask: torch.Tensor  # [G, 1, L, L] bool: True where the query (row) may attend to the key (column)
-    position_ids: torch.Tensor  # [G, L]
+    position_ids: torch.Tensor  # [G, L]; a VLM's [3, G, L] once its images are attached
     logits_to_keep: int  # the tail of columns whose logits the log-probs need: K * R + 1
     sequence: torch.Tensor  # [B] the sequence (group) of each row of the micro-batch
     column: torch.Tensor  # [B, R] index into the kept logits predicting each response token
     source_row: torch.Tensor  # [G, L] the row (sample) whose token sits at each column; the prompt's: the group's first
     source_pos: torch.Tensor  # [G, L] that token's position in its sample, -1 for padding
+    pixels: dict[str, torch.Tensor] | None = None  # a VLM's: each sequence's images in sequence order
 
 
-def group_rows(prompts: list[list[int]]) -> list[list[int]]:
-    """Row indices grouped by equal prompt, in order of first appearance."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(i)
+def prompt_keys(prompts: list[list[int]], images: list[list[str]] | None = None) -> list[Hashable]:
+    """What two rows must have equal to share their prompt: its tokens and its images."""
+    if images is None:
+        return [tuple(p) for p in prompts]
+    return [(tuple(p), tuple(refs)) for p, refs in zip(prompts, images, strict=True)]
+
+
+def group_rows(keys: list[Hashable]) -> list[list[int]]:
+    """Row indices grouped by equal prompt key, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
-def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0) -> SharedPrefixLayout:
-    groups = group_rows(prompts)
+def shared_layout(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0, keys: list[Hashable] | None = None
+) -> SharedPrefixLayout:
+    groups = group_rows(keys if keys is not None else prompt_keys(prompts))
     p = max(len(x) for x in prompts)
     r = max(1, max(len(x) for x in responses))
     k = max(len(g) for g in groups)
@@ -84,19 +99,21 @@ def shared_layout(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     return SharedPrefixLayout(ids, visible[:, None], pos, k * r + 1, sequence, column, source_row, source_pos)
 
 
-def pack_shared(prompts: list[list[int]], response_lengths: list[int], max_tokens: int) -> list[list[int]]:
+def pack_shared(
+    prompts: list[list[int]], response_lengths: list[int], max_tokens: int, keys: list[Hashable] | None = None
+) -> list[list[int]]:
     """Split row indices (in order) into micro-batches whose shared layout fits ``max_tokens``: each distinct
     prompt counted once, as ``shared_layout`` lays it out. A row too long for the budget goes alone."""
     batches: list[list[int]] = []
     current: list[int] = []
-    counts: dict[tuple[int, ...], int] = {}
+    counts: dict[Hashable, int] = {}
     p = r = k = 0
+    keys = keys if keys is not None else prompt_keys(prompts)
 
     def size(p: int, r: int, k: int, sequences: int) -> int:
         return sequences * (p + k * max(r, 1))
 
-    for i, (prompt, n) in enumerate(zip(prompts, response_lengths, strict=True)):
-        key = tuple(prompt)
+    for i, (prompt, n, key) in enumerate(zip(prompts, response_lengths, keys, strict=True)):
         new_k = max(k, counts.get(key, 0) + 1)
         sequences = len(counts) + (key not in counts)
         if current and size(max(p, len(prompt)), max(r, n), new_k, sequences) > max_tokens:

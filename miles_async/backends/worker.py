@@ -24,7 +24,7 @@ import torch
 from miles_async.backends.data_parallel import DataParallel, all_reduce_sum
 from miles_async.backends.packing import MicroBatch, collate, pack_micro_batches
 from miles_async.backends.routing_replay import records_for
-from miles_async.backends.shared_prefix import pack_shared
+from miles_async.backends.shared_prefix import pack_shared, prompt_keys
 from miles_async.config import OptimizerConfig, TrainConfig
 from miles_async.utils.checkpoint import CheckpointError, load_tensors
 from miles_async.utils.ports import hosted_store
@@ -182,7 +182,8 @@ class BaseWorker:
     def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:
         prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
         responses = [batch.tokens[i][batch.prompt_lengths[i] :] for i in idx]
-        mb = collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id, self._shares_prefix)
+        keys = self._prompt_keys(batch, idx) if self._shares_prefix else None
+        mb = collate(prompts, responses, [batch.loss_masks[i] for i in idx], self.pad_id, self._shares_prefix, keys)
         if self.cfg.routing_replay:
             mb.routing = records_for(batch, idx)
         return mb
@@ -190,10 +191,16 @@ class BaseWorker:
     def _micro_batches(self, batch: RolloutBatch, idx: list[int]) -> list[list[int]]:
         if self._shares_prefix:
             prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
-            packed = pack_shared(prompts, [batch.response_lengths[i] for i in idx], self.cfg.max_tokens_per_gpu)
+            lengths = [batch.response_lengths[i] for i in idx]
+            packed = pack_shared(prompts, lengths, self.cfg.max_tokens_per_gpu, self._prompt_keys(batch, idx))
         else:
             packed = pack_micro_batches([len(batch.tokens[i]) for i in idx], self.cfg.max_tokens_per_gpu)
         return [[idx[j] for j in mb] for mb in packed]
+
+    @staticmethod
+    def _prompt_keys(batch: RolloutBatch, idx: list[int]) -> list:
+        prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in idx]
+        return prompt_keys(prompts, [batch.images[i] for i in idx] if batch.images is not None else None)
 
     @property
     def _shares_prefix(self) -> bool:

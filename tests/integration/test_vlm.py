@@ -337,6 +337,86 @@ def test_bad_image_requests_are_refused(cfg, engine, prompts):
         _generate(engine, cfg, [(ids, [])])
 
 
+def test_shared_prefix_shares_a_prompt_with_its_images_and_keeps_each_rows_positions(cfg, prompts, tiny_vlm, data):
+    """--shared-prefix on a VLM: the samples of a group share one copy of their prompt, image placeholders included,
+    while the same tokens with another image of the same size form a sequence of their own. Every token keeps the
+    3-D position its own row gives it (``get_rope_index`` on the unpadded sample), and the log-probs and one step's
+    gradients equal those of one row per sample. Negative control: the red and green groups (the same tokens) get
+    log-probs apart, so each group's log-probs matching its own row means each saw its own image."""
+    import dataclasses
+
+    import torch
+
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from miles_async.vision.rope import row_positions
+    from tests.integration.test_data_parallel import record_torch_step
+    from tests.tolerance import assert_same_first_step
+
+    (red, red_ids), (blue, blue_ids), (_, text_ids) = prompts
+    prompt_rows = [(red_ids, list(red.images)), (blue_ids, list(blue.images)), (red_ids, [str(data / "green.png")])]
+    prompt_rows.append((text_ids, []))
+    responses = [[10, 11], [12, 13, 14]]
+    groups = [
+        [
+            Sample(
+                uid=f"{g}-{i}",
+                group_index=g,
+                index=i,
+                prompt="",
+                prompt_tokens=ids,
+                response_tokens=resp,
+                rollout_logprobs=[-3.0] * len(resp),
+                images=imgs,
+                reward=float(i),
+            )
+            for i, resp in enumerate(responses)
+        ]
+        for g, (ids, imgs) in enumerate(prompt_rows)
+    ]
+    batch = to_train_batch(groups)
+    idx = list(range(len(batch.tokens)))
+    roomy = dataclasses.replace(cfg.train, max_tokens_per_gpu=4096)  # one micro-batch for both layouts
+    shared = FSDPTrainActor(roomy, rank=0, world_size=1, total_optimizer_steps=10)
+    one_row = FSDPTrainActor(
+        dataclasses.replace(roomy, shared_prefix=False), rank=0, world_size=1, total_optimizer_steps=10
+    )
+    assert shared._shares_prefix and not one_row._shares_prefix
+    (rows,) = shared._micro_batches(batch, idx)
+    mb = shared._collate(batch, rows)
+    layout = mb.shared
+    assert layout.input_ids.shape[0] == 4, "one sequence per prompt and images: red and green apart"
+    assert layout.pixels["image_grid_thw"].shape[0] == 3  # red, blue and green once each; the text prompt none
+
+    for g in range(layout.input_ids.shape[0]):
+        for c in range(layout.input_ids.shape[1]):
+            row, pos = int(layout.source_row[g, c]), int(layout.source_pos[g, c])
+            if pos < 0:
+                continue
+            refs = batch.images[row]
+            grid = shared._vision.pixels_of(refs)["image_grid_thw"] if refs else None
+            want, _ = row_positions(shared.module, batch.tokens[row], grid)
+            assert torch.equal(layout.position_ids[:, g, c], want[:, pos]), (g, c, row, pos)
+
+    def logprobs(actor):
+        return actor._per_sample(lambda mb: actor._forward(actor.model, mb)[0], batch, idx)
+
+    bounds = StepBounds.of(tiny_vlm, batch.tokens, group_size=2)
+    a, b = logprobs(shared), logprobs(one_row)
+    assert_within(a, b, bounds.logprob, "VLM log-probs, shared prefix vs one row per sample")
+    red_rows, green_rows = [0, 1], [4, 5]
+    assert_rejected(
+        {i: a[r] for i, r in enumerate(red_rows)},
+        {i: a[g] for i, g in enumerate(green_rows)},
+        bounds.logprob,
+        "the red group's log-probs vs the green group's (the same tokens)",
+    )
+
+    first_shared, first_rows = record_torch_step(shared), record_torch_step(one_row)
+    shared.train(0, batch)
+    one_row.train(0, batch)
+    assert_same_first_step(first_rows, first_shared, bounds)
+
+
 def _write(path: Path, records: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from miles_async.backends.packing import pack_micro_batches
-from miles_async.backends.shared_prefix import pack_shared, shared_layout
+from miles_async.backends.shared_prefix import pack_shared, prompt_keys, shared_layout
 
 PROMPTS = [[5, 6, 7], [5, 6, 7], [8, 9], [5, 6, 7]]
 RESPONSES = [[10, 11], [12], [13, 14, 15], []]
@@ -62,3 +62,16 @@ def test_packing_counts_a_shared_prompt_once():
     assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4)) == [[0, 1, 2]]
     assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4) - 1) == [[0, 1], [2]]
     assert pack_shared([[1] * 100], [4], 50) == [[0]]  # too long for the budget: alone
+
+
+def test_equal_tokens_with_other_images_do_not_share_a_prompt():
+    """Two pictures of one size give a VLM's prompt the same placeholder tokens: the images are part of the key."""
+    prompts, images = [[1] * 30] * 3, [["a.png"], ["b.png"], ["a.png"]]
+    keys = prompt_keys(prompts, images)
+    layout = shared_layout(prompts, [[2] * 4] * 3, keys=keys)
+    assert layout.sequence.tolist() == [0, 1, 0]
+    assert shared_layout(prompts, [[2] * 4] * 3).sequence.tolist() == [0, 0, 0]  # text: the tokens alone
+    # Packing counts two sequences of up to 2 slots, 2 x (30 + 2 x 4) tokens, where the tokens alone need 30 + 3 x 4.
+    assert pack_shared(prompts, [4] * 3, 30 + 3 * 4) == [[0, 1, 2]]
+    assert pack_shared(prompts, [4] * 3, 2 * (30 + 2 * 4), keys) == [[0, 1, 2]]
+    assert pack_shared(prompts, [4] * 3, 2 * (30 + 2 * 4) - 1, keys) == [[0, 1], [2]]

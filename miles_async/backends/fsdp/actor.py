@@ -8,7 +8,6 @@ entropy, and takes the optimizer step through ``TrainWorker``.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,8 +31,6 @@ from miles_async.weights.source import WeightSource
 if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
-
-logger = logging.getLogger(__name__)
 
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
 # Tokens whose logits the no-gradient log-prob passes hold at once: ~50 MB of float32 logits at a 49k vocabulary;
@@ -74,7 +71,7 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
             # position t of these predicts response token t
             logits_to_keep=kept_positions(width - mb.max_response_len - 1, width - 1, device),
             use_cache=False,
-            **forward_kwargs(mb, device),
+            **forward_kwargs(mb.pixels, device),
         )
         return out.logits
     mask = layout.attention_mask.to(device)
@@ -87,6 +84,7 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
         position_ids=layout.position_ids.to(device),
         logits_to_keep=kept_positions(width - layout.logits_to_keep, width, device),
         use_cache=False,
+        **forward_kwargs(layout.pixels, device),
     )
     return row_logits(out.logits, layout)
 
@@ -121,11 +119,6 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
             self.ref_model.to(self.device)
         # A vision-language policy: its micro-batches carry their images' pixels and 3-D positions.
         self._vision = VisionInputs(cfg.model_path, self.module) if is_vision_model(cfg.model_path) else None
-        if self._vision is not None and cfg.shared_prefix and rank == 0:
-            logger.warning(
-                "--shared-prefix: a vision-language policy computes each sample's prompt on its own row "
-                "(--no-shared-prefix says so and silences this)"
-            )
         self._init_policy_state()
         if self._replayer is not None:
             self._replayer.install_hf(self.module)
@@ -218,12 +211,7 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     @property
     def _shares_prefix(self) -> bool:
         # A 4D block mask is honoured by HF's sdpa and eager attention; flash-attention takes 2D masks only.
-        # A VLM's rows keep their own prompts: the shared layout has no place for each prompt's image positions yet.
-        return (
-            self.cfg.shared_prefix
-            and self._vision is None
-            and self.module.config._attn_implementation in SHARED_PREFIX_ATTENTION
-        )
+        return self.cfg.shared_prefix and self.module.config._attn_implementation in SHARED_PREFIX_ATTENTION
 
     # -- backend hooks of PolicyMixin ---------------------------------------------------------
     def _train_step(

@@ -83,9 +83,37 @@ class VisionInputs:
                 rows.append(pixels)
         mb.position_ids, _ = padded_positions(self.model, mb.input_ids, mb.attention_mask, grids)
         if rows:
-            mb.pixels = {k: torch.cat([p[k] for p in rows]) for k in ("pixel_values", "image_grid_thw")}
+            mb.pixels = _concat(rows)
+        if mb.shared is not None:
+            self._attach_shared(mb, images)
+
+    def _attach_shared(self, mb: MicroBatch, images: list[list[str]]) -> None:
+        """The shared-prefix layout's 3-D positions, each token's from its own row (so a slot's response continues
+        from its prompt's image positions exactly as in the row), and each sequence's images once, in sequence
+        order, as the model fills its placeholders."""
+        layout = mb.shared
+        real = mb.attention_mask.bool()
+        # column_of[row, s]: the column of the row's s-th real token in the padded layout
+        column_of = torch.zeros((real.shape[0], real.shape[1]), dtype=torch.long)
+        for r in range(real.shape[0]):
+            cols = real[r].nonzero().flatten()
+            column_of[r, : len(cols)] = cols
+        token = layout.source_pos >= 0
+        rows, pos = layout.source_row[token], layout.source_pos[token]
+        shared = torch.zeros((3, *layout.input_ids.shape), dtype=torch.long)
+        shared[:, token] = mb.position_ids[:, rows, column_of[rows, pos]]
+        layout.position_ids = shared
+        # The last prompt column is real in every sequence (prompts are left-padded); its row is the group's first.
+        prompt_end = layout.input_ids.shape[1] - layout.logits_to_keep
+        firsts = layout.source_row[:, prompt_end].tolist()
+        pixels = [self.pixels_of(images[r]) for r in firsts if images[r]]
+        layout.pixels = _concat(pixels) if pixels else None
 
 
-def forward_kwargs(mb: MicroBatch, device: torch.device) -> dict[str, Any]:
-    """The pixel inputs of ``mb`` on ``device`` (none for a text micro-batch)."""
-    return {k: v.to(device) for k, v in (mb.pixels or {}).items()}
+def _concat(pixels: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([p[k] for p in pixels]) for k in ("pixel_values", "image_grid_thw")}
+
+
+def forward_kwargs(pixels: dict[str, torch.Tensor] | None, device: torch.device) -> dict[str, Any]:
+    """Pixel inputs (``MicroBatch.pixels`` or its shared layout's) on ``device``; none for text."""
+    return {k: v.to(device) for k, v in (pixels or {}).items()}
