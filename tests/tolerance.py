@@ -268,8 +268,15 @@ def assert_same_first_step(
         [assert_within(other["metrics"][k], reference["metrics"][k], tol, f"step metric {k}") for k in metrics],
         default=0.0,
     )
-    # A shard (half of the rows of the largest matrix) the step did not reach, or moved to the other half.
-    name = max(reference["after"], key=lambda k: reference["after"][k].numel())
+    # A shard (half of the rows of the largest matrix whose second half the step moved: an untied embedding's rows
+    # of unseen tokens stay put) the step did not reach, or moved to the other half.
+    after, before = reference["after"], reference["before"]
+    moved = [
+        k
+        for k in after
+        if after[k].dim() and not after[k][after[k].shape[0] // 2 :].equal(before[k][after[k].shape[0] // 2 :])
+    ]
+    name = max(moved, key=lambda k: after[k].numel())
     half = reference["after"][name].shape[0] // 2
     unstepped = dict(other["after"])
     unstepped[name] = torch.cat([other["after"][name][:half], reference["before"][name][half:]])

@@ -417,6 +417,65 @@ def test_shared_prefix_shares_a_prompt_with_its_images_and_keeps_each_rows_posit
     assert_same_first_step(first_rows, first_shared, bounds)
 
 
+def _fsdp2_step(rank: int, world: int, port: int, train_cfg, batch, out: Path) -> None:
+    """One rank of ``world``: its shard's log-probs (every rank's gathered), then one optimizer step recorded."""
+    import torch
+
+    from miles_async.backends.data_parallel import all_gather_dict, shard
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+    from tests.integration.test_data_parallel import record_torch_step
+
+    torch.manual_seed(0)
+    actor = FSDPTrainActor(train_cfg, rank, world, total_optimizer_steps=10)
+    actor.init_process_group("127.0.0.1", port)
+    _, mine = shard(len(batch.tokens), train_cfg.global_batch_size, actor.dp)
+    logprobs = all_gather_dict(actor._logprobs_of(actor.module, batch, mine, 1.0), actor.dp)
+    first = record_torch_step(actor)
+    actor.train(0, batch)
+    if rank == 0:
+        torch.save({"logprobs": logprobs, "step": first}, out)
+
+
+def test_two_fsdp2_workers_match_one_on_image_and_text_samples(cfg, prompts, tiny_vlm, tmp_path):
+    """FSDP2 shards the vision tower block by block, so a rank must run it whenever another does, images or not:
+    the samples alternate image and text prompts, so one rank holds only image samples and the other only text.
+    The pair's log-probs and first step equal one worker's within tests/tolerance.py's float32 bounds."""
+    import dataclasses
+
+    import torch
+
+    from tests.ports import spawn_ranks
+    from tests.tolerance import assert_same_first_step
+
+    (red, red_ids), (blue, blue_ids), (_, text_ids) = prompts
+    rows = [(red_ids, list(red.images)), (text_ids, []), (blue_ids, list(blue.images)), (text_ids, [])]
+    samples = [
+        Sample(
+            uid=str(g),
+            group_index=g,
+            index=0,
+            prompt="",
+            prompt_tokens=ids,
+            response_tokens=[10 + g, 11, 12][: 2 + g % 2],
+            rollout_logprobs=[-3.0] * (2 + g % 2),
+            images=imgs,
+            reward=float(g % 3 == 0),
+        )
+        for g, (ids, imgs) in enumerate(rows)
+    ]
+    batch = to_train_batch([[s] for s in samples])
+    # Groups of one (so the two ranks' samples differ in kind): REINFORCE++ normalizes over the batch, where GRPO
+    # would give every singleton group an advantage of 0.
+    algorithm = dataclasses.replace(cfg.train.algorithm, advantage_estimator="reinforce_plus_plus")
+    train_cfg = dataclasses.replace(cfg.train, global_batch_size=4, algorithm=algorithm)
+    for world in (1, 2):
+        assert spawn_ranks(_fsdp2_step, world, train_cfg, batch, tmp_path / f"{world}.pt", timeout=150) == [0] * world
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    bounds = StepBounds.of(tiny_vlm, batch.tokens)
+    assert_within(two["logprobs"], one["logprobs"], bounds.logprob, "2 workers' log-probs vs 1 worker's")
+    assert_same_first_step(one["step"], two["step"], bounds)
+
+
 def _write(path: Path, records: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
+from miles_async.backends.fsdp.vision import tower_in_every_pass
+
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated transformer blocks: HF names their classes in ``_no_split_modules``."""
@@ -48,6 +50,7 @@ def shard_model(
         fully_shard(block, **options)
     # The root holds what is outside the blocks: embeddings, the final norm and the (possibly tied) head.
     fully_shard(model, **options)
+    tower_in_every_pass(model)  # a VLM's tower blocks take part in every pass, images or not
     return model
 
 

@@ -38,6 +38,38 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return found[1]
 
 
+def tower_in_every_pass(model: torch.nn.Module) -> None:
+    """FSDP2 shards the vision tower block by block, so its forward and backward are collectives: a rank whose
+    micro-batch holds no image would skip them while another rank's image waits in them (gloo: "collective
+    mismatch"). Each pass without pixels runs the tower on one blank image here, its output joined to the pass at
+    weight 0, so every rank gathers the tower's weights and reduces its (zero) gradients in step."""
+    found = find_vision_tower(model)
+    if found is None:
+        return
+    name, tower = found
+    inner = model.get_submodule(name.rpartition(".")[0])  # the module that calls the tower, then the decoder
+    merge = int(tower.spatial_merge_size)
+    grid = torch.tensor([[1, merge, merge]])
+    patch = tower.patch_embed.proj.weight.shape[1:].numel()  # channels x temporal patch x patch x patch
+    pending: list[torch.Tensor] = []
+
+    def before(module, args, kwargs):
+        if kwargs.get("pixel_values") is None:
+            device = kwargs["input_ids"].device
+            blank = torch.zeros((merge * merge, patch), device=device)
+            features = inner.get_image_features(blank, grid.to(device)).pooler_output
+            pending.append(sum(f.float().sum() for f in features))
+
+    def after(module, args, kwargs, output):
+        if pending:
+            hidden = output.last_hidden_state
+            output.last_hidden_state = hidden + (0.0 * pending.pop()).to(hidden.dtype)
+        return output
+
+    inner.register_forward_pre_hook(before, with_kwargs=True)
+    inner.register_forward_hook(after, with_kwargs=True)
+
+
 def freeze_vision_tower(model: torch.nn.Module) -> None:
     """--freeze-vision-tower: only the language model trains; the engines keep the tower they loaded."""
     vision_tower(model).requires_grad_(False)
