@@ -46,6 +46,14 @@ def tiny_vlm_2_5(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_3(tmp_path_factory) -> Path:
+    """The tiny VLM in Qwen3-VL's layout (learned vision positions, deepstack), with the same tokenizer."""
+    from miles_async.assets.tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm_3"), seed=0, arch="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory) -> tuple[Path, Path]:
     from miles_async.assets.tiny_model import make_tiny_task_dataset
 

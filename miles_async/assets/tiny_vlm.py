@@ -1,5 +1,5 @@
-"""A tiny random Qwen2-VL or Qwen2.5-VL (a vision tower of one block, the tiny LM's text side) with its processor,
-for fast tests.
+"""A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL (a vision tower of one block, the tiny LM's text side) with its
+processor, for fast tests.
 
 Built from a config in about a second and saved as an ordinary HF folder: ``AutoModelForImageTextToText`` and the
 processor (``miles_async.vision.hf.load_processor``) load it as they would a real Qwen2-VL checkpoint. Images are
@@ -25,7 +25,7 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-VLM_ARCHES = ("qwen2_vl", "qwen2_5_vl")
+VLM_ARCHES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # The vision tower of each layout: one block, 32 wide, 4-pixel patches merged 2x2 into the LM's 64 dimensions.
 _VISION = {
@@ -40,18 +40,29 @@ _VISION = {
         window_size=16,
         fullatt_block_indexes=[0],
     ),
+    # Qwen3-VL: learned 2-D position embeddings (an 8x8 grid, interpolated to each image) and deepstack, the first
+    # block's merged features added to the first decoder layer's hidden states.
+    "qwen3_vl": dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    ),
 }
 
 
 def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
-    """Write a random tiny Qwen2-VL (or Qwen2.5-VL) and its processor to ``out_dir``; the same seed and arch give
-    the same weights."""
+    """Write a random tiny VLM of layout ``arch`` (``VLM_ARCHES``) and its processor to ``out_dir``; the same seed
+    and arch give the same weights."""
     import torch
     import transformers
 
     if arch not in VLM_ARCHES:
         raise ValueError(f"unknown VLM arch {arch!r}; expected one of {VLM_ARCHES}")
-    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[arch]
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[arch]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
     processor_cls = getattr(transformers, f"{prefix}Processor")
@@ -69,6 +80,7 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
             num_key_value_heads=2,
             max_position_embeddings=512,
             # head_dim 16: 8 rotary frequencies split over (temporal, height, width).
+            head_dim=16,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
             tie_word_embeddings=True,
             **special_ids(tokenizer),

@@ -49,15 +49,14 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def cfg(tiny_vlm, data, tmp_path_factory):
+def _cfg(model: Path, data: Path, out: Path):
     return parse_args(
         [
             "--use-tis",
             "--num-rollout",
             "4",
             "--hf-checkpoint",
-            str(tiny_vlm),
+            str(model),
             "--prompt-data",
             str(data / "train.jsonl"),
             "--multimodal-keys",
@@ -76,9 +75,14 @@ def cfg(tiny_vlm, data, tmp_path_factory):
             "--update-weight-buffer-size",
             "20000",
             "--output-dir",
-            str(tmp_path_factory.mktemp("vlm_out")),
+            str(out),
         ]
     )
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_vlm, data, tmp_path_factory):
+    return _cfg(tiny_vlm, data, tmp_path_factory.mktemp("vlm_out"))
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +206,30 @@ def test_engine_and_trainer_logprobs_agree_on_image_prompts_and_updates_reach_th
     assert_within(resumed, whole, tol, "a resumed image sample's log-probs vs the trainer's")
 
 
+def test_qwen3_vl_engine_and_trainer_agree_before_and_after_an_update(tiny_vlm_3, data, prompts, tmp_path):
+    """Qwen3-VL's layout (learned vision position embeddings, deepstack features added to the first decoder
+    layer): the embedded engine's log-probs for image prompts equal the trainer's, before and after a step whose
+    weights, the tower's included, reach the engine."""
+    from miles_async.backends.fsdp.actor import FSDPTrainActor
+
+    cfg = _cfg(tiny_vlm_3, data, tmp_path / "out")
+    requests = [(ids, list(item.images)) for item, ids in prompts]  # the same tokenizer and processor
+    with EmbeddedEngineProcess(cfg.engine, 0, str(tmp_path / "engine")) as engine:
+        outputs = _generate(engine, cfg, requests)
+        rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, outputs)]
+        actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+        tol = StepBounds.of(tiny_vlm_3, [p + r for p, _, r in rows]).logprob
+        assert_within(_engine_logprobs(outputs), _trainer_logprobs(actor, rows), tol, "Qwen3-VL engine vs trainer")
+        _train_and_push(actor, rows, outputs, cfg, engine, version=2)
+        after = _generate(engine, cfg, requests)
+        assert all(o["meta_info"]["weight_version"] == 2 for o in after)
+        rows = [(ids, imgs, o["output_ids"]) for (ids, imgs), o in zip(requests, after)]
+        trained = _trainer_logprobs(actor, rows)
+        assert_within(_engine_logprobs(after), trained, tol, "Qwen3-VL engine vs trainer after the update")
+        base = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
+        assert_rejected(_trainer_logprobs(base, rows), trained, tol, "the log-probs of the weights before the step")
+
+
 def test_lora_on_the_language_model_reaches_the_engine(cfg, engine, prompts, tiny_vlm):
     """--lora-rank on a VLM: adapters on the language model only (the vision tower takes none and stays as
     loaded), and the merged weights the engine gets give the trainer's log-probs for image prompts."""
@@ -229,7 +257,7 @@ def test_lora_on_the_language_model_reaches_the_engine(cfg, engine, prompts, tin
     assert_rejected(_trainer_logprobs(base, rows), trained, tol, "the log-probs without the adapters")
 
 
-@pytest.mark.parametrize("model", ["tiny_vlm", "tiny_vlm_2_5"])
+@pytest.mark.parametrize("model", ["tiny_vlm", "tiny_vlm_2_5", "tiny_vlm_3"])
 def test_engine_decode_positions_are_the_trainers(model, prompts, request):
     """Qwen2-VL's 3-D positions: the engine's prefill and each decode step (1-D position plus the row's rope delta)
     give every token the position the trainer's whole-row ``get_rope_index`` gives it, for a large image (delta
