@@ -16,7 +16,9 @@ from benchmarks.soak_checks import TARGETS, plan_runs
 from tests import ray_cluster
 
 SEED = 0
-SETTINGS = Settings(attempt_timeout=420)
+# Half the benchmark's run, still 2.5 epochs (8 prompts, 4 a rollout, 5 rollouts): the last epoch is cut short, so
+# every epoch before it must be complete; kills land after steps 0-3, mid-save or timed.
+SETTINGS = Settings(num_rollout=5, num_prompts=8, attempt_timeout=420)
 
 
 def test_the_fast_plan_kills_every_target_once_and_saves_midway():
