@@ -236,6 +236,28 @@ def test_the_server_keeps_an_idle_connection_open_past_uvicorns_default(backend,
     assert [h.split(b"\r\n", 1)[0] for h in heads] == [b"HTTP/1.1 200 OK"] * 2, heads
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """User and system CPU time the processes have used so far (/proc/PID/stat: utime, stime)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_server_leaves_the_cpu_to_the_trainer(backend, engine):
+    """Between rollouts an engine waits: its processes must sleep, not poll. SGLang's scheduler spins a whole core
+    while idle unless it runs with --sleep-on-idle (a CPU default here): 2 s of CPU in 2 s, against 0.03 s."""
+    pids = _tree(engine.proc.pid)
+    before, t0 = _cpu_seconds(pids), time.monotonic()
+    time.sleep(2.0)
+    used, wall = _cpu_seconds(pids) - before, time.monotonic() - t0
+    assert used < 0.25 * wall, f"{backend}: {used:.2f} CPU-s in {wall:.2f} s idle ({len(pids)} processes)"
+
+
 def test_launch_command_has_the_cpu_defaults(backend, engine):
     cmd, env = engine.command(), engine.env()
     if backend == "sglang":
@@ -245,6 +267,7 @@ def test_launch_command_has_the_cpu_defaults(backend, engine):
             "--attention-backend",
             "--disable-cuda-graph",
             "--max-total-tokens",
+            "--sleep-on-idle",
             "--weight-version",
         ):
             assert flag in cmd

@@ -11,7 +11,7 @@ the engine starts at), ``--enable-return-routed-experts`` under ``--use-rollout-
 ``--sglang-<flag>`` of our command line as ``--<flag>``.
 On GPUs an engine takes the ``tp`` GPUs of its slot (``--base-gpu-id``; ``EngineProcess.gpu_slot``) of those
 visible to it: on a cluster, its placement bundle's. Without a GPU, SGLang's CPU engine: ``SGLANG_USE_CPU_ENGINE=1`` and
-``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768``
+``--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 32768 --sleep-on-idle``
 (each only where the passthrough flags do not set it), plus the CPU stand-ins of
 ``cpu_shims/`` (beside this module) on the engine's PYTHONPATH (``sgl_kernel``'s CPU ops are not on PyPI).
 Every server requires the run's key. SGLang reads it from its command line only (``--api-key``), which ``ps``
@@ -40,6 +40,9 @@ CPU_DEFAULTS = (
     ("--attention-backend", "torch_native"),
     ("--disable-cuda-graph", None),
     ("--max-total-tokens", "32768"),
+    # An idle scheduler otherwise spins a whole core polling for requests: on a CPU machine that core is the
+    # trainer's (or a second engine's). Sleeping, it blocks on its request sockets and wakes as one arrives.
+    ("--sleep-on-idle", None),
 )
 
 
