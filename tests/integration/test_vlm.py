@@ -445,29 +445,34 @@ def test_shared_prefix_shares_a_prompt_with_its_images_and_keeps_each_rows_posit
     assert_same_first_step(first_rows, first_shared, bounds)
 
 
-def _fsdp2_step(rank: int, world: int, port: int, train_cfg, batch, out: Path) -> None:
-    """One rank of ``world``: its shard's log-probs (every rank's gathered), then one optimizer step recorded."""
+def _fsdp2_steps(rank: int, world: int, port: int, train_cfgs: dict, batch, out: Path) -> None:
+    """One rank of ``world``, for each config: its shard's log-probs (every rank's gathered), then one optimizer
+    step recorded."""
     import torch
 
     from miles_async.backends.data_parallel import all_gather_dict, shard
     from miles_async.backends.fsdp.actor import FSDPTrainActor
     from tests.integration.test_data_parallel import record_torch_step
 
-    torch.manual_seed(0)
-    actor = FSDPTrainActor(train_cfg, rank, world, total_optimizer_steps=10)
-    actor.init_process_group("127.0.0.1", port)
-    _, mine = shard(len(batch.tokens), train_cfg.global_batch_size, actor.dp)
-    logprobs = all_gather_dict(actor._logprobs_of(actor.module, batch, mine, 1.0), actor.dp)
-    first = record_torch_step(actor)
-    actor.train(0, batch)
+    report = {}
+    for name, train_cfg in train_cfgs.items():
+        torch.manual_seed(0)
+        actor = FSDPTrainActor(train_cfg, rank, world, total_optimizer_steps=10)
+        actor.init_process_group("127.0.0.1", port)  # one process group: the second actor joins the first's
+        _, mine = shard(len(batch.tokens), train_cfg.global_batch_size, actor.dp)
+        logprobs = all_gather_dict(actor._logprobs_of(actor.module, batch, mine, 1.0), actor.dp)
+        first = record_torch_step(actor)
+        actor.train(0, batch)
+        report[name] = {"logprobs": logprobs, "step": first}
     if rank == 0:
-        torch.save({"logprobs": logprobs, "step": first}, out)
+        torch.save(report, out)
 
 
-def test_two_fsdp2_workers_match_one_on_image_and_text_samples(cfg, prompts, tiny_vlm, tmp_path):
+def test_two_fsdp2_workers_match_one_on_image_and_text_samples(prompts, tiny_vlm, tiny_vlm_3, data, tmp_path):
     """FSDP2 shards the vision tower block by block, so a rank must run it whenever another does, images or not:
     the samples alternate image and text prompts, so one rank holds only image samples and the other only text.
-    The pair's log-probs and first step equal one worker's within tests/tolerance.py's float32 bounds."""
+    The pair's log-probs and first step equal one worker's within tests/tolerance.py's float32 bounds, for
+    Qwen2-VL and for Qwen3-VL (whose deepstack mergers and learned positions train beside the tower's blocks)."""
     import dataclasses
 
     import torch
@@ -494,14 +499,20 @@ def test_two_fsdp2_workers_match_one_on_image_and_text_samples(cfg, prompts, tin
     batch = to_train_batch([[s] for s in samples])
     # Groups of one (so the two ranks' samples differ in kind): REINFORCE++ normalizes over the batch, where GRPO
     # would give every singleton group an advantage of 0.
-    algorithm = dataclasses.replace(cfg.train.algorithm, advantage_estimator="reinforce_plus_plus")
-    train_cfg = dataclasses.replace(cfg.train, global_batch_size=4, algorithm=algorithm)
+    models = {"qwen2_vl": tiny_vlm, "qwen3_vl": tiny_vlm_3}
+    train_cfgs = {}
+    for name, model in models.items():
+        train = _cfg(model, data, tmp_path / name).train
+        algorithm = dataclasses.replace(train.algorithm, advantage_estimator="reinforce_plus_plus")
+        train_cfgs[name] = dataclasses.replace(train, global_batch_size=4, algorithm=algorithm)
     for world in (1, 2):
-        assert spawn_ranks(_fsdp2_step, world, train_cfg, batch, tmp_path / f"{world}.pt", timeout=150) == [0] * world
+        out = tmp_path / f"{world}.pt"
+        assert spawn_ranks(_fsdp2_steps, world, train_cfgs, batch, out, timeout=150) == [0] * world
     one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
-    bounds = StepBounds.of(tiny_vlm, batch.tokens)
-    assert_within(two["logprobs"], one["logprobs"], bounds.logprob, "2 workers' log-probs vs 1 worker's")
-    assert_same_first_step(one["step"], two["step"], bounds)
+    for name, model in models.items():
+        bounds = StepBounds.of(model, batch.tokens)
+        assert_within(two[name]["logprobs"], one[name]["logprobs"], bounds.logprob, f"{name}: 2 workers vs 1")
+        assert_same_first_step(one[name]["step"], two[name]["step"], bounds)
 
 
 def _write(path: Path, records: list[dict]) -> str:

@@ -57,8 +57,9 @@ def tower_in_every_pass(model: torch.nn.Module) -> None:
         if kwargs.get("pixel_values") is None:
             device = kwargs["input_ids"].device
             blank = torch.zeros((merge * merge, patch), device=device)
-            features = inner.get_image_features(blank, grid.to(device)).pooler_output
-            pending.append(sum(f.float().sum() for f in features))
+            # Every output (Qwen3-VL's deepstack features too): each reaches weights the image path trains.
+            features = inner.get_image_features(blank, grid.to(device))
+            pending.append(sum(t.float().sum() for t in _tensors(features.to_tuple())))
 
     def after(module, args, kwargs, output):
         if pending:
@@ -68,6 +69,15 @@ def tower_in_every_pass(model: torch.nn.Module) -> None:
 
     inner.register_forward_pre_hook(before, with_kwargs=True)
     inner.register_forward_hook(after, with_kwargs=True)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in nested tuples and lists."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> None:
