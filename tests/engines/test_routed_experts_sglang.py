@@ -67,16 +67,20 @@ def tiny_moe(tmp_path_factory):
     return out, model.eval()
 
 
+def _argv(model, train, out) -> list[str]:
+    return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "first_integer", "--rollout-dtype",
+            "float32", "--use-tis", "--output-dir", str(out)]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def engine(backend, engine_python, tiny_moe, tiny_task, tmp_path_factory):
     train, _ = tiny_task
     path, _ = tiny_moe
     cfg = parse_args(
-        ["--hf-checkpoint", str(path), "--prompt-data", str(train), "--rollout-batch-size", "2",
-         "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "first_integer", "--rollout-dtype",
-         "float32", "--use-tis", "--use-rollout-routing-replay", "--rollout-backend", backend,
-         f"--{backend}-python", engine_python, "--engine-startup-timeout", "400",
-         "--output-dir", str(tmp_path_factory.mktemp("r3_out"))]
+        _argv(path, train, tmp_path_factory.mktemp("r3_out"))
+        + ["--use-rollout-routing-replay", "--rollout-backend", backend, f"--{backend}-python", engine_python,
+           "--engine-startup-timeout", "400"]
     )  # fmt: skip
     assert cfg.engine.return_routed_experts
     proc = make_engine_process(cfg.engine, 0, str(tmp_path_factory.mktemp("r3_logs")))
@@ -126,11 +130,7 @@ def test_trained_moe_weights_reach_sglang(backend, engine, tiny_moe, tiny_task, 
 
     train, _ = tiny_task
     path, _ = tiny_moe
-    cfg = parse_args(
-        ["--hf-checkpoint", str(path), "--prompt-data", str(train), "--rollout-batch-size", "2",
-         "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "first_integer", "--rollout-dtype",
-         "float32", "--use-tis", "--output-dir", str(tmp_path / "out")]
-    )  # fmt: skip
+    cfg = parse_args(_argv(path, train, tmp_path / "out"))
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
     with torch.no_grad():  # "trained" weights: a visible change, the experts' included
         for _, p in actor.module.named_parameters():

@@ -365,6 +365,21 @@ def test_bad_image_requests_are_refused(cfg, engine, prompts):
         _generate(engine, cfg, [(ids, [])])
 
 
+def _trained_sample(g: int, i: int, ids: list[int], images: list[str], response: list[int], reward: float) -> Sample:
+    """Sample ``i`` of group ``g``, with the engine log-probs --use-tis weighs by."""
+    return Sample(
+        uid=f"{g}-{i}",
+        group_index=g,
+        index=i,
+        prompt="",
+        prompt_tokens=ids,
+        response_tokens=response,
+        rollout_logprobs=[-3.0] * len(response),
+        images=images,
+        reward=reward,
+    )
+
+
 def test_shared_prefix_shares_a_prompt_with_its_images_and_keeps_each_rows_positions(cfg, prompts, tiny_vlm, data):
     """--shared-prefix on a VLM: the samples of a group share one copy of their prompt, image placeholders included,
     while the same tokens with another image of the same size form a sequence of their own. Every token keeps the
@@ -385,20 +400,7 @@ def test_shared_prefix_shares_a_prompt_with_its_images_and_keeps_each_rows_posit
     prompt_rows.append((text_ids, []))
     responses = [[10, 11], [12, 13, 14]]
     groups = [
-        [
-            Sample(
-                uid=f"{g}-{i}",
-                group_index=g,
-                index=i,
-                prompt="",
-                prompt_tokens=ids,
-                response_tokens=resp,
-                rollout_logprobs=[-3.0] * len(resp),
-                images=imgs,
-                reward=float(i),
-            )
-            for i, resp in enumerate(responses)
-        ]
+        [_trained_sample(g, i, ids, imgs, resp, float(i)) for i, resp in enumerate(responses)]
         for g, (ids, imgs) in enumerate(prompt_rows)
     ]
     batch = to_train_batch(groups)
@@ -483,17 +485,7 @@ def test_two_fsdp2_workers_match_one_on_image_and_text_samples(prompts, tiny_vlm
     (red, red_ids), (blue, blue_ids), (_, text_ids) = prompts
     rows = [(red_ids, list(red.images)), (text_ids, []), (blue_ids, list(blue.images)), (text_ids, [])]
     samples = [
-        Sample(
-            uid=str(g),
-            group_index=g,
-            index=0,
-            prompt="",
-            prompt_tokens=ids,
-            response_tokens=[10 + g, 11, 12][: 2 + g % 2],
-            rollout_logprobs=[-3.0] * (2 + g % 2),
-            images=imgs,
-            reward=float(g % 3 == 0),
-        )
+        _trained_sample(g, 0, ids, imgs, [10 + g, 11, 12][: 2 + g % 2], float(g % 3 == 0))
         for g, (ids, imgs) in enumerate(rows)
     ]
     batch = to_train_batch([[s] for s in samples])
