@@ -38,6 +38,7 @@ FOREIGN_FLAGS = {
         "--enable-return-routed-experts",
         "--max-running-requests",
         "--max-total-tokens",
+        "--sleep-on-idle",
         "--tp-size",
     },
     "vLLM's server": {
