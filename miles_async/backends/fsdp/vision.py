@@ -134,16 +134,12 @@ class VisionInputs:
         from its prompt's image positions exactly as in the row), and each sequence's images once, in sequence
         order, as the model fills its placeholders."""
         layout = mb.shared
-        real = mb.attention_mask.bool()
-        # column_of[row, s]: the column of the row's s-th real token in the padded layout
-        column_of = torch.zeros((real.shape[0], real.shape[1]), dtype=torch.long)
-        for r in range(real.shape[0]):
-            cols = real[r].nonzero().flatten()
-            column_of[r, : len(cols)] = cols
+        # A padded row's real tokens are one run from its first real column: its s-th token sits at first + s.
+        first = mb.attention_mask.long().argmax(dim=1)
         token = layout.source_pos >= 0
         rows, pos = layout.source_row[token], layout.source_pos[token]
         shared = torch.zeros((3, *layout.input_ids.shape), dtype=torch.long)
-        shared[:, token] = mb.position_ids[:, rows, column_of[rows, pos]]
+        shared[:, token] = mb.position_ids[:, rows, first[rows] + pos]
         layout.position_ids = shared
         # The last prompt column is real in every sequence (prompts are left-padded); its row is the group's first.
         prompt_end = layout.input_ids.shape[1] - layout.logits_to_keep
