@@ -202,6 +202,31 @@ def run_train_async(args: list[str], out: Path, timeout: float = 1800, extra_env
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_quickstart(
+    flags: Sequence[str], model: Path, data: Path, out: Path, timeout: float, tree: Path = ROOT
+) -> list[dict]:
+    """``tree``'s quickstart launcher (README command 1's ``scripts/run-smollm2-cpu-async.sh``) with ``flags`` after its
+    own, on ``model`` and ``data``, output in ``out``; returns its metrics.jsonl rows."""
+    import json
+    import sys
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(tree),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        MODEL=str(model),
+        DATA=str(data),
+        OUT=str(out),
+        PYTHON=sys.executable,
+    )
+    cmd = ["bash", str(tree / "scripts" / "run-smollm2-cpu-async.sh"), *flags]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree}: the quickstart launcher failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
 def tiny_setup(work: Path, n_train: int = 256) -> tuple[Path, Path, Path]:
     """A tiny random model and its task data (train, eval) under ``work``: cheap controlled-cost runs."""
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset

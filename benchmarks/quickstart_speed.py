@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, export_tree, fmt, median, table
+from benchmarks.common import ROOT, export_tree, fmt, median, run_quickstart, table
 
 # The tree the quickstart's speed-up was first measured against, in full: a shallow clone fetches it by this hash.
 DEFAULT_BASELINE = "e84358eb327b99e6c64f546247594d01718cde95"
@@ -51,24 +50,10 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _launch(tree: Path, model: Path, data: Path, out: Path, steps: int, timeout: float) -> list[dict]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(tree),
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        MODEL=str(model),
-        DATA=str(data),
-        OUT=str(out),
-        PYTHON=sys.executable,
-    )
     # Held-out evals only before the first and after the last step: they share the engine with the next rollout
     # in both trees, and are not what is timed.
-    cmd = ["bash", str(tree / "scripts" / "run-smollm2-cpu-async.sh"), "--num-rollout", str(steps)]
-    cmd += ["--eval-interval", str(10 * steps), "--save-interval", str(10 * steps)]
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tree}: the quickstart launcher failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    flags = ["--num-rollout", str(steps), "--eval-interval", str(10 * steps), "--save-interval", str(10 * steps)]
+    return run_quickstart(flags, model, data, out, timeout, tree)
 
 
 def run(quick: bool, out_dir: Path, baseline: str = DEFAULT_BASELINE, steps: int | None = None) -> dict:

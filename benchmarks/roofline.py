@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -332,13 +332,25 @@ def report(limits: dict, rows: list[dict], model_name: str, s: Settings, dtype: 
     }
 
 
-def run(quick: bool, out_dir: Path) -> dict:
+def shaped(text: str) -> Settings:
+    """FULL at another step shape, ``ANSWER x GROUP x PROMPT`` as benchmarks/trl_peer_shapes.py names its shapes
+    (``128x8x40``): 8 prompts of PROMPT tokens, GROUP samples of ANSWER tokens each."""
+    try:
+        answer, group, prompt = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected ANSWERxGROUPxPROMPT, e.g. 128x8x40") from None
+    if min(answer, group, prompt) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: every size must be at least 1")
+    return replace(FULL, samples=group, prompt_len=prompt, response_len=answer)
+
+
+def run(quick: bool, out_dir: Path, settings: Settings | None = None) -> dict:
     from transformers import AutoConfig
 
     from benchmarks.common import smollm2_path, tiny_setup
     from miles_async.config.precision import cpu_has_bf16
 
-    s = QUICK if quick else FULL
+    s = settings or (QUICK if quick else FULL)
     bf16_native = torch.cuda.is_available() or cpu_has_bf16()
     dtype = "bfloat16" if bf16_native else "float32"
     with tempfile.TemporaryDirectory() as tmp:
@@ -387,8 +399,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--shape", type=shaped, default=None, help="the step's shape, ANSWERxGROUPxPROMPT (SmolLM2)")
     a = p.parse_args()
-    result = run(a.quick, Path(tempfile.mkdtemp()))
+    result = run(a.quick, Path(tempfile.mkdtemp()), a.shape)
     from benchmarks.common import render_table
 
     for t in result["tables"]:

@@ -37,8 +37,10 @@ REGISTRY: dict[str, str] = {
     "scale": "benchmarks.scale",
     "train_memory": "benchmarks.train_memory",
     "trl_peer": "benchmarks.trl_peer",
+    "trl_peer_shapes": "benchmarks.trl_peer_shapes",
     "quickstart_speed": "benchmarks.quickstart_speed",
     "roofline": "benchmarks.roofline",
+    "async_real": "benchmarks.async_real",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -80,6 +82,15 @@ def render_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+def _names(text: str) -> list[str]:
+    """One ``--only`` word: a name or comma-separated names, each registered."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a benchmark ({', '.join(REGISTRY)})")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         nargs="+",
-        choices=sorted(REGISTRY),
+        type=_names,
         metavar="NAME",
-        help=f"run only these ({', '.join(REGISTRY)}); default: all",
+        help=f"run only these, space- or comma-separated ({', '.join(REGISTRY)}); default: all",
     )
     ap.add_argument(
         "--readme-only",
@@ -127,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     results["machine"] = machine
     failed = []
-    for name in args.only or list(REGISTRY):
+    selected = [n for word in args.only for n in word] if args.only else list(REGISTRY)
+    for name in dict.fromkeys(selected):
         print(f"=== {name} ({'quick' if args.quick else 'full'})", flush=True)
         t0 = time.perf_counter()
         load_before = os.getloadavg()[0]

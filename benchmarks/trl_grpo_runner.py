@@ -327,6 +327,7 @@ class Recorder:
                 if row is None or not logs or "reward" not in logs:
                     return
                 row["reward_mean"] = logs["reward"]
+                row["completion_mean_length"] = logs.get("completions/mean_length")
                 rec.steps_file.write(json.dumps(row) + "\n")
                 rec.steps_file.flush()
                 print(

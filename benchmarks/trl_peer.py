@@ -287,9 +287,14 @@ def _timed(cmd: list[str], log: Path, timeout: float, what: str, env: dict, load
     return time.perf_counter() - t
 
 
-def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str] = ()) -> dict:
+def run_both(
+    steps: int, interval: int, work: Path, launcher_args: Sequence[str] = (), data: Path | None = None
+) -> dict:
+    """One run of ours, then TRL's on the same prompts; ``data``: a train/eval.jsonl folder other than the
+    quickstart's (the shape set's longer prompts)."""
     python = trl_python()
-    model, data = prepare_assets()
+    model, quickstart_data = prepare_assets()
+    data = data or quickstart_data
     ours_out, trl_out = work / "ours", work / "trl"
     env = _env(MODEL=str(model), DATA=str(data), OUT=str(ours_out), PYTHON=sys.executable)
     flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot", *launcher_args]
@@ -317,7 +322,11 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     cmd += ["--eval", str(data / "eval.jsonl"), "--out", str(trl_out), *trl_flags]
     trl_wall = _timed(cmd, work / "trl.log", timeout, f"TRL GRPOTrainer, {steps} steps", env, load["trl"])
     trl_steps, trl_evals = _jsonl(trl_out / "steps.jsonl"), _jsonl(trl_out / "evals.jsonl")
-    trl = {"step_seconds": [r["step_seconds"] for r in trl_steps], "curve": trl_curve(trl_evals)}
+    trl = {
+        "step_seconds": [r["step_seconds"] for r in trl_steps],
+        "curve": trl_curve(trl_evals),
+        "response_len_mean": [r.get("completion_mean_length") for r in trl_steps],
+    }
     check_same_prompts("TRL", sequence, ns.rollout_batch_size, [r["prompts"] for r in trl_steps], "prompt")
     version = subprocess.run(
         [str(python), "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
@@ -326,7 +335,12 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
         timeout=120,
     ).stdout.split()
     return {
-        "ours": {**ours, "process_seconds": ours_wall, "reward_mean": [r.get("rollout/reward_mean") for r in metrics]},
+        "ours": {
+            **ours,
+            "process_seconds": ours_wall,
+            "reward_mean": [r.get("rollout/reward_mean") for r in metrics],
+            "response_len_mean": [r.get("rollout/response_len_mean") for r in metrics],
+        },
         "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_steps]},
         "launcher_args": list(launcher_args),
         "mode": loop_mode(ns),
@@ -337,11 +351,11 @@ def run_both(steps: int, interval: int, work: Path, launcher_args: Sequence[str]
     }
 
 
-def run_kept(steps: int, interval: int, launcher_args: Sequence[str]) -> dict:
+def run_kept(steps: int, interval: int, launcher_args: Sequence[str], data: Path | None = None) -> dict:
     """``run_both`` in a scratch folder, removed after a success and kept (with both runs' logs) after a failure."""
     work = Path(tempfile.mkdtemp(prefix="miles_async_trl_peer_"))
     try:
-        raw = run_both(steps, interval, work, launcher_args)
+        raw = run_both(steps, interval, work, launcher_args, data)
     except Exception:
         print(f"[trl_peer] failed; logs kept in {work}", file=sys.stderr, flush=True)
         raise

@@ -1,0 +1,275 @@
+"""The async gain on real training: the quickstart's SmolLM2 task with the trainer and the engine on disjoint cores,
+as a GPU cluster gives them disjoint GPUs, run ``--synchronous``, one step off and ``--fully-async``.
+
+    python -m benchmarks.async_real [--quick] [--steps 20]
+    python -m benchmarks.run --only async_real [--quick]
+
+Every run is README command 1's launcher (``scripts/run-smollm2-cpu-async.sh``: SmolLM2-135M, single-digit
+multiplication, 8 prompts x 8 samples) with the same seed and data:
+
+- ``--train-cpu-affinity 0 --rollout-cpu-affinity 1``: trainer on core 0, engine on core 1. Synchronous leaves one
+  side idle at a time, as on disaggregated GPUs; one step off and fully-async overlap them;
+- synchronous with both cores shared (no affinity): what a one-machine user gets without the split.
+
+Held-out evals (one sample a prompt) run every 5 steps in every run's wall clock: a synchronous run's between
+steps, an overlapped run's in the background on the engine. Reported per run, over the steps after the first (the
+first fills the pipeline): samples trained per second, the median step, each side's idle fraction (the trainer's
+from its training seconds, the engine's as the run measures it), and held-out accuracy at the wall time of the
+shortest run. The overlap bound is (T + G) / max(T, G), T and G the median training and generation seconds of the
+pinned synchronous run's steps; the one-step-off gain is its median step against the pinned synchronous run's.
+
+Long tail: one step off and fully-async again, pinned, with answers of up to 128 tokens that ask for the working
+(``benchmarks/trl_peer_shapes.py``'s prompts): real answer lengths with a long tail; fully-async should stay at or
+above one step off there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import eval_curve, median, run_quickstart, table
+
+PINNED = ("--train-cpu-affinity", "0", "--rollout-cpu-affinity", "1")
+EVAL_KEY = "eval/mul/accuracy"
+GOAL = 0.9  # one step off's gain as a fraction of the overlap bound
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    flags: tuple[str, ...]
+
+
+MODES = (
+    Mode("synchronous, pinned", ("--synchronous", *PINNED)),
+    Mode("one-step-off, pinned", PINNED),
+    Mode("fully-async, pinned", ("--fully-async", *PINNED)),
+    Mode("synchronous, shared cores", ("--synchronous",)),
+)
+LONG_TAIL = (
+    Mode("one-step-off, pinned, long tail", PINNED),
+    Mode("fully-async, pinned, long tail", ("--fully-async", *PINNED)),
+)
+LONG_TAIL_ANSWER = 128
+
+
+# ---- one run's account (pure) ----
+
+
+def run_stats(rows: Sequence[dict], evals: Sequence[dict], synchronous: bool) -> dict:
+    """Throughput, idle fractions, step parts and the accuracy curve of one run, from its metrics.jsonl and
+    eval.jsonl rows; the first step (the pipeline's fill) is left out of the rates."""
+    if len(rows) < 2:
+        raise ValueError(f"{len(rows)} step(s): the rates need two or more")
+    steady = rows[1:]
+    window = rows[-1]["train/finished_at"] - rows[0]["train/finished_at"]
+    if window <= 0:
+        raise ValueError("the steps after the first took no time")
+    train_busy = sum(r["train/seconds"] for r in steady)
+    step_s = [r["time/step_seconds"] for r in steady]
+    engine_idle = [r.get("engine/idle_frac") for r in steady]
+    return {
+        "steps": len(steady),
+        "samples_per_s": sum(r["rollout/num_samples"] for r in steady) / window,
+        "step_median": median(step_s),
+        "train_median": median([r["train/seconds"] for r in steady]),
+        "generate_median": median([r["rollout/generate_seconds"] for r in steady]),
+        "trainer_idle": max(0.0, 1.0 - train_busy / window),
+        "engine_idle": (
+            None if None in engine_idle else sum(f * s for f, s in zip(engine_idle, step_s, strict=True)) / sum(step_s)
+        ),
+        "response_len_mean": sum(r["rollout/response_len_mean"] for r in steady) / len(steady),
+        "curve": eval_curve(list(rows), list(evals), EVAL_KEY) if evals else [],
+        "synchronous": synchronous,
+    }
+
+
+def overlap_bound(train: float, generate: float) -> float:
+    """How much faster a step can get when training and generation, which a synchronous step runs one after the
+    other, overlap fully."""
+    return (train + generate) / max(train, generate)
+
+
+def accuracy_at(curve: Sequence[tuple[int, float, float]], seconds: float) -> float | None:
+    """The last held-out accuracy measured on weights ready by ``seconds`` of wall time."""
+    ready = [acc for _, acc, t in curve if t <= seconds + 1e-9]
+    return ready[-1] if ready else None
+
+
+# ---- the comparison (pure) ----
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summarize(stats: dict[str, dict], long_tail: dict[str, dict] | None = None) -> dict:
+    sync, off = stats[MODES[0].name], stats[MODES[1].name]
+    bound = overlap_bound(sync["train_median"], sync["generate_median"])
+    gain = sync["step_median"] / off["step_median"]
+    ends = [s["curve"][-1][2] for s in stats.values() if s["curve"]]
+    equal_wall = min(ends) if len(ends) == len(stats) else None
+    rows = [
+        [
+            name,
+            f"{s['samples_per_s']:.2f}",
+            f"{s['step_median']:.1f}",
+            f"{s['train_median']:.1f} / {s['generate_median']:.1f}",
+            f"{s['trainer_idle']:.0%}",
+            _f(s["engine_idle"], ".0%"),
+            _f(accuracy_at(s["curve"], equal_wall) if equal_wall is not None else None, ".3f"),
+        ]
+        for name, s in stats.items()
+    ]
+    tables = [
+        table(
+            "Real training, SmolLM2-135M quickstart: trainer on core 0 and engine on core 1 (pinned) against both "
+            "sharing the two cores",
+            [
+                "run",
+                "samples/s",
+                "median step s",
+                "median train / generate s",
+                "trainer idle",
+                "engine idle",
+                f"accuracy at {_f(equal_wall, '.0f')} s",
+            ],
+            rows,
+            "steps after the first; held-out evals every 5 steps inside every run's clock; accuracy: the last eval "
+            "whose weights were ready by the shortest run's last eval",
+        ),
+        table(
+            "One step off against its overlap bound (pinned)",
+            ["T (train)", "G (generate)", "bound (T + G) / max(T, G)", "one-step-off gain", "fraction of the bound"],
+            [
+                [
+                    f"{sync['train_median']:.2f} s",
+                    f"{sync['generate_median']:.2f} s",
+                    f"{bound:.2f}x",
+                    f"{gain:.2f}x",
+                    f"{gain / bound:.0%}",
+                ]
+            ],
+            f"T, G: medians of the pinned synchronous run's steps; gain: its median step over one step off's; goal "
+            f"{GOAL:.0%} of the bound",
+        ),
+    ]
+    out = {"stats": stats, "bound": bound, "one_step_off_gain": gain, "fraction_of_bound": gain / bound}
+    out["fully_async_vs_one_step_off"] = stats[MODES[2].name]["samples_per_s"] / off["samples_per_s"]
+    if long_tail:
+        (off_name, off_lt), (_, fa_lt) = long_tail.items()
+        out["long_tail"] = long_tail
+        out["long_tail_ratio"] = fa_lt["samples_per_s"] / off_lt["samples_per_s"]
+        tables.append(
+            table(
+                f"Long-tailed answers (up to {LONG_TAIL_ANSWER} tokens, the working asked for), pinned",
+                ["run", "samples/s", "median step s", "mean answer tokens", "trainer idle", "engine idle"],
+                [
+                    [
+                        name,
+                        f"{s['samples_per_s']:.2f}",
+                        f"{s['step_median']:.1f}",
+                        f"{s['response_len_mean']:.0f}",
+                        f"{s['trainer_idle']:.0%}",
+                        _f(s["engine_idle"], ".0%"),
+                    ]
+                    for name, s in long_tail.items()
+                ],
+                f"fully-async / {off_name}: {out['long_tail_ratio']:.2f}x samples/s",
+            )
+        )
+    out["tables"] = tables
+    return out
+
+
+def headline(entry: dict) -> list[list[str]]:
+    rows = [
+        [
+            "real async gain, SmolLM2 quickstart, trainer and engine on disjoint cores: one step off against "
+            "synchronous, and against the overlap bound (T + G) / max(T, G)",
+            f"{entry['one_step_off_gain']:.2f}x of a {entry['bound']:.2f}x bound ({entry['fraction_of_bound']:.0%}; "
+            f"goal {GOAL:.0%})",
+        ],
+        [
+            "fully-async against one step off, same pinning, samples/s",
+            f"{entry['fully_async_vs_one_step_off']:.2f}x",
+        ],
+    ]
+    if "long_tail_ratio" in entry:
+        rows.append(
+            [
+                f"fully-async against one step off, answers up to {LONG_TAIL_ANSWER} tokens (long tail), samples/s",
+                f"{entry['long_tail_ratio']:.2f}x",
+            ]
+        )
+    return rows
+
+
+# ---- running (I/O) ----
+
+
+def _measure(
+    mode: Mode, steps: int, eval_interval: int, model: Path, data: Path, out: Path, extra: Sequence[str]
+) -> dict:
+    print(f"[async_real] {mode.name}, {steps} steps", file=sys.stderr, flush=True)
+    flags = ["--num-rollout", str(steps), "--eval-interval", str(eval_interval), "--save-interval", str(10 * steps)]
+    flags += ["--n-samples-per-eval-prompt", "1", "--no-plot", *extra, *mode.flags]
+    rows = run_quickstart(flags, model, data, out, timeout=600 + 120 * steps)
+    evals_path = out / "eval.jsonl"
+    evals = [json.loads(x) for x in evals_path.read_text().splitlines() if x.strip()] if evals_path.exists() else []
+    return run_stats(rows, evals, "--synchronous" in mode.flags)
+
+
+def measure(steps: int, long_tail_steps: int, work: Path) -> dict:
+    from benchmarks.trl_peer import prepare_assets
+    from benchmarks.trl_peer_shapes import Shape, write_shaped_data
+
+    if len(os.sched_getaffinity(0)) < 2:
+        raise RuntimeError("async_real pins the trainer and the engine to two cores; this process has fewer")
+    model, data = prepare_assets()
+    stats = {m.name: _measure(m, steps, 5, model, data, work / f"run{i}", ()) for i, m in enumerate(MODES)}
+    long_tail = None
+    if long_tail_steps:
+        shaped = write_shaped_data(data, Shape(LONG_TAIL_ANSWER, 8, 40), work / "long_tail_data")
+        cap = ("--rollout-max-response-len", str(LONG_TAIL_ANSWER), "--eval-max-response-len", str(LONG_TAIL_ANSWER))
+        long_tail = {
+            m.name: _measure(m, long_tail_steps, 10 * long_tail_steps, model, shaped, work / f"lt{i}", cap)
+            for i, m in enumerate(LONG_TAIL)
+        }
+    return summarize(stats, long_tail)
+
+
+def run(quick: bool, out_dir: Path) -> dict:
+    """benchmarks.run's entry: 20 steps a run and 12 for the long tail; quick: 3 steps a run, no long tail."""
+    with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
+        return measure(3 if quick else 20, 0 if quick else 12, Path(tmp))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import render_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=None, help="steps a run (default 20; quick 3)")
+    ap.add_argument("--long-tail-steps", type=int, default=None, help="steps of each long-tail run (0: none)")
+    ap.add_argument("--out", type=Path, default=Path("outputs/async_real"))
+    args = ap.parse_args(argv)
+    steps = args.steps or (3 if args.quick else 20)
+    lt = args.long_tail_steps if args.long_tail_steps is not None else (0 if args.quick else 12)
+    args.out.mkdir(parents=True, exist_ok=True)
+    entry = measure(steps, lt, args.out)
+    (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
+    for t in entry["tables"]:
+        print(render_table(t))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

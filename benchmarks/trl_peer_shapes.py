@@ -1,0 +1,241 @@
+"""The TRL peer over a set of task shapes: seconds per step of train_async.py and of TRL's GRPOTrainer when the
+answers are longer, the groups smaller or larger, or the prompts longer than the quickstart's.
+
+    python -m benchmarks.trl_peer_shapes [--steps 10] [--only 32x4x40 ...] [--out DIR]
+    python -m benchmarks.run --only trl_peer_shapes [--quick]
+
+Each shape (answer tokens, group size, prompt tokens) runs both sides as ``benchmarks/trl_peer.py`` does (TRL's
+runner follows our launcher's own flags; both train on the same prompts in the same order, at the same precision),
+ours ``--synchronous`` (on-policy, as TRL is), 8 prompts a step, 10 steps a side, a held-out eval before the first
+step and after the last (one sample a prompt: accuracy is not the point here; both sides take evals out of the
+clock). The prompts are the quickstart's multiplication questions:
+
+- answers of 32 tokens or more ask for the working (``Explain your steps, then give the number.``) so that the
+  answers use the length they are given; the quickstart's ask for the bare number and end in a few tokens;
+- ~300-token prompts carry a preamble of worked additions (the same for every prompt, so shared-prefix training
+  shares it within a group as it would a long system prompt).
+
+Reported per shape: the median seconds per step of each side, their ratio against the 5x goal, and the mean answer
+and prompt lengths each side ran (sampled answers end at EOS, so the answer token count is a cap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import median, table
+from benchmarks.trl_peer import prepare_assets, run_kept
+from benchmarks.trl_peer_report import ratio
+
+GOAL = 5.0
+STEPS, QUICK_STEPS = 10, 2
+PROMPTS_PER_STEP = 8
+LONG_PROMPT = 300
+# Worked additions in the long prompts' preamble: ~13 tokens each with SmolLM2's tokenizer, so 20 of them and the
+# chat template's ~44 make ~300.
+PREAMBLE_EXAMPLES = 20
+_BARE_NUMBER = re.compile(r"(Answer with just|Reply with only|Give only) the (final )?number\.$")
+WORKING = "Explain your steps, then give the number."
+
+
+@dataclass(frozen=True)
+class Shape:
+    answer: int  # --rollout-max-response-len
+    group: int  # --n-samples-per-prompt
+    prompt: int  # prompt tokens, roughly (40: the quickstart's; 300: with the preamble)
+
+    @property
+    def name(self) -> str:
+        return f"{self.answer}x{self.group}x{self.prompt}"
+
+    def launcher_args(self) -> list[str]:
+        return [
+            "--synchronous",
+            "--rollout-batch-size",
+            str(PROMPTS_PER_STEP),
+            "--n-samples-per-prompt",
+            str(self.group),
+            "--rollout-max-response-len",
+            str(self.answer),
+            "--eval-max-response-len",
+            str(self.answer),
+            "--n-samples-per-eval-prompt",
+            "1",
+        ]
+
+
+SHAPES = (Shape(8, 8, 40), Shape(32, 4, 40), Shape(32, 16, 40), Shape(128, 8, 40), Shape(32, 8, 300))
+QUICK_SHAPES = (Shape(8, 2, 40), Shape(16, 2, 300))
+
+
+# ---- the prompts (pure) ----
+
+
+def preamble(examples: int = PREAMBLE_EXAMPLES, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    worked = " ".join(
+        f"{a} + {b} = {a + b}." for a, b in ((rng.randint(10, 99), rng.randint(10, 99)) for _ in range(examples))
+    )
+    return f"Worked examples of addition, for practice: {worked}\n\n"
+
+
+def shaped_prompt(prompt: str, shape: Shape) -> str:
+    """The quickstart prompt ``prompt`` as ``shape`` asks it: the working asked for when answers may be long, the
+    preamble in front when prompts are long."""
+    if shape.answer >= 32:
+        asked, n = _BARE_NUMBER.subn(WORKING, prompt)
+        if n != 1:
+            raise ValueError(f"no bare-number request to replace in the prompt {prompt!r}")
+        prompt = asked
+    return (preamble() if shape.prompt >= LONG_PROMPT else "") + prompt
+
+
+def write_shaped_data(source: Path, shape: Shape, out: Path) -> Path:
+    """train.jsonl and eval.jsonl of ``source`` with every prompt shaped; labels and uids kept."""
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train.jsonl", "eval.jsonl"):
+        rows = [json.loads(x) for x in (source / split).read_text().splitlines() if x.strip()]
+        (out / split).write_text(
+            "".join(json.dumps({**r, "prompt": shaped_prompt(r["prompt"], shape)}) + "\n" for r in rows)
+        )
+    return out
+
+
+def prompt_tokens(model: Path, data: Path) -> float:
+    """Mean prompt length in tokens, chat template included, over the shaped train split."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines() if x.strip()]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
+    return sum(len(tok(t)["input_ids"]) for t in texts) / len(texts)
+
+
+# ---- the result (pure) ----
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def shape_row(shape: Shape, raw: dict) -> dict:
+    ours, trl = median(raw["ours"]["step_seconds"]), median(raw["trl"]["step_seconds"])
+    return {
+        "shape": shape.name,
+        "answer": shape.answer,
+        "group": shape.group,
+        "prompt_tokens": raw["prompt_tokens"],
+        "ours_median": ours,
+        "trl_median": trl,
+        "ratio": ratio(trl, ours),
+        "ours_answer_tokens": _mean(raw["ours"]["response_len_mean"]),
+        "trl_answer_tokens": _mean(raw["trl"]["response_len_mean"]),
+    }
+
+
+def _n(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summarize(rows: Sequence[dict], steps: int) -> dict:
+    body = [
+        [
+            r["shape"],
+            f"{r['answer']} / {r['group']} / {r['prompt_tokens']:.0f}",
+            _n(r["ours_median"], ".1f"),
+            _n(r["trl_median"], ".1f"),
+            _n(r["ratio"], ".2f") + "x",
+            f"{_n(r['ours_answer_tokens'], '.1f')} / {_n(r['trl_answer_tokens'], '.1f')}",
+            "met" if r["ratio"] is not None and r["ratio"] >= GOAL else "missed",
+        ]
+        for r in rows
+    ]
+    return {
+        "steps": steps,
+        "shapes": list(rows),
+        "tables": [
+            table(
+                f"Seconds per step by task shape, train_async.py (--synchronous) vs TRL GRPOTrainer, median of {steps} "
+                "steps a side",
+                [
+                    "shape",
+                    "answer cap / group / prompt tokens",
+                    "ours s/step",
+                    "TRL s/step",
+                    "TRL / ours",
+                    "answer tokens, ours / TRL",
+                    f"goal {GOAL:.0f}x",
+                ],
+                body,
+                "8 prompts a step; prompt tokens: the train split's mean with the chat template; answer tokens: the "
+                "mean sampled length (answers end at EOS or the cap)",
+            )
+        ],
+    }
+
+
+def headline(entry: dict) -> list[list[str]]:
+    return [
+        [
+            f"seconds per step, train_async.py vs TRL GRPOTrainer, SmolLM2-135M, shape {r['shape']} (answer cap x "
+            "group x prompt tokens)",
+            f"{r['ours_median']:.1f} s vs {r['trl_median']:.1f} s ({r['ratio']:.2f}x; goal {GOAL:.0f}x)",
+        ]
+        for r in entry["shapes"]
+    ]
+
+
+# ---- running (I/O) ----
+
+
+def measure(shapes: Sequence[Shape], steps: int, work: Path) -> dict:
+    model, data = prepare_assets()
+    rows = []
+    for shape in shapes:
+        shaped = write_shaped_data(data, shape, work / shape.name)
+        print(f"[trl_peer_shapes] shape {shape.name}", file=sys.stderr, flush=True)
+        raw = run_kept(steps, steps, shape.launcher_args(), shaped)
+        raw["prompt_tokens"] = prompt_tokens(model, shaped)
+        (work / f"{shape.name}.json").write_text(json.dumps(raw, indent=1) + "\n")
+        rows.append(shape_row(shape, raw))
+    return summarize(rows, steps)
+
+
+def run(quick: bool, out_dir: Path) -> dict:
+    """benchmarks.run's entry: the five shapes, 10 steps a side; quick: two small shapes, 2 steps a side. Each
+    shape's raw result stays in ``out_dir``/trl_peer_shapes/."""
+    return measure(QUICK_SHAPES if quick else SHAPES, QUICK_STEPS if quick else STEPS, out_dir / "trl_peer_shapes")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import render_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=STEPS, help="steps a side for each shape")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SHAPE", help="shapes by name, e.g. 32x4x40")
+    ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_shapes"))
+    args = ap.parse_args(argv)
+    by_name = {s.name: s for s in SHAPES}
+    unknown = sorted(set(args.only or ()) - set(by_name))
+    if unknown:
+        ap.error(f"--only {' '.join(unknown)}: the shapes are {', '.join(by_name)}")
+    entry = measure([by_name[n] for n in args.only] if args.only else SHAPES, args.steps, args.out)
+    (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
+    for t in entry["tables"]:
+        print(render_table(t))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

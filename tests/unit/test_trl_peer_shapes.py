@@ -1,0 +1,88 @@
+"""The TRL peer's shape set runs what each shape says: both sides get the shape's group size, answer cap and
+prompts (through our launcher's flags, which TRL's runner follows), the long answers are asked for and the long
+prompts are long; the table reports each shape's ratio against the goal."""
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import run as bench_run
+from benchmarks import trl_peer
+from benchmarks import trl_peer_shapes as shapes
+from miles_async.assets.arith_dataset import MUL_TEMPLATES, make_multiplication_dataset
+
+
+def test_each_shape_reaches_both_sides_through_the_launchers_flags():
+    out = subprocess.run(
+        ["bash", str(trl_peer.LAUNCHER), "--dry-run", *shapes.Shape(128, 4, 300).launcher_args()],
+        env={"MODEL": "/m", "DATA": "/d", "OUT": "/o", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    ns = trl_peer.parse_ours(trl_peer.launcher_argv(out))
+    assert trl_peer.loop_mode(ns) == "synchronous"
+    args = trl_peer.peer_args(ns)
+    flags = dict(zip(args[::2], args[1::2], strict=True))
+    assert flags["--num-generations"] == "4" and flags["--max-completion-length"] == "128"
+    assert flags["--eval-max-new-tokens"] == "128" and flags["--prompts-per-step"] == "8"
+    assert flags["--eval-samples"] == "1"
+
+
+@pytest.mark.parametrize("template", MUL_TEMPLATES)
+def test_long_answers_ask_for_the_working_and_short_ones_keep_the_bare_number(template):
+    prompt = template.format(a=7, b=8)
+    assert shapes.shaped_prompt(prompt, shapes.Shape(8, 8, 40)) == prompt
+    long_answer = shapes.shaped_prompt(prompt, shapes.Shape(32, 4, 40))
+    assert long_answer.endswith(shapes.WORKING) and "7" in long_answer and "8" in long_answer
+    assert "number." not in long_answer.removesuffix(shapes.WORKING)
+
+
+def test_a_prompt_without_a_bare_number_request_is_refused():
+    with pytest.raises(ValueError, match="no bare-number request"):
+        shapes.shaped_prompt("What is 7 * 8?", shapes.Shape(32, 4, 40))
+
+
+def test_long_prompts_are_about_300_tokens_and_keep_labels_and_uids(tmp_path, smollm2):
+    source = tmp_path / "src"
+    make_multiplication_dataset(source)
+    short = shapes.write_shaped_data(source, shapes.Shape(32, 8, 40), tmp_path / "short")
+    long = shapes.write_shaped_data(source, shapes.Shape(32, 8, 300), tmp_path / "long")
+    for split in ("train.jsonl", "eval.jsonl"):
+        a = [json.loads(x) for x in (source / split).read_text().splitlines()]
+        b = [json.loads(x) for x in (long / split).read_text().splitlines()]
+        assert [(r["uid"], r["label"]) for r in a] == [(r["uid"], r["label"]) for r in b]
+        assert all(r["prompt"].startswith(shapes.preamble()) for r in b)
+    assert 30 < shapes.prompt_tokens(smollm2, short) < 60
+    assert 250 < shapes.prompt_tokens(smollm2, long) < 350
+
+
+def _raw(ours: list[float], trl: list[float]) -> dict:
+    return {
+        "ours": {"step_seconds": ours, "response_len_mean": [20.0, 30.0]},
+        "trl": {"step_seconds": trl, "response_len_mean": [32.0, None]},
+        "prompt_tokens": 301.4,
+    }
+
+
+def test_the_table_gives_each_shapes_median_ratio_against_the_goal():
+    met = shapes.shape_row(shapes.Shape(8, 8, 40), _raw([2.0, 3.0, 100.0], [20.0, 16.0, 15.0]))
+    missed = shapes.shape_row(shapes.Shape(32, 8, 300), _raw([5.0, 5.0], [9.0, 11.0]))
+    assert met["ratio"] == pytest.approx(16.0 / 3.0) and missed["ratio"] == pytest.approx(2.0)
+    assert met["ours_answer_tokens"] == 25.0 and met["trl_answer_tokens"] == 32.0
+    entry = shapes.summarize([met, missed], steps=3)
+    rows = entry["tables"][0]["rows"]
+    assert rows[0][0] == "8x8x40" and rows[0][4] == "5.33x" and rows[0][-1] == "met"
+    assert rows[1][2:5] == ["5.0", "10.0", "2.00x"] and rows[1][-1] == "missed"
+    assert [r[1] for r in shapes.headline(entry)] == [
+        "3.0 s vs 16.0 s (5.33x; goal 5x)",
+        "5.0 s vs 10.0 s (2.00x; goal 5x)",
+    ]
+
+
+def test_benchmarks_run_takes_names_comma_separated():
+    assert bench_run._names("roofline,trl_peer_shapes") == ["roofline", "trl_peer_shapes"]
+    with pytest.raises(Exception, match="not a benchmark"):
+        bench_run._names("roofline,nope")
