@@ -18,9 +18,14 @@ from its training seconds, the engine's as the run measures it), and held-out ac
 shortest run. The overlap bound is (T + G) / max(T, G), T and G the median training and generation seconds of the
 pinned synchronous run's steps; the one-step-off gain is its median step against the pinned synchronous run's.
 
-Long tail: one step off and fully-async again, pinned, with answers of up to 128 tokens that ask for the working
-(``benchmarks/trl_peer_shapes.py``'s prompts): real answer lengths with a long tail; fully-async should stay at or
-above one step off there.
+Long tail: one step off and fully-async again, pinned, the answers capped at 64 tokens instead of 8: most still end
+in a few tokens (the prompts ask for the bare number), a few ramble to the cap, a long tail of real lengths;
+fully-async should stay at or above one step off there. (Answers that ask for the working, as
+``benchmarks/trl_peer_shapes.py``'s long-answer prompts do, mostly run to the cap: no tail, and a step of minutes on
+one core.)
+
+Each run's metrics, evals and flags are kept (``benchmarks.run``: ``results/async_real_runs/``); a run kept with the
+same flags and all its steps is read back instead of run again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -57,7 +63,7 @@ LONG_TAIL = (
     Mode("one-step-off, pinned, long tail", PINNED),
     Mode("fully-async, pinned, long tail", ("--fully-async", *PINNED)),
 )
-LONG_TAIL_ANSWER = 128
+LONG_TAIL_ANSWER = 64
 
 
 # ---- one run's account (pure) ----
@@ -86,6 +92,7 @@ def run_stats(rows: Sequence[dict], evals: Sequence[dict], synchronous: bool) ->
             None if None in engine_idle else sum(f * s for f, s in zip(engine_idle, step_s, strict=True)) / sum(step_s)
         ),
         "response_len_mean": sum(r["rollout/response_len_mean"] for r in steady) / len(steady),
+        "response_len_max": max(r.get("rollout/response_len_max", 0) for r in steady),
         "curve": eval_curve(list(rows), list(evals), EVAL_KEY) if evals else [],
         "synchronous": synchronous,
     }
@@ -142,8 +149,9 @@ def summarize(stats: dict[str, dict], long_tail: dict[str, dict] | None = None) 
                 f"accuracy at {_f(equal_wall, '.0f')} s",
             ],
             rows,
-            "steps after the first; held-out evals every 5 steps inside every run's clock; accuracy: the last eval "
-            "whose weights were ready by the shortest run's last eval",
+            "steps after the first; held-out evals every 5 steps inside every run's clock; fully-async generates in "
+            "its producer, outside the step (generate 0); accuracy: the last eval whose weights were ready by the "
+            "shortest run's last eval",
         ),
         table(
             "One step off against its overlap bound (pinned)",
@@ -169,14 +177,15 @@ def summarize(stats: dict[str, dict], long_tail: dict[str, dict] | None = None) 
         out["long_tail_ratio"] = fa_lt["samples_per_s"] / off_lt["samples_per_s"]
         tables.append(
             table(
-                f"Long-tailed answers (up to {LONG_TAIL_ANSWER} tokens, the working asked for), pinned",
-                ["run", "samples/s", "median step s", "mean answer tokens", "trainer idle", "engine idle"],
+                f"Long-tailed answers (capped at {LONG_TAIL_ANSWER} tokens instead of 8), pinned",
+                ["run", "samples/s", "median step s", "mean answer tokens", "longest", "trainer idle", "engine idle"],
                 [
                     [
                         name,
                         f"{s['samples_per_s']:.2f}",
                         f"{s['step_median']:.1f}",
-                        f"{s['response_len_mean']:.0f}",
+                        f"{s['response_len_mean']:.1f}",
+                        str(s["response_len_max"]),
                         f"{s['trainer_idle']:.0%}",
                         _f(s["engine_idle"], ".0%"),
                     ]
@@ -215,41 +224,59 @@ def headline(entry: dict) -> list[list[str]]:
 # ---- running (I/O) ----
 
 
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
 def _measure(
-    mode: Mode, steps: int, eval_interval: int, model: Path, data: Path, out: Path, extra: Sequence[str]
+    mode: Mode, steps: int, eval_interval: int, model: Path, data: Path, keep: Path, extra: Sequence[str]
 ) -> dict:
-    print(f"[async_real] {mode.name}, {steps} steps", file=sys.stderr, flush=True)
+    """One run's stats; its metrics, evals and flags are kept in ``keep``, and a run kept there with the same flags
+    and all its steps is read instead of run again (an interrupted benchmark goes on where it stopped)."""
     flags = ["--num-rollout", str(steps), "--eval-interval", str(eval_interval), "--save-interval", str(10 * steps)]
     flags += ["--n-samples-per-eval-prompt", "1", "--no-plot", *extra, *mode.flags]
-    rows = run_quickstart(flags, model, data, out, timeout=600 + 120 * steps)
-    evals_path = out / "eval.jsonl"
-    evals = [json.loads(x) for x in evals_path.read_text().splitlines() if x.strip()] if evals_path.exists() else []
-    return run_stats(rows, evals, "--synchronous" in mode.flags)
+    kept = keep / "flags.json"
+    if not (kept.exists() and json.loads(kept.read_text()) == flags and len(_jsonl(keep / "metrics.jsonl")) == steps):
+        print(f"[async_real] {mode.name}, {steps} steps", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
+            out = Path(tmp) / "run"
+            run_quickstart(flags, model, data, out, timeout=600 + 120 * steps)
+            keep.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "eval.jsonl"):
+                if (out / name).exists():
+                    shutil.copy(out / name, keep / name)
+        kept.write_text(json.dumps(flags) + "\n")
+    return run_stats(_jsonl(keep / "metrics.jsonl"), _jsonl(keep / "eval.jsonl"), "--synchronous" in mode.flags)
 
 
-def measure(steps: int, long_tail_steps: int, work: Path) -> dict:
+def _slug(mode: Mode) -> str:
+    return mode.name.replace(", ", "-").replace(" ", "-")
+
+
+def measure(steps: int, long_tail_steps: int, keep: Path) -> dict:
     from benchmarks.trl_peer import prepare_assets
-    from benchmarks.trl_peer_shapes import Shape, write_shaped_data
 
     if len(os.sched_getaffinity(0)) < 2:
         raise RuntimeError("async_real pins the trainer and the engine to two cores; this process has fewer")
     model, data = prepare_assets()
-    stats = {m.name: _measure(m, steps, 5, model, data, work / f"run{i}", ()) for i, m in enumerate(MODES)}
+    stats = {m.name: _measure(m, steps, 5, model, data, keep / _slug(m), ()) for m in MODES}
     long_tail = None
     if long_tail_steps:
-        shaped = write_shaped_data(data, Shape(LONG_TAIL_ANSWER, 8, 40), work / "long_tail_data")
         cap = ("--rollout-max-response-len", str(LONG_TAIL_ANSWER), "--eval-max-response-len", str(LONG_TAIL_ANSWER))
         long_tail = {
-            m.name: _measure(m, long_tail_steps, 10 * long_tail_steps, model, shaped, work / f"lt{i}", cap)
-            for i, m in enumerate(LONG_TAIL)
+            m.name: _measure(m, long_tail_steps, 10 * long_tail_steps, model, data, keep / _slug(m), cap)
+            for m in LONG_TAIL
         }
     return summarize(stats, long_tail)
 
 
 def run(quick: bool, out_dir: Path) -> dict:
-    """benchmarks.run's entry: 20 steps a run and 12 for the long tail; quick: 3 steps a run, no long tail."""
-    with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
-        return measure(3 if quick else 20, 0 if quick else 12, Path(tmp))
+    """benchmarks.run's entry: 20 steps a run and 10 for the long tail, each run's metrics kept in
+    ``out_dir``/async_real_runs/; quick: 3 steps a run, no long tail, kept in a scratch folder."""
+    if quick:
+        with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
+            return measure(3, 0, Path(tmp))
+    return measure(20, 10, out_dir / "async_real_runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("outputs/async_real"))
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 20)
-    lt = args.long_tail_steps if args.long_tail_steps is not None else (0 if args.quick else 12)
+    lt = args.long_tail_steps if args.long_tail_steps is not None else (0 if args.quick else 10)
     args.out.mkdir(parents=True, exist_ok=True)
-    entry = measure(steps, lt, args.out)
+    entry = measure(steps, lt, args.out / "runs")
     (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
     for t in entry["tables"]:
         print(render_table(t))

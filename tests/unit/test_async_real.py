@@ -1,6 +1,8 @@
 """The real async benchmark's account: rates over the steps after the first, each side's idle fraction, the overlap
 bound and the gain against it, accuracy at equal wall time, and the long-tail comparison."""
 
+import json
+
 import pytest
 
 from benchmarks import async_real as ar
@@ -57,6 +59,7 @@ def _stats(step: float, samples_per_s: float, curve_end: float, train: float = 6
         "trainer_idle": 0.1,
         "engine_idle": 0.5,
         "response_len_mean": 7.0,
+        "response_len_max": 40,
         "curve": [(0, 0.2, -1.0), (5, 0.5, curve_end)],
     }
 
@@ -79,3 +82,18 @@ def test_the_summary_takes_the_gain_against_the_synchronous_pinned_runs_bound():
     assert bound["rows"][0][2:] == ["1.50x", "1.38x", "92%"]
     assert [r[1] for r in lt["rows"]] == ["3.00", "3.60"]
     assert ar.headline(entry)[0][1] == "1.38x of a 1.50x bound (92%; goal 90%)"
+
+
+def test_a_run_kept_with_the_same_flags_and_all_its_steps_is_read_back_not_run(tmp_path):
+    mode = ar.MODES[1]
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    rows = _rows(4, step=10.0, train=6.0, generate=3.0)
+    (keep / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = ["--num-rollout", "4", "--eval-interval", "5", "--save-interval", "40", "--n-samples-per-eval-prompt", "1"]
+    (keep / "flags.json").write_text(json.dumps([*flags, "--no-plot", *mode.flags]))
+    # A model and data that do not exist: running would fail.
+    stats = ar._measure(mode, 4, 5, tmp_path / "no-model", tmp_path / "no-data", keep, ())
+    assert stats["steps"] == 3 and stats["samples_per_s"] == pytest.approx(6.4)
+    with pytest.raises(RuntimeError, match="launcher failed"):  # other flags: run again
+        ar._measure(mode, 4, 10, tmp_path / "no-model", tmp_path / "no-data", keep, ())
