@@ -16,7 +16,10 @@ setup(
     py_modules=["train_async"],
     # The SGLang CPU engine's stand-ins are a PYTHONPATH folder for the engine's interpreter, not a
     # package of ours (no __init__.py), so find_packages does not see them.
-    package_data={"miles_async.inference.sglang": ["cpu_shims/*.py", "cpu_shims/*/*.py"]},
+    package_data={
+        "miles_async.inference.sglang": ["cpu_shims/*.py", "cpu_shims/*/*.py"],
+        "miles_async.inference.vllm": ["cpu_shims/*.py"],
+    },
     # asyncio.TaskGroup, ExceptionGroup and Task.cancelling() are 3.11's.
     python_requires=">=3.11",
     # torch is left to the user (CPU or CUDA build); scripts/setup_env.sh installs the CPU wheel.

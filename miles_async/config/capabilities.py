@@ -122,12 +122,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         Capability(name, TRAIN_BACKEND, ("fsdp",), why="the megatron backend builds no vision tower (VLMs) yet")
         for name in ("--multimodal-keys", "--freeze-vision-tower")
     ),
-    Capability(
-        "--multimodal-keys",
-        ROLLOUT_BACKEND,
-        ("embedded", "sglang"),
-        why="vLLM's client does not send image prompts to its multimodal API yet: inference/vllm/client.py",
-    ),
     *(
         Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
         for name in (

@@ -44,6 +44,29 @@ def resolve_path(ref: str, base_dir: Path | None) -> Path:
     return path
 
 
+def as_data_uri(ref: str, base_dir: Path | None = None) -> str:
+    """The image ``ref`` names as a ``data:`` URI (a data: URI as given): for an engine that takes images by URL
+    and should not read our files; ``ImageError`` saying why not."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(ref, str) and ref.startswith("data:"):
+        _decoded(ref)  # checked: its base64 decodes
+        return ref
+    raw = _decoded(ref) if isinstance(ref, str) else None
+    if raw is None:
+        path = resolve_path(str(ref), base_dir)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ImageError(f"cannot read image file {ref}: {e}") from e
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            kind = (img.format or "png").lower()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise ImageError(f"not a readable image: {str(ref)[:80]} ({e})") from e
+    return f"data:image/{kind};base64," + base64.b64encode(raw).decode("ascii")
+
+
 def load_image(ref: Any, base_dir: Path | None = None) -> Any:
     """The RGB ``PIL.Image`` that ``ref`` names; ``ImageError`` saying why not."""
     from PIL import Image, UnidentifiedImageError

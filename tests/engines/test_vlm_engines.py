@@ -1,7 +1,8 @@
-"""A vision-language model on SGLang's and vLLM's real CPU servers: a tiny random Qwen2-VL's image prompts (two sizes
-and a text-only prompt in one batch) get the engine log-probs the torch backend computes, the images count (another
-image of the same size changes them), and a weight update that moves only the vision tower reaches the engine
-(SGLang's tensor route, vLLM's disk route: the one each has).
+"""A vision-language model on SGLang's and vLLM's real CPU servers: a tiny random VLM's image prompts (two sizes and a
+text-only prompt in one batch) get the engine log-probs the torch backend computes, the images count (another image
+of the same size changes them), and a weight update that moves only the vision tower reaches the engine (SGLang's
+tensor route, vLLM's disk route: the one each has). SGLang serves a Qwen2.5-VL with the real models' 14-pixel
+patches (the layout of the Qwen2.5-VL launcher, which runs SGLang), vLLM a Qwen2-VL.
 
 Both engines expand each image's placeholder themselves: the client sends one placeholder per image
 (``inference/vlm_requests.py``). vLLM gets the images as data: URIs through ``/inference/v1/generate``'s
@@ -15,9 +16,9 @@ SGLang's side of a VLM, and what the tiny model adapts to (a real Qwen2-VL check
 * for a ``qwen2_vl`` model SGLang replaces the processor's image size rule by Qwen2-VL's default (at least
   56x56 = 3136 pixels, at most 1003520; ``sglang/srt/utils/hf_transformers/processor.py``), so the tiny model's
   processor takes that rule too and the images here need no resizing (sides multiples of 8, area >= 3136);
-* the client sends one placeholder per image, which SGLang expands (``SGLangEngineClient.generate``).
-SGLang's Qwen2.5-VL takes pixel rows of any width but 1176 (3 x 2 x 14 x 14) for precomputed embeddings
-(``Qwen2_5_VLForConditionalGeneration.get_image_feature``): a tower with patches of 14 only, not run here.
+* the client sends one placeholder per image, which SGLang expands (``SGLangEngineClient.generate``);
+* SGLang's Qwen2.5-VL takes pixel rows of any width but 1176 (3 x 2 x 14 x 14) for precomputed embeddings
+  (``Qwen2_5_VLForConditionalGeneration.get_image_feature``): its tiny model's patches are 14 pixels.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from miles_async.rollout.sample import Sample
 from miles_async.weights.update import WeightUpdate, route_for
 from tests.tolerance import StepBounds, assert_rejected, assert_within
 
-# 49 and 56 placeholder tokens (patches of 4 merged 2x2); red and green: the same size, so the same tokens.
+# Each engine's tiny VLM: (layout, patch size).
+MODELS = {"sglang": ("qwen2_5_vl", 14), "vllm": ("qwen2_vl", 4)}
+# Red and green: the same size, so the same tokens (4 placeholders with patches of 14 merged 2x2, 49 with 4).
 IMAGES = {
     "red.png": ((56, 56), (220, 30, 30)),
-    "blue.png": ((64, 56), (20, 40, 230)),
+    "blue.png": ((84, 56), (20, 40, 230)),
     "green.png": ((56, 56), (0, 200, 0)),
     "yellow.png": ((56, 56), (230, 220, 0)),
 }
@@ -49,12 +52,13 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory) -> Path:
-    """The tiny Qwen2-VL with SGLang's image size rule for Qwen2-VL, a legacy preprocessor_config.json and
-    ``in_chans``, as real Qwen2-VL checkpoints have them."""
+def vlm(backend, tmp_path_factory) -> Path:
+    """The engine's tiny VLM with SGLang's image size rule for Qwen2-VL, a legacy preprocessor_config.json and
+    ``in_chans``, as real Qwen-VL checkpoints have them."""
     from miles_async.assets.tiny_vlm import make_tiny_vlm
 
-    out = make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm_engines"), seed=0, head_dim=32)
+    arch, patch = MODELS[backend]
+    out = make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm_engines"), seed=0, arch=arch, head_dim=32, patch_size=patch)
     proc = json.loads((out / "processor_config.json").read_text())
     proc["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 1003520}
     (out / "processor_config.json").write_text(json.dumps(proc, indent=2))
@@ -106,7 +110,9 @@ def _update_tower(actor, engine, backend: str, folder: Path) -> None:
                          targets=(engine.url,), engine=backend, bucket_bytes=64 * 1024, api_key=engine.cfg.api_key)
         )  # fmt: skip
         return
-    actor.save_weights_for_engines(WeightUpdate(version=2, route="disk", dtype="float32", timeout=60, folder=str(folder)))
+    actor.save_weights_for_engines(
+        WeightUpdate(version=2, route="disk", dtype="float32", timeout=60, folder=str(folder))
+    )
 
     async def load():
         async with make_client(backend, engine.url, 120, engine.cfg.api_key) as c:
@@ -145,7 +151,8 @@ def test_the_engine_serves_a_vlm_and_its_vision_tower_updates(backend, engine_py
         (encode("say 7", []), []),
         (encode("what color?", [images["green.png"]]), [images["green.png"]]),  # red's tokens, another image
     ]
-    assert requests[0][0] == requests[3][0] and len(requests[0][0]) > 49
+    image_token = json.loads((vlm / "config.json").read_text())["image_token_id"]
+    assert requests[0][0] == requests[3][0] and requests[0][0].count(image_token) == {14: 4, 4: 49}[MODELS[backend][1]]
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
     with make_engine_process(cfg.engine, 0, str(tmp_path / "logs")) as engine:
         try:

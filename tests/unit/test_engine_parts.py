@@ -5,6 +5,7 @@ sampling-param and response adapters; --weight-update-method per engine; SGLang'
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import replace
 
 import pytest
@@ -14,10 +15,11 @@ from miles_async.arguments import ConfigError, parse_args
 from miles_async.inference.client import EngineProtocolError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.inference.launcher import ROOT
 from miles_async.inference.router import Router
 from miles_async.inference.sglang.client import SGLangEngineClient
 from miles_async.inference.vllm.client import VLLMEngineClient, sglang_shaped, vllm_sampling_params
-from miles_async.inference.vllm.launcher import VLLMEngineProcess
+from miles_async.inference.vllm.launcher import CPU_SHIMS, VLLMEngineProcess
 from tests.unit.test_sglang_parts import _args
 
 
@@ -71,6 +73,9 @@ def test_launch_command_and_environment(tmp_path, monkeypatch):
     flags = dict(zip(gpu.command(), gpu.command()[1:]))
     assert flags["--tensor-parallel-size"] == "2" and "--enforce-eager" not in gpu.command()
     assert gpu.env()["CUDA_VISIBLE_DEVICES"] == "6,7" and "VLLM_CPU_KVCACHE_SPACE" not in gpu.env()
+    # The CPU shims (PyPI's CUDA torchvision made importable) go first on a CPU engine's path, never on a GPU's.
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(CPU_SHIMS), str(ROOT)]
+    assert str(CPU_SHIMS) not in gpu.env()["PYTHONPATH"].split(os.pathsep)
 
 
 def test_make_client_picks_each_engines_client():
@@ -90,6 +95,7 @@ def test_sampling_params_are_renamed_and_unknown_ones_refused():
             "sampling_seed": 5,
             "ignore_eos": True,
             "no_stop_trim": True,
+            "logit_bias": {"56": -1e30},
         },
         return_logprob=True,
     )
@@ -101,6 +107,7 @@ def test_sampling_params_are_renamed_and_unknown_ones_refused():
         "min_tokens": 2,
         "seed": 5,
         "ignore_eos": True,
+        "logit_bias": {"56": -1e30},  # a VLM's banned image placeholder (inference/vlm_requests.py)
         "logprobs": 0,
     }
     assert "logprobs" not in vllm_sampling_params({"temperature": 1.0}, return_logprob=False)

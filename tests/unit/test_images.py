@@ -10,7 +10,7 @@ import random
 import pytest
 from PIL import Image
 
-from miles_async.vision.images import ImageError, load_image
+from miles_async.vision.images import ImageError, as_data_uri, load_image
 
 
 def _png(size=(24, 16)) -> bytes:
@@ -60,3 +60,30 @@ def test_a_file_that_is_not_an_image_is_named(tmp_path):
     with pytest.raises(ImageError) as refused:
         load_image("notes.png", base_dir=tmp_path)
     assert str(refused.value).startswith("not a readable image: notes.png")
+
+
+@pytest.mark.parametrize("form", ["absolute", "relative", "data_uri", "base64"])
+def test_each_form_of_reference_becomes_a_data_uri_of_the_same_image(tmp_path, form):
+    """What vLLM gets (it takes images by URL and reads none of our files): the same picture, its format named."""
+    png = _png()
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(png)
+    ref = {
+        "absolute": str(tmp_path / "imgs" / "a.png"),
+        "relative": "imgs/a.png",
+        "data_uri": "data:image/png;base64," + base64.b64encode(png).decode(),
+        "base64": base64.b64encode(png).decode(),
+    }[form]
+    uri = as_data_uri(ref, base_dir=tmp_path)
+    assert uri == "data:image/png;base64," + base64.b64encode(png).decode()
+    assert load_image(uri).getpixel((3, 3)) == (200, 10, 10)
+
+
+def test_a_reference_that_is_no_image_gets_no_data_uri(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a picture")
+    with pytest.raises(ImageError, match="not a readable image"):
+        as_data_uri(str(tmp_path / "notes.txt"))
+    with pytest.raises(ImageError, match="cannot read image file"):
+        as_data_uri(str(tmp_path / "missing.png"))
+    with pytest.raises(ImageError, match="does not decode"):
+        as_data_uri("data:image/png;base64,@@@")

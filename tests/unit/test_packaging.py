@@ -49,12 +49,14 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     return zipfile.ZipFile(path)
 
 
-def test_the_wheel_ships_the_sglang_cpu_stand_ins(wheel) -> None:
+def test_the_wheel_ships_the_engines_cpu_stand_ins(wheel) -> None:
     from miles_async.inference.sglang.launcher import cpu_shims_dir
+    from miles_async.inference.vllm.launcher import CPU_SHIMS as VLLM_SHIMS
 
     names = set(wheel.namelist())
     shims = cpu_shims_dir().relative_to(ROOT).as_posix()
     assert f"{shims}/sitecustomize.py" in names and f"{shims}/sgl_kernel/__init__.py" in names
+    assert f"{VLLM_SHIMS.relative_to(ROOT).as_posix()}/sitecustomize.py" in names
     assert not any(n.startswith("tests/") for n in names)
 
 

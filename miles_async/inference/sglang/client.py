@@ -18,24 +18,10 @@ see docs/guides/vision.md for SGLang's own image-size rule of Qwen2-VL.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from miles_async.inference.client import EngineClient, EngineError
-
-# A logit no token reaches (JSON has no -inf): exp(-1e30 + logit) is 0 in every float type.
-BANNED_LOGIT_BIAS = -1e30
-
-
-def collapse_image_runs(input_ids: list[int], image_token_id: int) -> list[int]:
-    """``input_ids`` with each run of ``image_token_id`` as one token (SGLang expands each image's placeholder)."""
-    out: list[int] = []
-    for t in input_ids:
-        if t == image_token_id and out and out[-1] == image_token_id:
-            continue
-        out.append(t)
-    return out
+from miles_async.inference.vlm_requests import image_token_of, vlm_request
 
 
 class SGLangEngineClient(EngineClient):
@@ -47,14 +33,10 @@ class SGLangEngineClient(EngineClient):
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *args: Any, **kwargs: Any):
         image_token = await self.image_token_id()
-        if image_token is not None:
-            # A VLM: its image placeholder is never sampled (the trainer's log-probs use the same ban; see
-            # vision.hf.unsampled_token_ids); SGLang adds logit_bias before its log-probs.
-            bias = dict(sampling_params.get("logit_bias") or {})
-            bias[str(image_token)] = BANNED_LOGIT_BIAS
-            sampling_params = {**sampling_params, "logit_bias": bias}
-            if kwargs.get("image_data"):
-                input_ids = collapse_image_runs(list(input_ids), image_token)
+        if image_token is not None:  # SGLang adds logit_bias before its log-probs
+            input_ids, sampling_params = vlm_request(
+                input_ids, sampling_params, image_token, bool(kwargs.get("image_data"))
+            )
         return await super().generate(input_ids, sampling_params, *args, **kwargs)
 
     async def image_token_id(self) -> int | None:
@@ -69,12 +51,10 @@ class SGLangEngineClient(EngineClient):
                 raise
             info = None  # not SGLang's server (a stand-in that answers /generate only): no VLM to adapt to
         if isinstance(info, dict) and info.get("has_image_understanding"):
-            path = os.path.join(str(info.get("model_path", "")), "config.json")
             try:
-                with open(path, encoding="utf-8") as fh:
-                    self._image_token_id = int(json.load(fh)["image_token_id"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise EngineError(self.base_url, "/model_info", f"no image_token_id in {path}: {e}") from e
+                self._image_token_id = image_token_of(str(info.get("model_path", "")))
+            except ValueError as e:
+                raise EngineError(self.base_url, "/model_info", str(e)) from e
         self._model_checked = True
         return self._image_token_id
 

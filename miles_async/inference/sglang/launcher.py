@@ -93,7 +93,7 @@ class SGLangEngineProcess(ServerEngineProcess):
         env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
         # SGLang keeps a VLM's vision-tower outputs by image hash across requests (mm_schedule.embedding_cache), and
         # neither a weight update nor /flush_cache clears it: an image seen before an update kept the old tower's
-        # embeddings (tests/engines/test_vlm_sglang.py). A size of 0 caches none.
+        # embeddings (tests/engines/test_vlm_engines.py). A size of 0 caches none.
         env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", "0")
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(ROOT)]
         if not self.cfg.use_gpu:

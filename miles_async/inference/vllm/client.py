@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from miles_async.inference.client import EngineClient, EngineError, as_version, check_finish_reason, normalize_meta
+from miles_async.inference.vlm_requests import image_token_of, vlm_request
+from miles_async.vision.images import ImageError, as_data_uri
 
 REQUEST_ID_PREFIX = "generate-tokens-"
 PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}
@@ -46,6 +48,7 @@ SAME = {
     "presence_penalty",
     "seed",
     "n",
+    "logit_bias",
 }
 
 
@@ -91,6 +94,10 @@ def sglang_shaped(answer: dict[str, Any]) -> dict[str, Any]:
 class VLLMEngineClient(EngineClient):
     """``EngineClient`` for one vLLM server."""
 
+    _image_token_id: int | None = None
+    _no_image_token = "no served model checked"
+    _model_checked = False
+
     async def generate(
         self,
         input_ids: list[int],
@@ -102,12 +109,6 @@ class VLLMEngineClient(EngineClient):
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
     ) -> dict[str, Any]:
-        if image_data:
-            raise EngineError(
-                self.base_url,
-                "/inference/v1/generate",
-                "image prompts are not wired to vLLM's multimodal API yet; use --rollout-backend embedded",
-            )
         if return_routed_experts:
             # vLLM 0.32 captures them only in its Model Runner V2, which needs Triton: not in its CPU build
             # (config/capabilities.py refuses --use-rollout-routing-replay with vLLM).
@@ -117,18 +118,59 @@ class VLLMEngineClient(EngineClient):
                 "routed experts (rollout routing replay) are not wired to vLLM; use --rollout-backend sglang or "
                 "embedded",
             )
+        image_token = await self.image_token_id()
+        if image_token is not None:
+            input_ids, sampling_params = vlm_request(input_ids, sampling_params, image_token, bool(image_data))
+        elif image_data:
+            raise EngineError(
+                self.base_url,
+                "/inference/v1/generate",
+                f"an image prompt for a model without one: {self._no_image_token}",
+            )
         body: dict[str, Any] = {
             "token_ids": list(input_ids),
             "sampling_params": vllm_sampling_params(sampling_params, return_logprob),
             "output_mode": "text",
             "return_token_ids": True,
         }
+        if image_data:
+            # vLLM's processor takes each image as a URL; a data: URI carries it without a path the server reads.
+            try:
+                urls = [as_data_uri(ref) for ref in image_data]
+            except ImageError as e:
+                raise EngineError(self.base_url, "/inference/v1/generate", str(e)) from e
+            body["content_parts"] = [{"type": "image_url", "url": url} for url in urls]
         if rid is not None:
             body["request_id"] = rid
         answer = await self._request("POST", "/inference/v1/generate", json_body=body, timeout=timeout)
         if not isinstance(answer, dict) or not answer.get("choices"):
             raise EngineError(self.base_url, "/inference/v1/generate", f"unexpected answer: {str(answer)[:500]}")
         return check_finish_reason(sglang_shaped(answer), self.base_url)
+
+    async def image_token_id(self) -> int | None:
+        """The served VLM's image placeholder token (``image_token_id`` of the config.json of the folder ``/v1/models``
+        names); None for a text model (no ``image_token_id`` there)."""
+        if self._model_checked:
+            return self._image_token_id
+        try:
+            models = await self._request("GET", "/v1/models")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            models = None  # not vLLM's server (a stand-in that answers generate only): no VLM to adapt to
+        if models is None:
+            self._model_checked = True
+            return None
+        try:
+            root = str(models["data"][0]["root"])
+        except (KeyError, IndexError, TypeError) as e:
+            raise EngineError(self.base_url, "/v1/models", f"no served model in {str(models)[:300]}") from e
+        try:
+            self._image_token_id = image_token_of(root)
+        except ValueError as e:  # a text model (or a folder this node cannot read: generate says so for images)
+            self._image_token_id, self._no_image_token = None, str(e)
+        self._model_checked = True
+        return self._image_token_id
 
     async def model_info(self) -> dict[str, Any]:
         info = await self._request("GET", "/weight_info")

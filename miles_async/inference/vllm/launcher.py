@@ -30,6 +30,7 @@ at (0, or the version of the checkpoint it serves), so versions are integers fro
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import requests
 
@@ -37,6 +38,7 @@ from miles_async.inference.client import SERVER_KEEP_ALIVE_S
 from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess, engine_python
 
 CPU_KVCACHE_GIB = "2"
+CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
 WORKER_EXTENSION = "miles_async.inference.vllm.worker.MilesWorkerExtension"
 REQUIRE_API_KEY = "miles_async.inference.vllm.auth.RequireApiKey"
 
@@ -81,9 +83,11 @@ class VLLMEngineProcess(ServerEngineProcess):
         env = super().env()
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
-        # The worker extension is imported by vLLM's workers from this checkout.
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in paths if p != str(ROOT)])
+        # The worker extension is imported by vLLM's workers from this checkout; on the CPU the shims folder makes
+        # PyPI's (CUDA) torchvision importable for a VLM's processor.
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (str(ROOT), str(CPU_SHIMS))]
+        shims = [] if self.cfg.use_gpu else [str(CPU_SHIMS)]
+        env["PYTHONPATH"] = os.pathsep.join([*shims, str(ROOT), *paths])
         if self.cfg.use_gpu:
             visible = env.get("CUDA_VISIBLE_DEVICES")
             gpus = visible.split(",") if visible else [str(i) for i in range(64)]

@@ -1,11 +1,8 @@
 """Runs at start-up of every Python process with this folder on PYTHONPATH (the SGLang CPU engine's).
 
-PyPI's torchvision wheels are CUDA builds: with the CPU torch of the SGLang environment their
-compiled ops (``torchvision/_C.so``) cannot load, and ``import torchvision`` then fails in
-``_meta_registrations`` because it registers fake kernels for ``torchvision::nms`` and
-``torchvision::qnms`` unconditionally. SGLang imports torchvision at start-up (image transforms
-of its multimodal configs; never used by a text model). Declaring the two op schemas (no
-implementation) lets the Python part of torchvision import; calling them would still fail.
+SGLang imports torchvision at start-up (image transforms of its multimodal configs), whose PyPI wheel is a CUDA
+build that does not import on the CPU torch of the SGLang environment: ``inference/torchvision_ops.py`` makes it
+importable.
 
 SGLang allocates its host-side buffers through ``ALLOC_MEMORY_FUNCS[device]``
 (``sglang.srt.mem_cache.pool_host.common``), which for ``"cpu"`` pins the buffer with
@@ -26,20 +23,9 @@ SGLang picks CPU paths by ``hasattr(torch.ops.sgl_kernel, ...)`` for other ops.
 import sys
 
 try:
-    import importlib.util
+    from miles_async.inference.torchvision_ops import declare_ops  # the checkout is on the engine's PYTHONPATH
 
-    if importlib.util.find_spec("torchvision") is not None:
-        import torch
-
-        try:
-            torch.ops.torchvision.nms  # noqa: B018 - present when torchvision's ops loaded
-        except (AttributeError, RuntimeError):
-            _lib = torch.library.Library("torchvision", "FRAGMENT")
-            for _op in ("nms", "qnms"):
-                try:
-                    _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-                except RuntimeError:
-                    pass
+    declare_ops()
 except Exception:  # noqa: BLE001 - never break interpreter start-up
     pass
 
