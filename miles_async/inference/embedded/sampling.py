@@ -77,5 +77,21 @@ def _sample(
         sorted_logits = sorted_logits.masked_fill(mass_before > top_ps[:, None], float("-inf"))
         s = torch.full_like(s, float("-inf")).scatter(-1, order, sorted_logits)
     logp = torch.log_softmax(s, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    tok = draw(logp.exp(), generator)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs`` ``[B, V]`` (each row's mass need not be 1), by its inverse CDF: one uniform
+    number a row. ``torch.multinomial`` draws an exponential variate for every vocabulary entry instead (its
+    Gumbel-max route): 66 ms a decode step for 64 rows of SmolLM2's 49k vocabulary on 2 cores, against 3 ms here;
+    it was 28% of the engine's decode time (benchmarks/roofline at 32-token answers)."""
+    cdf = probs.double().cumsum_(-1)  # float64: a float32 running sum over 49k entries drifts by ~1e-4
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]
+    # The first entry whose running sum exceeds u: the sum steps up there, so that entry has mass.
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    over = tok >= probs.shape[1]  # u rounded up to the row's total: its last entry with mass
+    if bool(over.any()):
+        last = probs.shape[1] - 1 - (probs[over].flip(-1) > 0).to(torch.uint8).argmax(-1)
+        tok[over] = last
+    return tok
