@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import eval_curve, median, run_quickstart, table
+from benchmarks.common import eval_curve, machine_info, median, run_quickstart, table
 
 PINNED = ("--train-cpu-affinity", "0", "--rollout-cpu-affinity", "1")
 EVAL_KEY = "eval/mul/accuracy"
@@ -195,6 +195,35 @@ def summarize(stats: dict[str, dict], long_tail: dict[str, dict] | None = None) 
             )
         )
     out["tables"] = tables
+    shared = stats[MODES[3].name]
+    out["notes"] = [
+        f"One step off overlaps the pinned sides to {gain:.2f}x the synchronous step, {gain / bound:.0%} of the "
+        f"{bound:.2f}x bound (goal {GOAL:.0%}); the trainer then idles {off['trainer_idle']:.0%} of the time, against "
+        f"{sync['trainer_idle']:.0%} synchronous.",
+        f"On one machine without the split, synchronous on both cores gives {shared['samples_per_s']:.2f} samples/s, "
+        f"{shared['samples_per_s'] / off['samples_per_s']:.2f}x the pinned one-step-off run's: its training takes "
+        f"{shared['train_median']:.1f} s on two cores against {off['train_median']:.1f} s on one. The overlap pays "
+        "where each side has its own device, as on a GPU cluster.",
+    ]
+    if long_tail:
+        (_, off_lt), (_, fa_lt) = long_tail.items()
+        out["notes"].append(
+            f"Long tail: fully-async at {out['long_tail_ratio']:.2f}x one step off's samples/s. Training binds both "
+            f"(the trainer idles {off_lt['trainer_idle']:.0%} and {fa_lt['trainer_idle']:.0%} of the time, the "
+            f"engine {_f(off_lt['engine_idle'], '.0%')} and {_f(fa_lt['engine_idle'], '.0%')}): generating ahead, "
+            "fully-async's gain, has nothing to hide when the engine already waits on the trainer."
+        )
+    every = {**stats, **(long_tail or {})}
+    ran = {name: s["ran"] for name, s in every.items() if s.get("ran")}
+    if ran:
+        out["notes"].append(
+            "Each run as it ran (kept in async_real_runs/; an interrupted benchmark reads finished runs back): "
+            + "; ".join(
+                f"{name}: commit {r['commit']}, {r['date'][:16]}"
+                + (f", 1-minute load {r['load'][0]}-{r['load'][-1]}" if r.get("load") else "")
+                for name, r in ran.items()
+            )
+        )
     return out
 
 
@@ -238,6 +267,7 @@ def _measure(
     kept = keep / "flags.json"
     if not (kept.exists() and json.loads(kept.read_text()) == flags and len(_jsonl(keep / "metrics.jsonl")) == steps):
         print(f"[async_real] {mode.name}, {steps} steps", file=sys.stderr, flush=True)
+        ran = {"commit": machine_info()["git_commit"], "date": machine_info()["date"], "load": [_load()]}
         with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
             out = Path(tmp) / "run"
             run_quickstart(flags, model, data, out, timeout=600 + 120 * steps)
@@ -245,8 +275,15 @@ def _measure(
             for name in ("metrics.jsonl", "eval.jsonl"):
                 if (out / name).exists():
                     shutil.copy(out / name, keep / name)
+        (keep / "ran.json").write_text(json.dumps({**ran, "load": [*ran["load"], _load()]}) + "\n")
         kept.write_text(json.dumps(flags) + "\n")
-    return run_stats(_jsonl(keep / "metrics.jsonl"), _jsonl(keep / "eval.jsonl"), "--synchronous" in mode.flags)
+    stats = run_stats(_jsonl(keep / "metrics.jsonl"), _jsonl(keep / "eval.jsonl"), "--synchronous" in mode.flags)
+    ran_path = keep / "ran.json"
+    return {**stats, "ran": json.loads(ran_path.read_text()) if ran_path.exists() else None}
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 1)
 
 
 def _slug(mode: Mode) -> str:
@@ -267,7 +304,13 @@ def measure(steps: int, long_tail_steps: int, keep: Path) -> dict:
             m.name: _measure(m, long_tail_steps, 10 * long_tail_steps, model, data, keep / _slug(m), cap)
             for m in LONG_TAIL
         }
-    return summarize(stats, long_tail)
+    entry = summarize(stats, long_tail)
+    ran = [r["ran"] for r in [*stats.values(), *(long_tail or {}).values()]]
+    if all(ran):
+        # The runs may be older than this invocation (read back): the entry names the commits and date they ran at.
+        commits = list(dict.fromkeys(r["commit"] for r in ran))
+        entry["machine"] = {**machine_info(), "git_commit": ", ".join(commits), "date": min(r["date"] for r in ran)}
+    return entry
 
 
 def run(quick: bool, out_dir: Path) -> dict:
