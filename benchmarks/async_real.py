@@ -323,7 +323,7 @@ def run(quick: bool, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import render_table
+    from benchmarks.common import write_entry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -335,9 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     lt = args.long_tail_steps if args.long_tail_steps is not None else (0 if args.quick else 6)
     args.out.mkdir(parents=True, exist_ok=True)
     entry = measure(steps, lt, args.out / "runs")
-    (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
-    for t in entry["tables"]:
-        print(render_table(t))
+    write_entry(entry, args.out)
     return 0
 
 

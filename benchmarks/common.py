@@ -271,6 +271,15 @@ def time_to_reach(curve: Sequence[tuple[int, float, float]], level: float) -> tu
     return None
 
 
+def write_entry(entry: dict, out: Path) -> None:
+    """A standalone benchmark's result: ``out``/results.json, and its tables on stdout."""
+    import json
+
+    (out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
+    for t in entry["tables"]:
+        print(render_table(t))
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str | None = None) -> dict:
     """One Markdown table of a benchmark's result; run.py renders every ``tables`` entry it finds."""
     return {"title": title, "columns": list(columns), "rows": [list(r) for r in rows], "note": note}

@@ -74,6 +74,17 @@ def launcher_argv(dry_run_output: str) -> list[str]:
     raise ValueError(f"no train_async.py in the launcher's --dry-run output:\n{dry_run_output[:2000]}")
 
 
+def launcher_namespace(flags: Sequence[str], env: dict[str, str]) -> argparse.Namespace:
+    """Our parser's namespace for the quickstart launcher's command with ``flags`` appended, read from its
+    ``--dry-run`` (``env``: its MODEL, DATA and OUT)."""
+    proc = subprocess.run(
+        ["bash", str(LAUNCHER), *flags, "--dry-run"], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the launcher's --dry-run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return parse_ours(launcher_argv(proc.stdout))
+
+
 def parse_ours(argv: Sequence[str]) -> argparse.Namespace:
     """Our parser's namespace for ``argv``, defaults included (unvalidated: paths need not exist)."""
     from miles_async.arguments import build_parser
@@ -299,7 +310,7 @@ def run_both(
     env = _env(MODEL=str(model), DATA=str(data), OUT=str(ours_out), PYTHON=sys.executable)
     flags = ["--num-rollout", str(steps), "--eval-interval", str(interval), "--no-plot", *launcher_args]
     launcher = ["bash", str(LAUNCHER), *flags]
-    ns = parse_ours(launcher_argv(_run([*launcher, "--dry-run"], work / "dry_run.log", 60, "launcher --dry-run", env)))
+    ns = launcher_namespace(flags, env)
     # Our run's precision as it resolves on this machine (bf16 only where the CPU computes it): TRL's follows.
     ns, _ = precision.fall_back(ns, on_gpu=False, has_bf16=precision.cpu_has_bf16())
     trl_flags = peer_args(ns)

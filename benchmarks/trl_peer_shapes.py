@@ -219,7 +219,7 @@ def run(quick: bool, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import render_table
+    from benchmarks.common import write_entry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=STEPS, help="steps a side for each shape")
@@ -231,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--only {' '.join(unknown)}: the shapes are {', '.join(by_name)}")
     entry = measure([by_name[n] for n in args.only] if args.only else SHAPES, args.steps, args.out)
-    (args.out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
-    for t in entry["tables"]:
-        print(render_table(t))
+    write_entry(entry, args.out)
     return 0
 
 

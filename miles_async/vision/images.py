@@ -44,47 +44,45 @@ def resolve_path(ref: str, base_dir: Path | None) -> Path:
     return path
 
 
+def _bytes_of(ref: Any, base_dir: Path | None) -> bytes:
+    """The encoded image ``ref`` names: a data: URI's or bare base64's bytes, else the file's."""
+    if not isinstance(ref, str) or not ref:
+        raise ImageError(f"an image reference must be a non-empty string (a path, data: URI or base64), got {ref!r}")
+    raw = _decoded(ref)
+    if raw is not None:
+        return raw
+    path = resolve_path(ref, base_dir)
+    if not path.is_file():
+        raise ImageError(f"image file not found: {ref}")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"cannot read image file {ref}: {e}") from e
+
+
+def _opened(raw: bytes, ref: str) -> Any:
+    """The decoded ``PIL.Image`` of ``raw`` (pixels loaded); ``ImageError`` naming ``ref`` when it is none."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(raw))
+        img.load()
+        return img
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        shown = ref if len(ref) <= 80 else ref[:60] + "..."
+        raise ImageError(f"not a readable image: {shown} ({e})") from e
+
+
 def as_data_uri(ref: str, base_dir: Path | None = None) -> str:
     """The image ``ref`` names as a ``data:`` URI (a data: URI as given): for an engine that takes images by URL
     and should not read our files; ``ImageError`` saying why not."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(ref, str) and ref.startswith("data:"):
-        _decoded(ref)  # checked: its base64 decodes
+    raw = _bytes_of(ref, base_dir)
+    if ref.startswith("data:"):
         return ref
-    raw = _decoded(ref) if isinstance(ref, str) else None
-    if raw is None:
-        path = resolve_path(str(ref), base_dir)
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ImageError(f"cannot read image file {ref}: {e}") from e
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            kind = (img.format or "png").lower()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ImageError(f"not a readable image: {str(ref)[:80]} ({e})") from e
+    kind = (_opened(raw, ref).format or "png").lower()
     return f"data:image/{kind};base64," + base64.b64encode(raw).decode("ascii")
 
 
 def load_image(ref: Any, base_dir: Path | None = None) -> Any:
     """The RGB ``PIL.Image`` that ``ref`` names; ``ImageError`` saying why not."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not isinstance(ref, str) or not ref:
-        raise ImageError(f"an image reference must be a non-empty string (a path, data: URI or base64), got {ref!r}")
-    raw = _decoded(ref)
-    if raw is None:
-        path = resolve_path(ref, base_dir)
-        if not path.is_file():
-            raise ImageError(f"image file not found: {ref}")
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ImageError(f"cannot read image file {ref}: {e}") from e
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        shown = ref if len(ref) <= 80 else ref[:60] + "..."
-        raise ImageError(f"not a readable image: {shown} ({e})") from e
+    return _opened(_bytes_of(ref, base_dir), ref).convert("RGB")

@@ -22,17 +22,25 @@ def _png(size=(24, 16)) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("form", ["absolute", "relative", "data_uri", "base64"])
-def test_each_form_of_reference_gives_the_same_rgb_image(tmp_path, form):
-    png = _png()
+FORMS = ["absolute", "relative", "data_uri", "base64"]
+
+
+def _ref(form: str, tmp_path, png: bytes) -> str:
+    """``png`` written under tmp_path/imgs, referred to in ``form``."""
     (tmp_path / "imgs").mkdir()
     (tmp_path / "imgs" / "a.png").write_bytes(png)
-    ref = {
+    return {
         "absolute": str(tmp_path / "imgs" / "a.png"),
         "relative": "imgs/a.png",
         "data_uri": "data:image/png;base64," + base64.b64encode(png).decode(),
         "base64": base64.b64encode(png).decode(),
     }[form]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_each_form_of_reference_gives_the_same_rgb_image(tmp_path, form):
+    png = _png()
+    ref = _ref(form, tmp_path, png)
     assert form != "base64" or len(ref) > 256  # bare base64 is told from a path by its length
     img = load_image(ref, base_dir=tmp_path)
     assert img.mode == "RGB" and img.size == (24, 16) and img.getpixel((3, 3)) == (200, 10, 10)
@@ -62,18 +70,11 @@ def test_a_file_that_is_not_an_image_is_named(tmp_path):
     assert str(refused.value).startswith("not a readable image: notes.png")
 
 
-@pytest.mark.parametrize("form", ["absolute", "relative", "data_uri", "base64"])
+@pytest.mark.parametrize("form", FORMS)
 def test_each_form_of_reference_becomes_a_data_uri_of_the_same_image(tmp_path, form):
     """What vLLM gets (it takes images by URL and reads none of our files): the same picture, its format named."""
     png = _png()
-    (tmp_path / "imgs").mkdir()
-    (tmp_path / "imgs" / "a.png").write_bytes(png)
-    ref = {
-        "absolute": str(tmp_path / "imgs" / "a.png"),
-        "relative": "imgs/a.png",
-        "data_uri": "data:image/png;base64," + base64.b64encode(png).decode(),
-        "base64": base64.b64encode(png).decode(),
-    }[form]
+    ref = _ref(form, tmp_path, png)
     uri = as_data_uri(ref, base_dir=tmp_path)
     assert uri == "data:image/png;base64," + base64.b64encode(png).decode()
     assert load_image(uri).getpixel((3, 3)) == (200, 10, 10)
@@ -83,7 +84,7 @@ def test_a_reference_that_is_no_image_gets_no_data_uri(tmp_path):
     (tmp_path / "notes.txt").write_text("not a picture")
     with pytest.raises(ImageError, match="not a readable image"):
         as_data_uri(str(tmp_path / "notes.txt"))
-    with pytest.raises(ImageError, match="cannot read image file"):
+    with pytest.raises(ImageError, match="image file not found"):
         as_data_uri(str(tmp_path / "missing.png"))
     with pytest.raises(ImageError, match="does not decode"):
         as_data_uri("data:image/png;base64,@@@")
