@@ -91,7 +91,9 @@ def test_a_node_that_fails_to_start_ends_the_job_with_its_name(job_factory):
     assert rc != 0
     assert "ERROR: Ray on node node2 exited during start-up" in job.log, job.log
     assert not job.report(), "training must not start on a partial cluster"
-    assert wait_marked_gone(job.marker, 20) == [], job.log
+    # A Ray process of the stopped head retries its GCS connection (5 s a try) before it exits: under the test
+    # suite's load one was still there 20 s after the script (CI, 2026-12-06).
+    assert wait_marked_gone(job.marker, 60) == [], job.log
 
 
 def test_missing_gpus_time_out_with_what_joined(job_factory):
