@@ -4,7 +4,10 @@ vLLM (0.32; ``python -m vllm.entrypoints.openai.api_server`` with ``VLLM_SERVER_
 ``--enable-scale-out``, see ``vllm/launcher.py``) has what an RL loop needs under other names:
 
 - ``/inference/v1/generate``: token ids in, token ids, text and the sampled tokens' log-probs out,
-  with per-token weight-version spans (``weight_versions``), like SGLang's.
+  with per-token weight-version spans (``weight_versions``), like SGLang's. A VLM prompt's images go as ``data:``
+  URIs in its ``content_parts``, one placeholder token per image, which vLLM expands with its own processor
+  (``inference/vlm_requests.py``); the served model's ``image_token_id`` is read from the folder ``/v1/models``
+  names.
 - ``/pause?mode=keep|abort`` and ``/resume``: SGLang's ``in_place`` (requests freeze and continue
   after the update) is vLLM's ``keep``; ``retract`` has no vLLM counterpart and maps to ``keep``.
 - ``/abort_requests``: vLLM prefixes the ids we give with ``generate-tokens-``; aborting by the
