@@ -22,7 +22,7 @@ Long tail: one step off and fully-async again, pinned, 6 steps each, the answers
 some end in a few tokens (the prompts ask for the bare number), others ramble to the cap, real lengths with a long
 tail; fully-async should stay at or above one step off there. (Answers that ask for the working, as
 ``benchmarks/trl_peer_shapes.py``'s long-answer prompts do, mostly run to the cap: no tail, and a step of minutes on
-one core; capped at 64, SmolLM2's answers averaged 32 tokens and a step took 107 s.)
+one core; capped at 64, SmolLM2's answers averaged 32 tokens and the first step took 107 s.)
 
 Each run's metrics, evals and flags are kept (``benchmarks.run``: ``results/async_real_runs/``); a run kept with the
 same flags and all its steps is read back instead of run again.
