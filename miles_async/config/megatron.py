@@ -309,6 +309,12 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"without Transformer Engine Megatron's local attention runs",
     )
     config = json.loads((Path(ns.hf_checkpoint) / "config.json").read_text())
+    require(
+        "vision_config" not in config,
+        f"--train-backend megatron: {ns.hf_checkpoint} is a vision-language model (model_type "
+        f"{config.get('model_type')!r}, a vision_config in its config.json) and the megatron backend builds no "
+        "vision tower: --train-backend fsdp trains it",
+    )
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     require(

@@ -2,7 +2,10 @@
 text-only prompt in one batch) get the engine log-probs the torch backend computes, the images count (another image
 of the same size changes them), and a weight update that moves only the vision tower reaches the engine (SGLang's
 tensor route, vLLM's disk route: the one each has). SGLang serves a Qwen2.5-VL with the real models' 14-pixel
-patches (the layout of the Qwen2.5-VL launcher, which runs SGLang), vLLM a Qwen2-VL.
+patches (the layout of the Qwen2.5-VL launcher, which runs SGLang), vLLM a Qwen2-VL, and each a Qwen3-VL (16-pixel
+patches, learned vision positions as strong as the patches' features, deepstack; its rotary frequencies interleaved, as
+a real Qwen3-VL's config says: without ``mrope_interleaved`` both engines took Qwen2-VL's blocks and differed from the
+trainer on every image prompt, 2026-12-06).
 
 Both engines expand each image's placeholder themselves: the client sends one placeholder per image
 (``inference/vlm_requests.py``). vLLM gets the images as data: URIs through ``/inference/v1/generate``'s
@@ -39,25 +42,36 @@ from miles_async.rollout.sample import Sample
 from miles_async.weights.update import WeightUpdate, route_for
 from tests.tolerance import StepBounds, assert_rejected, assert_within
 
-# Each engine's tiny VLM: (layout, patch size).
-MODELS = {"sglang": ("qwen2_5_vl", 14), "vllm": ("qwen2_vl", 4)}
-# Red and green: the same size, so the same tokens (4 placeholders with patches of 14 merged 2x2, 49 with 4).
+# The tiny VLMs each engine serves, of the Qwen2 family (Qwen2-VL, Qwen2.5-VL) and Qwen3's: (layout, patch size).
+MODELS = {
+    "sglang": {"qwen2": ("qwen2_5_vl", 14), "qwen3": ("qwen3_vl", 16)},
+    "vllm": {"qwen2": ("qwen2_vl", 4), "qwen3": ("qwen3_vl", 16)},
+}
+# Each patch size's square image side (at least 56: SGLang's area rule), and its placeholders once patches merge 2x2.
+SIDE = {4: 56, 14: 56, 16: 64}
+PLACEHOLDERS = {4: 49, 14: 4, 16: 4}
+# Red, green and yellow: the same size, so the same tokens; blue half as wide again. (width, height) in sides.
 IMAGES = {
-    "red.png": ((56, 56), (220, 30, 30)),
-    "blue.png": ((84, 56), (20, 40, 230)),
-    "green.png": ((56, 56), (0, 200, 0)),
-    "yellow.png": ((56, 56), (230, 220, 0)),
+    "red.png": ((1, 1), (220, 30, 30)),
+    "blue.png": ((1.5, 1), (20, 40, 230)),
+    "green.png": ((1, 1), (0, 200, 0)),
+    "yellow.png": ((1, 1), (230, 220, 0)),
 }
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def vlm(backend, tmp_path_factory) -> Path:
-    """The engine's tiny VLM with SGLang's image size rule for Qwen2-VL, a legacy preprocessor_config.json and
-    ``in_chans``, as real Qwen-VL checkpoints have them."""
+@pytest.fixture(params=["qwen2", "qwen3"])
+def layout(backend, request) -> tuple[str, int]:
+    return MODELS[backend][request.param]
+
+
+@pytest.fixture
+def vlm(layout, tmp_path_factory) -> Path:
+    """The tiny VLM with SGLang's image size rule for Qwen2-VL, a legacy preprocessor_config.json and ``in_chans``, as
+    real Qwen-VL checkpoints have them."""
     from miles_async.assets.tiny_vlm import make_tiny_vlm
 
-    arch, patch = MODELS[backend]
+    arch, patch = layout
     out = make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm_engines"), seed=0, arch=arch, head_dim=32, patch_size=patch)
     proc = json.loads((out / "processor_config.json").read_text())
     proc["image_processor"]["size"] = {"shortest_edge": 3136, "longest_edge": 1003520}
@@ -69,13 +83,13 @@ def vlm(backend, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> dict[str, str]:
+@pytest.fixture
+def images(layout, tmp_path_factory) -> dict[str, str]:
     from PIL import Image
 
-    root = tmp_path_factory.mktemp("vlm_sglang_images")
-    for name, (size, color) in IMAGES.items():
-        img = Image.new("RGB", size, color)
+    root, side = tmp_path_factory.mktemp("vlm_engine_images"), SIDE[layout[1]]
+    for name, ((w, h), color) in IMAGES.items():
+        img = Image.new("RGB", (int(w * side), int(h * side)), color)
         img.putpixel((1, 1), (255, 255, 255))  # not flat: the tower's attention sees differing patches
         img.save(root / name)
     return {name: str(root / name) for name in IMAGES}
@@ -124,7 +138,7 @@ def _update_tower(actor, engine, backend: str, folder: Path) -> None:
     assert asyncio.run(load())["success"]
 
 
-def test_the_engine_serves_a_vlm_and_its_vision_tower_updates(backend, engine_python, vlm, images, tmp_path):
+def test_the_engine_serves_a_vlm_and_its_vision_tower_updates(backend, engine_python, layout, vlm, images, tmp_path):
     from transformers import AutoTokenizer
 
     from miles_async.backends.fsdp.actor import FSDPTrainActor
@@ -152,7 +166,7 @@ def test_the_engine_serves_a_vlm_and_its_vision_tower_updates(backend, engine_py
         (encode("what color?", [images["green.png"]]), [images["green.png"]]),  # red's tokens, another image
     ]
     image_token = json.loads((vlm / "config.json").read_text())["image_token_id"]
-    assert requests[0][0] == requests[3][0] and requests[0][0].count(image_token) == {14: 4, 4: 49}[MODELS[backend][1]]
+    assert requests[0][0] == requests[3][0] and requests[0][0].count(image_token) == PLACEHOLDERS[layout[1]]
     actor = FSDPTrainActor(cfg.train, rank=0, world_size=1, total_optimizer_steps=10)
     with make_engine_process(cfg.engine, 0, str(tmp_path / "logs")) as engine:
         try:

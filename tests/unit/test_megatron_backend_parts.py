@@ -196,3 +196,12 @@ def test_a_distributed_optimizer_checkpoint_resumes_only_into_its_layout(tmp_pat
     check_optimizer_layout({**meta, "has_optimizer": False}, one, True, tmp_path)
     with pytest.raises(RuntimeError, match="saved with --use-distributed-optimizer"):
         check_optimizer_layout(meta, {"tp": 1, "pp": 2, "ep": 1}, False, tmp_path)
+
+
+def test_megatron_refuses_a_vision_language_checkpoint_by_name(tmp_path):
+    """Without --multimodal-keys (which the capability table refuses) a VLM's text side would start building and fail
+    deep in the bridge; the parser names the checkpoint and the backend that trains it."""
+    flags = [*minimal_flags(tmp_path, model_type="qwen2_5_vl", vision_config={"depth": 1}), "--num-rollout", "1"]
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'model'} is a vision-language model (model_type")):
+        parse_args([*flags, "--train-backend", "megatron"])
+    assert parse_args(flags).train.backend == "fsdp"
