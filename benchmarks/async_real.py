@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import eval_curve, machine_info, median, run_quickstart, table
+from benchmarks.common import eval_curve, finish_stamp, kept_machine, median, ran_stamp, run_quickstart, table
 
 PINNED = ("--train-cpu-affinity", "0", "--rollout-cpu-affinity", "1")
 EVAL_KEY = "eval/mul/accuracy"
@@ -267,7 +267,7 @@ def _measure(
     kept = keep / "flags.json"
     if not (kept.exists() and json.loads(kept.read_text()) == flags and len(_jsonl(keep / "metrics.jsonl")) == steps):
         print(f"[async_real] {mode.name}, {steps} steps", file=sys.stderr, flush=True)
-        ran = {"commit": machine_info()["git_commit"], "date": machine_info()["date"], "load": [_load()]}
+        ran = ran_stamp()
         with tempfile.TemporaryDirectory(prefix="miles_async_async_real_") as tmp:
             out = Path(tmp) / "run"
             run_quickstart(flags, model, data, out, timeout=600 + 120 * steps)
@@ -275,15 +275,11 @@ def _measure(
             for name in ("metrics.jsonl", "eval.jsonl"):
                 if (out / name).exists():
                     shutil.copy(out / name, keep / name)
-        (keep / "ran.json").write_text(json.dumps({**ran, "load": [*ran["load"], _load()]}) + "\n")
+        (keep / "ran.json").write_text(json.dumps(finish_stamp(ran)) + "\n")
         kept.write_text(json.dumps(flags) + "\n")
     stats = run_stats(_jsonl(keep / "metrics.jsonl"), _jsonl(keep / "eval.jsonl"), "--synchronous" in mode.flags)
     ran_path = keep / "ran.json"
     return {**stats, "ran": json.loads(ran_path.read_text()) if ran_path.exists() else None}
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 1)
 
 
 def _slug(mode: Mode) -> str:
@@ -308,8 +304,7 @@ def measure(steps: int, long_tail_steps: int, keep: Path) -> dict:
     ran = [r["ran"] for r in [*stats.values(), *(long_tail or {}).values()]]
     if all(ran):
         # The runs may be older than this invocation (read back): the entry names the commits and date they ran at.
-        commits = list(dict.fromkeys(r["commit"] for r in ran))
-        entry["machine"] = {**machine_info(), "git_commit": ", ".join(commits), "date": min(r["date"] for r in ran)}
+        entry["machine"] = kept_machine(ran)
     return entry
 
 

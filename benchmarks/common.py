@@ -65,6 +65,23 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def ran_stamp() -> dict[str, Any]:
+    """Where a kept benchmark run comes from: the commit and date it ran at, and the 1-minute load as it started."""
+    info = machine_info()
+    return {"commit": info["git_commit"], "date": info["date"], "load": [round(os.getloadavg()[0], 1)]}
+
+
+def finish_stamp(ran: dict[str, Any]) -> dict[str, Any]:
+    """``ran`` with the 1-minute load as the run ended."""
+    return {**ran, "load": [*ran["load"], round(os.getloadavg()[0], 1)]}
+
+
+def kept_machine(ran: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The entry's machine when its runs were kept from earlier invocations: the commits and first date they ran at."""
+    commits = list(dict.fromkeys(r["commit"] for r in ran))
+    return {**machine_info(), "git_commit": ", ".join(c or "?" for c in commits), "date": min(r["date"] for r in ran)}
+
+
 def smollm2_path() -> Path:
     from miles_async.assets.smollm2 import prepare_smollm2
 

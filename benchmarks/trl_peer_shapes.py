@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import median, table
+from benchmarks.common import finish_stamp, kept_machine, median, ran_stamp, table
 from benchmarks.trl_peer import prepare_assets, run_kept
 from benchmarks.trl_peer_report import ratio
 
@@ -199,23 +199,47 @@ def headline(entry: dict) -> list[list[str]]:
 # ---- running (I/O) ----
 
 
+def _kept(path: Path, shape: Shape, steps: int) -> dict | None:
+    """The raw result kept at ``path`` if it ran this shape's flags for ``steps`` steps a side."""
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    full = all(len(raw[side]["step_seconds"]) == steps for side in ("ours", "trl"))
+    return raw if raw.get("launcher_args") == shape.launcher_args() and full else None
+
+
 def measure(shapes: Sequence[Shape], steps: int, work: Path) -> dict:
+    """Each shape's raw result is kept in ``work``/SHAPE.json with the commit and date it ran at; one kept there with
+    the same flags and steps is read instead of run again (the set takes hours on 2 cores: a cut run goes on where
+    it stopped, and a shape can be run alone first)."""
     model, data = prepare_assets()
-    rows = []
+    rows, ran = [], []
     for shape in shapes:
-        shaped = write_shaped_data(data, shape, work / shape.name)
-        print(f"[trl_peer_shapes] shape {shape.name}", file=sys.stderr, flush=True)
-        raw = run_kept(steps, steps, shape.launcher_args(), shaped)
-        raw["prompt_tokens"] = prompt_tokens(model, shaped)
-        (work / f"{shape.name}.json").write_text(json.dumps(raw, indent=1) + "\n")
+        path = work / f"{shape.name}.json"
+        raw = _kept(path, shape, steps)
+        if raw is None:
+            shaped = write_shaped_data(data, shape, work / shape.name)
+            print(f"[trl_peer_shapes] shape {shape.name}", file=sys.stderr, flush=True)
+            stamp = ran_stamp()
+            raw = run_kept(steps, steps, shape.launcher_args(), shaped)
+            raw["prompt_tokens"] = prompt_tokens(model, shaped)
+            raw["ran"] = finish_stamp(stamp)
+            path.write_text(json.dumps(raw, indent=1) + "\n")
         rows.append(shape_row(shape, raw))
-    return summarize(rows, steps)
+        ran.append(raw.get("ran"))
+    entry = summarize(rows, steps)
+    if all(ran):
+        entry["machine"] = kept_machine(ran)
+    return entry
 
 
 def run(quick: bool, out_dir: Path) -> dict:
-    """benchmarks.run's entry: the five shapes, 10 steps a side; quick: two small shapes, 2 steps a side. Each
-    shape's raw result stays in ``out_dir``/trl_peer_shapes/."""
-    return measure(QUICK_SHAPES if quick else SHAPES, QUICK_STEPS if quick else STEPS, out_dir / "trl_peer_shapes")
+    """benchmarks.run's entry: the five shapes, 10 steps a side, each shape's raw result kept in
+    ``out_dir``/trl_peer_shapes_runs/ (and read back when its flags match); quick: two small shapes, 2 steps a side,
+    in ``out_dir``/trl_peer_shapes_quick/."""
+    if quick:
+        return measure(QUICK_SHAPES, QUICK_STEPS, out_dir / "trl_peer_shapes_quick")
+    return measure(SHAPES, STEPS, out_dir / "trl_peer_shapes_runs")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""The GPU cluster path rehearsed on this machine: scripts/slurm/train-async.sbatch starts a three-node Ray
-cluster (a head and two workers, each its own `ray start` with 2 logical GPUs and a Ray resource naming its node)
-and runs the Qwen3 launcher as written, on a tiny random Qwen3 (MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh),
+"""The GPU cluster path rehearsed on this machine: scripts/slurm/train-async.sbatch starts a two-node Ray cluster (a
+head and a worker, each its own `ray start` with 2 logical GPUs and a Ray resource naming its node) and runs the
+Qwen3 launcher as written, on a tiny random Qwen3 (MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh),
 with the real train_async.py: Megatron TP 2 over gloo and a real SGLang CPU server. Sizes come from flags
 appended to the launcher's command, as an operator would give them.
 
@@ -14,7 +14,7 @@ again, and the new run resumes from that checkpoint and ends at --num-rollout. N
 node after either run.
 
 A second, shorter run does the same for the MoE launcher (scripts/run-qwen3-30B-A3B-async.sh) on a tiny
-Qwen3-MoE: Megatron TP 2 x EP 2 over two nodes, SGLang on the third.
+Qwen3-MoE and three nodes: Megatron TP 2 x EP 2 over two, SGLang on the third.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from tests.scripts.helpers import ROOT, Job, cmdline, marked_pids, wait_marked_g
 pytestmark = pytest.mark.sglang
 
 NODES = ["node1", "node2", "node3"]
+DENSE_NODES = NODES[:2]  # the actor's node and the engine's
 NODE_RESOURCE = "rehearsal_"  # each Ray node's resource "rehearsal_<Slurm node>" (the stub srun adds it)
-NUM_ROLLOUT = 6  # enough that the first run is still training when Slurm stops it after the save
+# Enough that the first run is still training when Slurm stops it after the save: a tiny step takes 0.3 s here.
+NUM_ROLLOUT = 10
 LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-4B-async.sh")]
 # Appended to the launcher's command (they override its own): 2 Megatron workers as one TP 2 group, 1 SGLang
 # engine of 1 GPU (two engines of a run are the MoE rehearsal's), 2 prompts x 2 samples a step, 4-token answers, one
@@ -96,7 +98,7 @@ def _ray_nodes(job: Job) -> dict[str, str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resources = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(map(len, resources.values())) == [1, 1, 1], resources
+    assert all(len(names) == 1 for names in resources.values()), resources  # one rehearsal resource a node
     return {node_id: names[0].removeprefix(NODE_RESOURCE) for node_id, names in resources.items()}
 
 
@@ -143,11 +145,11 @@ def _check_nothing_left(job: Job, procs: dict) -> None:
     assert left == [], [cmdline(p) for p in left]
 
 
-def _job(job_factory, model_args: str) -> Job:
-    """The Slurm script's job on the three rehearsal nodes, with the launcher's model args from
+def _job(job_factory, model_args: str, nodes: list[str]) -> Job:
+    """The Slurm script's job on the rehearsal's ``nodes``, with the launcher's model args from
     scripts/models/``model_args``."""
     return job_factory(
-        NODES,
+        nodes,
         MILES_ASYNC_SGLANG_PYTHON=_engine_python("sglang"),
         STUB_SRUN_NODE_RESOURCE=NODE_RESOURCE,
         RAY_ADDRESS="",
@@ -163,7 +165,7 @@ def _job(job_factory, model_args: str) -> Job:
 
 def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_factory):
     t0 = time.monotonic()
-    job = _job(job_factory, "qwen3-tiny.sh")
+    job = _job(job_factory, "qwen3-tiny.sh", DENSE_NODES)
     model, data = _model_and_data(job.tmp)
     out = job.tmp / "out"
     job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
@@ -178,27 +180,26 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_resumes(job_fac
 
     # Meanwhile, where the run placed its processes, on the live cluster.
     nodes = _ray_nodes(job)
-    assert sorted(nodes.values()) == NODES, nodes
+    assert sorted(nodes.values()) == DENSE_NODES, nodes
     procs = json.loads((out / "processes.json").read_text())
     _check_placement(procs, nodes)
 
     pointer = job.save_dir / "latest_checkpointed_iteration.txt"
     scontrol_log = job.tmp / "scontrol.log"
     job.wait_for("scontrol requeue after the save", scontrol_log.exists, timeout=300)
+    # Slurm requeues: SIGTERM to the batch script at once, as Slurm stops a requeued job (steps of the tiny model
+    # take 0.3 s, so the run would otherwise reach its end first); the script stops the run and Ray on every node.
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait_exit(180) == 143, job.log[-5000:]
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
     saved = int(pointer.read_text())
-    said = f"saved rollout {saved} on the sentinel {job.save_dir / 'SAVE_NOW'}"
-    job.wait_for("the run's word on the save", lambda: said in job.log, timeout=30)
+    assert f"saved rollout {saved} on the sentinel {job.save_dir / 'SAVE_NOW'}" in job.log, job.log[-5000:]
     assert (job.save_dir / f"iter_{saved:07d}" / "actor" / "megatron" / ".metadata").is_file()
     assert not (job.save_dir / "SAVE_NOW").exists()
     first = _metrics(out)
     # The sentinel save of rollout `saved` precedes that step's metrics row; SIGTERM may land between them.
     assert [m["step"] for m in first][:saved] == list(range(1, saved + 1)), first
     _check_trained(first, out, 1)
-
-    # Slurm requeues: SIGTERM to the batch script, which stops the run and Ray on every node.
-    os.kill(job.proc.pid, signal.SIGTERM)
-    assert job.wait_exit(180) == 143, job.log[-5000:]
     assert max(m["step"] for m in _metrics(out)) < NUM_ROLLOUT, "the first run ended before Slurm stopped it"
     _check_nothing_left(job, procs)
 
@@ -240,7 +241,7 @@ def test_rehearsal_cluster_trains_the_moe_launcher_at_tp2_ep2_with_sglang(job_fa
     from miles_async.assets.tiny_model import make_tiny_model
 
     t0 = time.monotonic()
-    job = _job(job_factory, "qwen3-moe-tiny.sh")
+    job = _job(job_factory, "qwen3-moe-tiny.sh", NODES)
     _, data = _model_and_data(job.tmp)
     model = make_tiny_model(job.tmp / "moe", seed=2, arch="qwen3_moe", tied=False)
     out = job.tmp / "out"

@@ -78,3 +78,19 @@ def test_benchmarks_run_takes_names_comma_separated():
     assert bench_run._names("roofline,trl_peer_shapes") == ["roofline", "trl_peer_shapes"]
     with pytest.raises(Exception, match="not a benchmark"):
         bench_run._names("roofline,nope")
+
+
+def test_a_kept_shape_is_read_back_only_for_its_flags_and_all_its_steps(tmp_path):
+    """The set takes hours on 2 cores: a shape kept from an earlier invocation is reused, unless it ran other flags
+    or was cut short."""
+    shape, path = shapes.Shape(32, 4, 40), tmp_path / "32x4x40.json"
+    raw = {
+        "launcher_args": shape.launcher_args(),
+        "ours": {"step_seconds": [1.0] * 3},
+        "trl": {"step_seconds": [2.0] * 3},
+    }
+    path.write_text(json.dumps(raw))
+    assert shapes._kept(path, shape, 3) == raw
+    assert shapes._kept(path, shape, 10) is None  # cut short
+    assert shapes._kept(path, shapes.Shape(32, 8, 40), 3) is None  # another shape's flags
+    assert shapes._kept(tmp_path / "none.json", shape, 3) is None
