@@ -101,7 +101,9 @@ def write_file(path: str) -> str:
 
 
 def where() -> dict:
-    return {"cwd": os.getcwd(), "home": os.environ.get("HOME"), "tmp": sorted(os.listdir("/tmp"))}
+    # At most 500 names: a shared machine's /tmp (thousands of entries) would otherwise overflow the reply's
+    # max_chars and cut the JSON (2026-12-06); a private /tmp holds a handful.
+    return {"cwd": os.getcwd(), "home": os.environ.get("HOME"), "tmp": sorted(os.listdir("/tmp"))[:500]}
 
 
 def remember(value: str) -> str:
