@@ -110,7 +110,7 @@ def make_tiny_vlm(
     model = model_cls(config).float()
     if arch == "qwen3_vl":
         # Learned positions as strong as the patches' features, as a trained model's are: an engine that interpolates
-        # them otherwise than the trainer (SGLang's default for Qwen3-VL) then differs beyond the tests' tolerances.
+        # them otherwise than the trainer (SGLang's code has such a mode) then differs beyond the tests' tolerances.
         with torch.no_grad():
             model.model.visual.pos_embed.weight.normal_(0.0, 1.0)
     side = 2 * patch_size

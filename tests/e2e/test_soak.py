@@ -27,8 +27,11 @@ SEED = 0
 SETTINGS = Settings(num_rollout=5, num_prompts=8, attempt_timeout=420)
 # The driver's mid-save kill: the whole run dies with a checkpoint half written (the training worker's, the other
 # mid-save kill, left the suite for its time budget on 2026-12-06, as the timed kills did before).
-MID_SAVE = [p.run for p in plan_runs(SEED, len(TARGETS), SETTINGS.num_rollout) if p.moment == "mid-save"]
-SUITE_RUNS = [run for run in MID_SAVE if plan_runs(SEED, len(TARGETS), SETTINGS.num_rollout)[run].target == "driver"]
+SUITE_RUNS = [
+    p.run
+    for p in plan_runs(SEED, len(TARGETS), SETTINGS.num_rollout)
+    if p.moment == "mid-save" and p.target == "driver"
+]
 
 
 def test_the_fast_plan_kills_every_target_once_and_saves_midway():
