@@ -145,10 +145,16 @@ def step_batch(model: Path, s: Settings) -> Any:
 
 
 def measure_step(
-    model: Path, data: Path, s: Settings, dtype: str, between: Callable[[], None] = rc.no_sync
+    model: Path,
+    data: Path,
+    s: Settings,
+    dtype: str,
+    between: Callable[[], None] = rc.no_sync,
+    profile: bool = True,
 ) -> list[rc.Phase]:
-    """The step's phases: one warm-up, ``s.reps`` timed runs, one counted, one profiled; the engine's run and the
-    trainer's alternate, so both see the same load on a shared machine. ``between`` runs before each round."""
+    """The step's phases: one warm-up, ``s.reps`` timed runs, one counted, one profiled (unless not ``profile``);
+    the engine's run and the trainer's alternate, so both see the same load on a shared machine. ``between`` runs
+    before each round."""
     from miles_async.inference.embedded.engine import Engine
 
     torch.set_num_threads(_threads())
@@ -160,7 +166,7 @@ def measure_step(
     runs: dict[str, list[list[rc.Phase]]] = {"time": [], "flops": [], "profile": []}
     rollout = 0
     try:
-        for how in ["time"] * (s.reps + 1) + ["flops", "profile"]:
+        for how in ["time"] * (s.reps + 1) + ["flops"] + (["profile"] if profile else []):
             between()
             gen = rc.engine_phases(engine, prompts, s.samples, s.response_len, how)
             train = rc.actor_phases(actor, batch, rollout, how)
@@ -168,7 +174,7 @@ def measure_step(
             runs[how].append(gen + train)
     finally:
         engine.shutdown()
-    return rc.account(runs["time"][1:], runs["flops"][0], runs["profile"][0])
+    return rc.account(runs["time"][1:], runs["flops"][0], runs["profile"][0] if profile else None)
 
 
 # --------------------------------------------------------------------------- report
@@ -367,6 +373,43 @@ def run(quick: bool, out_dir: Path, settings: Settings | None = None) -> dict:
         "limits": limits,
         "phases": rows,
         **report(limits, rows, model_name, s, dtype, out_dir),
+    }
+
+
+# A step with one optimizer step and no KL penalty (the TRL peer's, the quickstart's) runs these phases: its old
+# log-probs come from the training pass and it builds no reference model.
+STEP_PHASES = ("prefill", "decode", "train fwd+bwd", "optimizer")
+
+
+def step_bound(s: Settings) -> dict:
+    """The roofline of a whole SmolLM2 step at ``s``'s shape: each of ``STEP_PHASES`` measured through our code
+    (``s.reps`` timed runs, one counted, no profile) against the limits measured in the same process; the step's
+    bound is the sum of its phases' bounds."""
+    from transformers import AutoConfig
+
+    from benchmarks.common import smollm2_path, tiny_setup
+    from miles_async.config.precision import cpu_has_bf16
+
+    dtype = "bfloat16" if torch.cuda.is_available() or cpu_has_bf16() else "float32"
+    model = smollm2_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        _, data, _ = tiny_setup(Path(tmp), n_train=16)
+        torch.set_num_threads(_threads())
+        probes = Probes(measure_limits(AutoConfig.from_pretrained(model), s, dtype == "bfloat16"), s, dtype)
+        phases = measure_step(model, data, s, dtype, between=probes, profile=False)
+        limits = probes.best()
+    rows = {r["phase"]: r for r in phase_rows(phases, limits) if r["phase"] in STEP_PHASES}
+    return {
+        "settings": asdict(s),
+        "dtype": dtype,
+        "peak": limits["peaks"][dtype],
+        "bandwidth": limits["bandwidth"],
+        "phases": {
+            name: {k: r[k] for k in ("seconds", "bound_seconds", "fraction", "binding", "flops", "bytes")}
+            for name, r in rows.items()
+        },
+        "seconds": sum(r["seconds"] for r in rows.values()),
+        "bound_seconds": sum(r["bound_seconds"] for r in rows.values()),
     }
 
 

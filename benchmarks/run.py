@@ -41,6 +41,7 @@ REGISTRY: dict[str, str] = {
     "quickstart_speed": "benchmarks.quickstart_speed",
     "roofline": "benchmarks.roofline",
     "async_real": "benchmarks.async_real",
+    "levers": "benchmarks.levers",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

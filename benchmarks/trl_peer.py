@@ -299,10 +299,16 @@ def _timed(cmd: list[str], log: Path, timeout: float, what: str, env: dict, load
 
 
 def run_both(
-    steps: int, interval: int, work: Path, launcher_args: Sequence[str] = (), data: Path | None = None
+    steps: int,
+    interval: int,
+    work: Path,
+    launcher_args: Sequence[str] = (),
+    data: Path | None = None,
+    trl_steps: int | None = None,
 ) -> dict:
     """One run of ours, then TRL's on the same prompts; ``data``: a train/eval.jsonl folder other than the
-    quickstart's (the shape set's longer prompts)."""
+    quickstart's (the shape set's longer prompts); ``trl_steps``: TRL runs only the first this many of our steps'
+    prompts (where its steps take many minutes each)."""
     python = trl_python()
     model, quickstart_data = prepare_assets()
     data = data or quickstart_data
@@ -314,6 +320,8 @@ def run_both(
     # Our run's precision as it resolves on this machine (bf16 only where the CPU computes it): TRL's follows.
     ns, _ = precision.fall_back(ns, on_gpu=False, has_bf16=precision.cpu_has_bf16())
     trl_flags = peer_args(ns)
+    n_trl = steps if trl_steps is None else trl_steps
+    trl_flags[trl_flags.index("--steps") + 1] = str(n_trl)
     timeout = 600 + 600 * steps
     load: dict[str, list[float]] = {"ours": [], "trl": []}
     ours_wall = _timed(launcher, work / "ours.log", timeout, f"train_async.py, {steps} steps", env, load["ours"])
@@ -331,14 +339,17 @@ def run_both(
     ordered.write_text("".join(json.dumps(r) + "\n" for r in sequence))
     cmd = [str(python), str(RUNNER), "--model", str(model), "--train", str(ordered), "--in-order"]
     cmd += ["--eval", str(data / "eval.jsonl"), "--out", str(trl_out), *trl_flags]
-    trl_wall = _timed(cmd, work / "trl.log", timeout, f"TRL GRPOTrainer, {steps} steps", env, load["trl"])
-    trl_steps, trl_evals = _jsonl(trl_out / "steps.jsonl"), _jsonl(trl_out / "evals.jsonl")
+    # A shape whose TRL steps run fewer (they take many minutes each) gets their time, not ours.
+    trl_timeout = 600 + 1800 * n_trl if n_trl < steps else timeout
+    trl_wall = _timed(cmd, work / "trl.log", trl_timeout, f"TRL GRPOTrainer, {n_trl} steps", env, load["trl"])
+    trl_records, trl_evals = _jsonl(trl_out / "steps.jsonl"), _jsonl(trl_out / "evals.jsonl")
     trl = {
-        "step_seconds": [r["step_seconds"] for r in trl_steps],
+        "step_seconds": [r["step_seconds"] for r in trl_records],
         "curve": trl_curve(trl_evals),
-        "response_len_mean": [r.get("completion_mean_length") for r in trl_steps],
+        "response_len_mean": [r.get("completion_mean_length") for r in trl_records],
     }
-    check_same_prompts("TRL", sequence, ns.rollout_batch_size, [r["prompts"] for r in trl_steps], "prompt")
+    trl_sequence = sequence[: n_trl * ns.rollout_batch_size]
+    check_same_prompts("TRL", trl_sequence, ns.rollout_batch_size, [r["prompts"] for r in trl_records], "prompt")
     version = subprocess.run(
         [str(python), "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
         capture_output=True,
@@ -352,7 +363,7 @@ def run_both(
             "reward_mean": [r.get("rollout/reward_mean") for r in metrics],
             "response_len_mean": [r.get("rollout/response_len_mean") for r in metrics],
         },
-        "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_steps]},
+        "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_records]},
         "launcher_args": list(launcher_args),
         "mode": loop_mode(ns),
         "trl_flags": trl_flags,
@@ -362,11 +373,17 @@ def run_both(
     }
 
 
-def run_kept(steps: int, interval: int, launcher_args: Sequence[str], data: Path | None = None) -> dict:
+def run_kept(
+    steps: int,
+    interval: int,
+    launcher_args: Sequence[str],
+    data: Path | None = None,
+    trl_steps: int | None = None,
+) -> dict:
     """``run_both`` in a scratch folder, removed after a success and kept (with both runs' logs) after a failure."""
     work = Path(tempfile.mkdtemp(prefix="miles_async_trl_peer_"))
     try:
-        raw = run_both(steps, interval, work, launcher_args, data)
+        raw = run_both(steps, interval, work, launcher_args, data, trl_steps)
     except Exception:
         print(f"[trl_peer] failed; logs kept in {work}", file=sys.stderr, flush=True)
         raise

@@ -16,7 +16,11 @@ clock). The prompts are the quickstart's multiplication questions:
   shares it within a group as it would a long system prompt).
 
 Reported per shape: the median seconds per step of each side, their ratio against the 5x goal, and the mean answer
-and prompt lengths each side ran (sampled answers end at EOS, so the answer token count is a cap).
+and prompt lengths each side ran (sampled answers end at EOS, so the answer token count is a cap). Where TRL's steps
+take many minutes each (``Shape.trl_steps``), TRL runs the first few of our steps' prompts, and its median is of
+those. Each shape also gets the roofline of our step (``benchmarks/roofline.py``'s ``step_bound``: the least time
+its prefill, decode, training and optimizer step can take on this machine, at the run's mean lengths), so that a
+missed goal says how close to that bound the goal would need our step to run.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import random
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import finish_stamp, kept_machine, median, ran_stamp, table
 from benchmarks.trl_peer import prepare_assets, run_kept
@@ -50,6 +55,7 @@ class Shape:
     answer: int  # --rollout-max-response-len
     group: int  # --n-samples-per-prompt
     prompt: int  # prompt tokens, roughly (40: the quickstart's; 300: with the preamble)
+    trl_steps: int | None = None  # TRL's steps where they take many minutes each; None: as many as ours
 
     @property
     def name(self) -> str:
@@ -71,7 +77,15 @@ class Shape:
         ]
 
 
-SHAPES = (Shape(8, 8, 40), Shape(32, 4, 40), Shape(32, 16, 40), Shape(128, 8, 40), Shape(32, 8, 300))
+# TRL's first step at 32x8x300 ran past 13 minutes (64 rows of ~330 tokens in one micro-batch): 10 of them would
+# take over two hours on 2 cores, so its median is of 2; at 128x8x40, of 5.
+SHAPES = (
+    Shape(8, 8, 40),
+    Shape(32, 4, 40),
+    Shape(32, 16, 40),
+    Shape(128, 8, 40, trl_steps=5),
+    Shape(32, 8, 300, trl_steps=2),
+)
 QUICK_SHAPES = (Shape(8, 2, 40), Shape(16, 2, 300))
 
 
@@ -130,8 +144,11 @@ def _mean(xs: Sequence[float | None]) -> float | None:
 
 
 def shape_row(shape: Shape, raw: dict) -> dict:
+    """The shape's medians and ratio; with its roofline (``raw["roofline"]``, ``roofline.step_bound``), the least
+    time our step's phases can take here, the fraction of it our step reaches, and the fraction it would need for
+    the goal (our step at TRL's over ``GOAL``)."""
     ours, trl = median(raw["ours"]["step_seconds"]), median(raw["trl"]["step_seconds"])
-    return {
+    row = {
         "shape": shape.name,
         "answer": shape.answer,
         "group": shape.group,
@@ -139,13 +156,57 @@ def shape_row(shape: Shape, raw: dict) -> dict:
         "ours_median": ours,
         "trl_median": trl,
         "ratio": ratio(trl, ours),
+        "ours_steps": len(raw["ours"]["step_seconds"]),
+        "trl_steps": len(raw["trl"]["step_seconds"]),
         "ours_answer_tokens": _mean(raw["ours"]["response_len_mean"]),
         "trl_answer_tokens": _mean(raw["trl"]["response_len_mean"]),
     }
+    bound = raw.get("roofline")
+    if bound is not None:
+        row["roofline"] = bound
+        row["bound_seconds"] = bound["bound_seconds"]
+        row["ours_fraction"] = bound["bound_seconds"] / ours
+        row["goal_fraction"] = bound["bound_seconds"] * GOAL / trl
+    return row
+
+
+def roofline_settings(shape: Shape, raw: dict) -> Any:
+    """The roofline's step at the lengths the shape's run had: its mean prompt and our mean answer, rounded."""
+    from benchmarks.roofline import FULL
+
+    answer = max(1, round(_mean(raw["ours"]["response_len_mean"]) or shape.answer))
+    return replace(
+        FULL, prompts=PROMPTS_PER_STEP, samples=shape.group, prompt_len=round(raw["prompt_tokens"]), response_len=answer
+    )
 
 
 def _n(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _steps(r: dict, steps: int) -> str:
+    """The median's step counts where a side ran other than ``steps``."""
+    if r["ours_steps"] == r["trl_steps"] == steps:
+        return ""
+    return f" ({r['ours_steps']} / {r['trl_steps']} steps)"
+
+
+def _miss_note(r: dict) -> str:
+    b = r["roofline"]
+    phases = ", ".join(
+        f"{name} {p['seconds']:.1f} s ({p['fraction']:.0%} of its {p['bound_seconds']:.2f} s)"
+        for name, p in b["phases"].items()
+    )
+    return (
+        f"{r['shape']}: {GOAL:.0f}x TRL's {r['trl_median']:.1f} s needs our step at {r['trl_median'] / GOAL:.1f} s, "
+        f"{r['goal_fraction']:.0%} of the least time its phases can take here ({r['bound_seconds']:.1f} s at "
+        f"{b['peak'] / 1e9:.0f} GFLOP/s and {b['bandwidth'] / 1e9:.0f} GB/s); it runs at {r['ours_fraction']:.0%}. "
+        f"Its phases in the roofline's run ({b['seconds']:.1f} s in all): {phases}."
+    )
 
 
 def summarize(rows: Sequence[dict], steps: int) -> dict:
@@ -154,20 +215,24 @@ def summarize(rows: Sequence[dict], steps: int) -> dict:
             r["shape"],
             f"{r['answer']} / {r['group']} / {r['prompt_tokens']:.0f}",
             _n(r["ours_median"], ".1f"),
-            _n(r["trl_median"], ".1f"),
+            _n(r["trl_median"], ".1f") + _steps(r, steps),
             _n(r["ratio"], ".2f") + "x",
             f"{_n(r['ours_answer_tokens'], '.1f')} / {_n(r['trl_answer_tokens'], '.1f')}",
+            _n(r.get("bound_seconds"), ".1f"),
+            _pct(r.get("ours_fraction")),
+            _pct(r.get("goal_fraction")),
             "met" if r["ratio"] is not None and r["ratio"] >= GOAL else "missed",
         ]
         for r in rows
     ]
+    missed = [r for r in rows if "roofline" in r and (r["ratio"] is None or r["ratio"] < GOAL)]
     return {
         "steps": steps,
         "shapes": list(rows),
         "tables": [
             table(
                 f"Seconds per step by task shape, train_async.py (--synchronous) vs TRL GRPOTrainer, median of {steps} "
-                "steps a side",
+                "steps a side unless said",
                 [
                     "shape",
                     "answer cap / group / prompt tokens",
@@ -175,14 +240,31 @@ def summarize(rows: Sequence[dict], steps: int) -> dict:
                     "TRL s/step",
                     "TRL / ours",
                     "answer tokens, ours / TRL",
+                    "our step's bound s",
+                    "ours at, of the bound",
+                    f"{GOAL:.0f}x needs, of the bound",
                     f"goal {GOAL:.0f}x",
                 ],
                 body,
                 "8 prompts a step; prompt tokens: the train split's mean with the chat template; answer tokens: the "
-                "mean sampled length (answers end at EOS or the cap)",
+                "mean sampled length (answers end at EOS or the cap); our step's bound: the roofline's least time for "
+                "its prefill, decode, training and optimizer step at this shape (benchmarks/roofline.py's "
+                "step_bound, at the run's mean prompt and answer lengths), and the fractions of it our step reaches "
+                f"and would need for {GOAL:.0f}x",
             )
         ],
+        "notes": [_miss_note(r) for r in missed],
     }
+
+
+def _headline_result(r: dict, steps: int) -> str:
+    out = f"{r['ours_median']:.1f} s vs {r['trl_median']:.1f} s{_steps(r, steps)} ({r['ratio']:.2f}x; goal {GOAL:.0f}x)"
+    if "roofline" in r and r["ratio"] < GOAL:
+        out += (
+            f"; our step at {r['ours_fraction']:.0%} of its roofline bound ({r['bound_seconds']:.1f} s), "
+            f"{GOAL:.0f}x needs {r['goal_fraction']:.0%}"
+        )
+    return out
 
 
 def headline(entry: dict) -> list[list[str]]:
@@ -190,7 +272,7 @@ def headline(entry: dict) -> list[list[str]]:
         [
             f"seconds per step, train_async.py vs TRL GRPOTrainer, SmolLM2-135M, shape {r['shape']} (answer cap x "
             "group x prompt tokens)",
-            f"{r['ours_median']:.1f} s vs {r['trl_median']:.1f} s ({r['ratio']:.2f}x; goal {GOAL:.0f}x)",
+            _headline_result(r, entry["steps"]),
         ]
         for r in entry["shapes"]
     ]
@@ -200,18 +282,20 @@ def headline(entry: dict) -> list[list[str]]:
 
 
 def _kept(path: Path, shape: Shape, steps: int) -> dict | None:
-    """The raw result kept at ``path`` if it ran this shape's flags for ``steps`` steps a side."""
+    """The raw result kept at ``path`` if it ran this shape's flags for ``steps`` steps (TRL: the shape's own count
+    where it has one)."""
     if not path.exists():
         return None
     raw = json.loads(path.read_text())
-    full = all(len(raw[side]["step_seconds"]) == steps for side in ("ours", "trl"))
+    full = len(raw["ours"]["step_seconds"]) == steps and len(raw["trl"]["step_seconds"]) == (shape.trl_steps or steps)
     return raw if raw.get("launcher_args") == shape.launcher_args() and full else None
 
 
-def measure(shapes: Sequence[Shape], steps: int, work: Path) -> dict:
+def measure(shapes: Sequence[Shape], steps: int, work: Path, roofline: bool = True) -> dict:
     """Each shape's raw result is kept in ``work``/SHAPE.json with the commit and date it ran at; one kept there with
     the same flags and steps is read instead of run again (the set takes hours on 2 cores: a cut run goes on where
-    it stopped, and a shape can be run alone first)."""
+    it stopped, and a shape can be run alone first). ``roofline``: each shape's step bound (SmolLM2), measured once
+    and kept with it."""
     model, data = prepare_assets()
     rows, ran = [], []
     for shape in shapes:
@@ -221,9 +305,17 @@ def measure(shapes: Sequence[Shape], steps: int, work: Path) -> dict:
             shaped = write_shaped_data(data, shape, work / shape.name)
             print(f"[trl_peer_shapes] shape {shape.name}", file=sys.stderr, flush=True)
             stamp = ran_stamp()
-            raw = run_kept(steps, steps, shape.launcher_args(), shaped)
+            trl_steps = min(shape.trl_steps, steps) if shape.trl_steps else None
+            raw = run_kept(steps, steps, shape.launcher_args(), shaped, trl_steps)
             raw["prompt_tokens"] = prompt_tokens(model, shaped)
             raw["ran"] = finish_stamp(stamp)
+            path.write_text(json.dumps(raw, indent=1) + "\n")
+        if roofline and "roofline" not in raw:
+            from benchmarks.roofline import step_bound
+
+            print(f"[trl_peer_shapes] shape {shape.name}: the roofline of our step", file=sys.stderr, flush=True)
+            stamp = ran_stamp()
+            raw["roofline"] = {**step_bound(roofline_settings(shape, raw)), "ran": finish_stamp(stamp)}
             path.write_text(json.dumps(raw, indent=1) + "\n")
         rows.append(shape_row(shape, raw))
         ran.append(raw.get("ran"))
@@ -238,7 +330,7 @@ def run(quick: bool, out_dir: Path) -> dict:
     ``out_dir``/trl_peer_shapes_runs/ (and read back when its flags match); quick: two small shapes, 2 steps a side,
     in ``out_dir``/trl_peer_shapes_quick/."""
     if quick:
-        return measure(QUICK_SHAPES, QUICK_STEPS, out_dir / "trl_peer_shapes_quick")
+        return measure(QUICK_SHAPES, QUICK_STEPS, out_dir / "trl_peer_shapes_quick", roofline=False)
     return measure(SHAPES, STEPS, out_dir / "trl_peer_shapes_runs")
 
 
@@ -249,12 +341,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS, help="steps a side for each shape")
     ap.add_argument("--only", nargs="+", default=None, metavar="SHAPE", help="shapes by name, e.g. 32x4x40")
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_shapes"))
+    ap.add_argument("--no-roofline", action="store_true", help="skip each shape's step bound (run it later)")
     args = ap.parse_args(argv)
     by_name = {s.name: s for s in SHAPES}
     unknown = sorted(set(args.only or ()) - set(by_name))
     if unknown:
         ap.error(f"--only {' '.join(unknown)}: the shapes are {', '.join(by_name)}")
-    entry = measure([by_name[n] for n in args.only] if args.only else SHAPES, args.steps, args.out)
+    picked = [by_name[n] for n in args.only] if args.only else SHAPES
+    entry = measure(picked, args.steps, args.out, roofline=not args.no_roofline)
     write_entry(entry, args.out)
     return 0
 

@@ -38,6 +38,13 @@ class SharedPrefixLayout:
     source_pos: torch.Tensor  # [G, L] that token's position in its sample, -1 for padding
     pixels: dict[str, torch.Tensor] | None = None  # a VLM's: each sequence's images in sequence order
 
+    @property
+    def blocks(self) -> tuple[int, int, int]:
+        """(P, K, R): the prompt's columns, the slots a sequence has and each slot's width."""
+        r = self.column.shape[1]
+        k = (self.logits_to_keep - 1) // r
+        return self.input_ids.shape[1] - k * r, k, r
+
 
 def prompt_keys(prompts: list[list[int]], images: list[list[str]] | None = None) -> list[Hashable]:
     """What two rows must have equal to share their prompt: its tokens and its images."""

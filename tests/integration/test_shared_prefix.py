@@ -1,11 +1,13 @@
 """--shared-prefix on a tiny real model: the policy's log-probs and one training step's gradients equal those of
-one row per sample, with fewer micro-batches under the same --max-tokens-per-gpu (no Ray)."""
+one row per sample, with fewer micro-batches under the same --max-tokens-per-gpu (no Ray); the shared layout's passes
+run through the attention that computes only the blocks its mask opens (backends/fsdp/prefix_attention.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from miles_async.backends.fsdp.actor import FSDPTrainActor, response_logits
+from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA
 from miles_async.backends.packing import collate
 from tests.integration.test_algorithms_in_trainer import _batch, _cfg
 from tests.integration.test_data_parallel import record_torch_step
@@ -29,6 +31,9 @@ def test_shared_prefix_trains_like_one_row_per_sample(tiny_model, tiny_task, tmp
     shared = _actor(_cfg(tiny_model, tiny_task, tmp_path, *budget))
     rows = _actor(_cfg(tiny_model, tiny_task, tmp_path, *budget, "--no-shared-prefix"))
     assert shared._shares_prefix and not rows._shares_prefix
+    # the shared layout's passes run the attention that skips its closed blocks (prefix_attention.py)
+    assert shared.module.config._attn_implementation == SHARED_PREFIX_SDPA
+    assert rows.module.config._attn_implementation == "sdpa"
     batch = _batch()
     idx = list(range(len(batch.tokens)))
     # Four prompts of 3-6 tokens, four samples each: the shared layout needs fewer passes for the same budget.

@@ -77,3 +77,13 @@ def test_a_synchronous_runs_between_step_evals_are_taken_out_of_its_clock(tmp_pa
     background = run_result(tmp_path, rows, "k", "one-step-off")
     assert background["curve"][-1] == (4, 0.7, 65.0)
     assert (background["step_seconds_mean"], background["wall_seconds"]) == (17.5, 60.0)
+
+
+def test_a_levers_before_and_after_alternate_and_its_speedup_is_their_medians_ratio():
+    from benchmarks.levers import alternate, lever_row
+
+    calls: list[str] = []
+    before, after = alternate(lambda: calls.append("b"), lambda: calls.append("a"), rounds=3)
+    assert calls == ["b", "a"] * 4 and len(before) == len(after) == 3  # one warm-up of each, untimed
+    row = lever_row("fused AdamW", "optimizer step", "8x8x40", [0.5, 0.2, 0.9], [0.1, 0.1, 0.3])
+    assert (row["before_median"], row["after_median"], row["speedup"]) == (0.5, 0.1, 5.0)

@@ -59,15 +59,44 @@ def _raw(ours: list[float], trl: list[float]) -> dict:
     }
 
 
+def _bound(seconds: float) -> dict:
+    phase = {"seconds": seconds, "bound_seconds": seconds / 4, "fraction": 0.25}
+    phases = {"train fwd+bwd": phase}
+    return {"phases": phases, "seconds": seconds, "bound_seconds": seconds / 4, "peak": 4e11, "bandwidth": 4e10}
+
+
+def test_a_missed_shape_says_what_fraction_of_its_steps_roofline_the_goal_needs():
+    # ours 8 s, TRL 20 s: 5x needs 4 s; the step's phases can take no less than 2 s here, so 5x needs 50% of it
+    row = shapes.shape_row(shapes.Shape(32, 4, 40), {**_raw([8.0], [20.0]), "roofline": _bound(8.0)})
+    assert row["ratio"] == pytest.approx(2.5) and row["bound_seconds"] == 2.0
+    assert row["ours_fraction"] == pytest.approx(0.25) and row["goal_fraction"] == pytest.approx(0.5)
+    entry = shapes.summarize([row], steps=1)
+    assert entry["tables"][0]["rows"][0][6:] == ["2.0", "25%", "50%", "missed"]
+    assert entry["notes"] == [
+        "32x4x40: 5x TRL's 20.0 s needs our step at 4.0 s, 50% of the least time its phases can take here (2.0 s at "
+        "400 GFLOP/s and 40 GB/s); it runs at 25%. Its phases in the roofline's run (8.0 s in all): train fwd+bwd "
+        "8.0 s (25% of its 2.00 s)."
+    ]
+    assert shapes.headline(entry)[0][1] == (
+        "8.0 s vs 20.0 s (2.50x; goal 5x); our step at 25% of its roofline bound (2.0 s), 5x needs 50%"
+    )
+    # the roofline runs at the lengths the run had: its mean prompt, our mean answer
+    s = shapes.roofline_settings(shapes.Shape(32, 4, 300), _raw([8.0], [20.0]))
+    assert (s.prompts, s.samples, s.prompt_len, s.response_len) == (8, 4, 301, 25)
+
+
 def test_the_table_gives_each_shapes_median_ratio_against_the_goal():
     met = shapes.shape_row(shapes.Shape(8, 8, 40), _raw([2.0, 3.0, 100.0], [20.0, 16.0, 15.0]))
-    missed = shapes.shape_row(shapes.Shape(32, 8, 300), _raw([5.0, 5.0], [9.0, 11.0]))
+    missed = shapes.shape_row(shapes.Shape(32, 8, 300), _raw([5.0, 5.0, 5.0], [9.0, 10.0, 11.0]))
     assert met["ratio"] == pytest.approx(16.0 / 3.0) and missed["ratio"] == pytest.approx(2.0)
     assert met["ours_answer_tokens"] == 25.0 and met["trl_answer_tokens"] == 32.0
     entry = shapes.summarize([met, missed], steps=3)
     rows = entry["tables"][0]["rows"]
     assert rows[0][0] == "8x8x40" and rows[0][4] == "5.33x" and rows[0][-1] == "met"
     assert rows[1][2:5] == ["5.0", "10.0", "2.00x"] and rows[1][-1] == "missed"
+    assert rows[1][6:9] == ["-", "-", "-"] and entry["notes"] == []  # no roofline measured: nothing to explain
+    fewer = shapes.shape_row(shapes.Shape(32, 8, 300, trl_steps=2), _raw([5.0, 5.0, 5.0], [9.0, 11.0]))
+    assert shapes.summarize([fewer], steps=3)["tables"][0]["rows"][0][3] == "10.0 (3 / 2 steps)"
     assert [r[1] for r in shapes.headline(entry)] == [
         "3.0 s vs 16.0 s (5.33x; goal 5x)",
         "5.0 s vs 10.0 s (2.00x; goal 5x)",
@@ -94,3 +123,7 @@ def test_a_kept_shape_is_read_back_only_for_its_flags_and_all_its_steps(tmp_path
     assert shapes._kept(path, shape, 10) is None  # cut short
     assert shapes._kept(path, shapes.Shape(32, 8, 40), 3) is None  # another shape's flags
     assert shapes._kept(tmp_path / "none.json", shape, 3) is None
+    # a shape whose TRL side runs fewer steps is whole with that many
+    slow = shapes.Shape(32, 8, 300, trl_steps=2)
+    path.write_text(json.dumps({**raw, "launcher_args": slow.launcher_args(), "trl": {"step_seconds": [9.0] * 2}}))
+    assert shapes._kept(path, slow, 3) is not None and shapes._kept(path, shape, 3) is None

@@ -14,6 +14,7 @@ import torch
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.lora import adapter_tensors, add_adapters, merged_parameters, write_adapter
+from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA, use_prefix_attention
 from miles_async.backends.fsdp.sharding import full_parameters, local_tensor, shard_model
 from miles_async.backends.fsdp.vision import VisionInputs, forward_kwargs, freeze_vision_tower
 from miles_async.backends.fsdp.worker import TrainWorker
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from miles_async.rollout.batch import RolloutBatch
 
 
-SHARED_PREFIX_ATTENTION = ("sdpa", "eager")
+SHARED_PREFIX_ATTENTION = ("sdpa", "eager", SHARED_PREFIX_SDPA)
 # Tokens whose logits the no-gradient log-prob passes hold at once: ~50 MB of float32 logits at a 49k vocabulary;
 # the projection's matmul runs as fast at this height as over a whole micro-batch (issue 34, lever 2).
 LOGPROB_CHUNK_TOKENS = 256
@@ -78,6 +79,8 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
     width = layout.input_ids.shape[1]
     if attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    # Our sdpa computes only the blocks the layout's mask opens (prefix_attention.py): it needs the blocks' sizes.
+    blocks = {"shared_prefix": layout.blocks} if attn_implementation == SHARED_PREFIX_SDPA else {}
     out = model(
         input_ids=layout.input_ids.to(device),
         attention_mask=mask,
@@ -85,6 +88,7 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
         logits_to_keep=kept_positions(width - layout.logits_to_keep, width, device),
         use_cache=False,
         **forward_kwargs(layout.pixels, device),
+        **blocks,
     )
     return row_logits(out.logits, layout)
 
@@ -113,7 +117,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         # Built before the base class sets up: sharded with the policy when there are several workers.
         self.ref_model = None
         if cfg.algorithm.needs_ref_model and cfg.ref_model_path is not None:
-            self.ref_model = self._causal_lm(cfg.ref_model_path).eval().requires_grad_(False)
+            ref = use_prefix_attention(self._causal_lm(cfg.ref_model_path), cfg.shared_prefix)
+            self.ref_model = ref.eval().requires_grad_(False)
         super().__init__(cfg, rank, world_size, total_optimizer_steps, load_dir, load_rollout_id)
         if self.ref_model is not None:
             self.ref_model.to(self.device)
@@ -146,6 +151,7 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         if self.cfg.freeze_vision_tower:
             freeze_vision_tower(model)
         select_trainable(model, self.cfg.only_train_params, self.cfg.freeze_params)
+        model = use_prefix_attention(model, self.cfg.shared_prefix)
         return add_adapters(model, self.cfg.lora) if self.cfg.lora is not None else model
 
     def _collate(self, batch: RolloutBatch, idx: list[int]) -> MicroBatch:

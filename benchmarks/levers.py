@@ -1,0 +1,224 @@
+"""Each speed lever of issue 34 against what it replaced, side by side in one run: the two ways alternate, on the
+same model, batch and process, and each side's median counts.
+
+    python -m benchmarks.levers [--quick] [--shapes 8x8x40 32x16x40]
+    python -m benchmarks.run --only levers
+
+The levers, and what each is timed on (SmolLM2-135M through our own code: ``FSDPTrainActor`` and the embedded
+engine's sampler; bf16 where the CPU computes it):
+
+- **shared-prefix attention** (``backends/fsdp/prefix_attention.py``): the trainer's passes with the layout's
+  attention computing only the blocks its mask opens, against HF's sdpa over the whole ``L x L`` mask; timed on
+  the training forward and backward (optimizer step excluded) and on the log-prob pass;
+- **chunked log-probs** (``FSDPTrainActor._chunked_logprobs``): the no-gradient log-prob pass projecting and
+  reducing 256 tokens at a time, against the ``[tokens x vocab]`` float32 logits of the whole micro-batch;
+- **no old-log-prob pass** (``PolicyMixin.prepare``: one optimizer step per rollout, no KL): the step without the
+  separate forward, against the step with it (the pass is timed in the same rounds);
+- **fused AdamW** (``backends/fsdp/worker.make_optimizer``): torch's fused CPU kernel against its default
+  (``foreach``) on the policy's parameters;
+- **inverse-CDF sampler** (``inference/embedded/sampling.draw``): one token per row of ``[rows x vocab]``
+  probabilities, against ``torch.multinomial``.
+
+Each lever's shape is a step of 8 prompts (``ANSWERxGROUPxPROMPT`` as ``benchmarks/trl_peer_shapes.py`` names
+them); the attention lever matters most where groups are large.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROUNDS, QUICK_ROUNDS = 3, 1
+SHAPES, QUICK_SHAPES = ("8x8x40", "32x16x40"), ("4x4x12",)
+
+
+def lever_row(lever: str, measured: str, shape: str, before: Sequence[float], after: Sequence[float]) -> dict:
+    """One lever's before and after: the medians of their alternated rounds and the speed-up of the lever."""
+    b, a = statistics.median(before), statistics.median(after)
+    return {
+        "lever": lever,
+        "measured": measured,
+        "shape": shape,
+        "before": list(before),
+        "after": list(after),
+        "before_median": b,
+        "after_median": a,
+        "speedup": b / a if a > 0 else None,
+    }
+
+
+def alternate(before: Callable[[], Any], after: Callable[[], Any], rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds of ``rounds`` calls of each, alternating (one warm-up of each first), so both see the same load."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for r in range(rounds + 1):
+        for fn, out in ((before, times[0]), (after, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                out.append(time.perf_counter() - t0)
+    return times
+
+
+# ---- the levers (I/O: real model, real actor) ----
+
+
+def _attention(actor: Any, name: str) -> Callable[[], None]:
+    def use() -> None:
+        for model in (actor.module, actor.ref_model):
+            if model is not None:
+                model.set_attn_implementation(name)
+
+    return use
+
+
+def trainer_levers(model: Path, data: Path, shape: str, rounds: int, dtype: str) -> list[dict]:
+    from benchmarks import roofline
+    from benchmarks import roofline_core as rc
+    from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA
+
+    s = roofline.shaped(shape)
+    batch = roofline.step_batch(model, s)
+    actor = roofline._actor(model, data, s, dtype, steps=4 * rounds + 8)
+    idx = list(range(len(batch)))
+    assert actor.module.config._attn_implementation == SHARED_PREFIX_SDPA, "--shared-prefix is on by default"
+    rows = []
+    rollout = iter(range(10**6))
+
+    # shared-prefix attention: the trainer's phases with HF's sdpa, then with ours
+    phases: dict[str, list[list[Any]]] = {"sdpa": [], SHARED_PREFIX_SDPA: []}
+    for r in range(rounds + 1):
+        for name in phases:
+            _attention(actor, name)()
+            got = rc.actor_phases(actor, batch, next(rollout), "time")
+            if r:
+                phases[name].append(got)
+    _attention(actor, SHARED_PREFIX_SDPA)()
+    for i, what in ((2, "train fwd+bwd"), (0, "log-prob pass (no gradient)")):
+        before = [p[i].seconds for p in phases["sdpa"]]
+        after = [p[i].seconds for p in phases[SHARED_PREFIX_SDPA]]
+        rows.append(lever_row("shared-prefix attention", what, shape, before, after))
+
+    # no old-log-prob pass: the step with the separate forward against the step without it, from the same rounds
+    ours = phases[SHARED_PREFIX_SDPA]
+    rows.append(
+        lever_row(
+            "no old-log-prob pass",
+            "log-prob pass + train fwd+bwd + optimizer",
+            shape,
+            [p[0].seconds + p[2].seconds + p[3].seconds for p in ours],
+            [p[2].seconds + p[3].seconds for p in ours],
+        )
+    )
+
+    # chunked log-probs: the whole micro-batch's logits, against 256 tokens at a time
+    def whole() -> None:
+        with torch.no_grad():
+            actor._per_sample(lambda mb: actor._forward(actor.module, mb)[0], batch, idx)
+
+    before, after = alternate(whole, lambda: actor._logprobs_of(actor.module, batch, idx, 1.0), rounds)
+    rows.append(lever_row("chunked log-probs", "log-prob pass (no gradient)", shape, before, after))
+
+    # fused AdamW: torch's default (foreach) against the fused kernel, on the policy's parameters and gradients
+    params = [p for p in actor.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizers = [torch.optim.AdamW(params, lr=1e-9, **kind) for kind in ({"foreach": True}, {"fused": True})]
+    before, after = alternate(optimizers[0].step, optimizers[1].step, max(rounds, 3))
+    rows.append(lever_row("fused AdamW", "optimizer step", shape, before, after))
+    return rows
+
+
+def sampler_lever(vocab: int, batch: int, rounds: int) -> dict:
+    from miles_async.inference.embedded.sampling import draw
+
+    probs = torch.softmax(torch.randn(batch, vocab), dim=-1)
+    before, after = alternate(lambda: torch.multinomial(probs, 1), lambda: draw(probs, None), max(rounds, 5) * 4)
+    return lever_row("inverse-CDF sampler", f"one token for each of {batch} rows", f"{batch}x{vocab}", before, after)
+
+
+# ---- report ----
+
+
+def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dict:
+    from benchmarks.common import table
+
+    body = [
+        [
+            r["lever"],
+            r["measured"],
+            r["shape"],
+            f"{r['before_median']:.3g}",
+            f"{r['after_median']:.3g}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+        ]
+        for r in rows
+    ]
+    return {
+        "rows": rows,
+        "tables": [
+            table(
+                f"Each lever against what it replaced, {model_name}, {dtype}: median seconds, the two ways alternating "
+                "in one process",
+                ["lever", "measured", "shape", "before s", "after s", "speed-up"],
+                body,
+                f"{rounds} rounds each after a warm-up (the sampler and the optimizer more: they take milliseconds); "
+                "shapes ANSWERxGROUPxPROMPT, 8 prompts a step",
+            )
+        ],
+    }
+
+
+def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None) -> dict:
+    from transformers import AutoConfig
+
+    from benchmarks.common import smollm2_path, tiny_setup
+    from miles_async.config.precision import cpu_has_bf16
+
+    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    rounds = QUICK_ROUNDS if quick else ROUNDS
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_model, data, _ = tiny_setup(Path(tmp), n_train=16)
+        model = tiny_model if quick else smollm2_path()
+        for shape in shapes or (QUICK_SHAPES if quick else SHAPES):
+            rows += trainer_levers(model, data, shape, rounds, dtype)
+        rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
+    return summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype)
+
+
+def headline(entry: dict) -> list[tuple[str, str]]:
+    return [
+        (
+            f"lever: {r['lever']}, {r['measured']} ({r['shape']})",
+            f"{r['before_median']:.3g} s -> {r['after_median']:.3g} s ({r['speedup']:.2f}x)",
+        )
+        for r in entry["rows"]
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import render_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE", help="e.g. 8x8x40 32x16x40")
+    args = ap.parse_args(argv)
+    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes)
+    for t in result["tables"]:
+        print(render_table(t), "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
