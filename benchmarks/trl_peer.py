@@ -148,6 +148,7 @@ def peer_args(ns: argparse.Namespace) -> list[str]:
         "--beta": kl,
         "--entropy-coef": ns.entropy_coef,
         "--scale-rewards": "none" if ns.disable_grpo_std_normalization else "group",
+        "--max-tokens-per-micro-batch": ns.max_tokens_per_gpu,
         "--max-grad-norm": ns.clip_grad,
         "--adam-beta1": ns.adam_beta1,
         "--adam-beta2": ns.adam_beta2,

@@ -63,6 +63,7 @@ def test_trl_runs_the_settings_of_the_quickstart_launcher(quickstart):
         "--beta": "0.0",
         "--entropy-coef": "0.0",
         "--scale-rewards": "group",
+        "--max-tokens-per-micro-batch": "8192",
         "--max-grad-norm": "1.0",
         "--adam-beta1": "0.9",
         "--adam-beta2": "0.98",
@@ -81,6 +82,11 @@ def test_trl_runs_the_settings_of_the_quickstart_launcher(quickstart):
     kw = runner.grpo_config_kwargs(parsed)
     assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["num_generations"]) == (64, 1, 8)
     assert (kw["num_iterations"], kw["max_steps"], kw["max_completion_length"]) == (1, 30, 8)
+    # Under our token budget (--max-tokens-per-gpu 8192) as ours: 64 rows of 300-token prompts and 32-token answers
+    # go in 4 micro-batches of 16 (5,312 tokens each), still one generation batch and one optimizer step.
+    long = runner.grpo_config_kwargs(_runner_args("--max-completion-length", "32"), longest_prompt=300)
+    assert (long["per_device_train_batch_size"], long["gradient_accumulation_steps"]) == (16, 4)
+    assert runner.micro_batch_rows(64, 332, 0) == 64 and runner.micro_batch_rows(6, 9000, 8192) == 1
     assert (kw["learning_rate"], kw["lr_scheduler_type"], kw["warmup_steps"]) == (1e-5, "cosine_with_min_lr", 0)
     assert (kw["adam_beta2"], kw["max_grad_norm"], kw["beta"], kw["epsilon"], kw["epsilon_high"]) == (
         0.98,
