@@ -17,7 +17,10 @@ engine's sampler; bf16 where the CPU computes it):
 - **fused AdamW** (``backends/fsdp/worker.make_optimizer``): torch's fused CPU kernel against its default
   (``foreach``) on the policy's parameters;
 - **inverse-CDF sampler** (``inference/embedded/sampling.draw``): one token per row of ``[rows x vocab]``
-  probabilities, against ``torch.multinomial``.
+  probabilities, against ``torch.multinomial``;
+- **torch.compile** of the policy's forward (a lever tried, not kept; at the first shape of a full run, or
+  ``--compile``): the training pass compiled against eager, at one fixed batch shape (its best case), and the seconds
+  that compiling took.
 
 Each lever's shape is a step of 8 prompts (``ANSWERxGROUPxPROMPT`` as ``benchmarks/trl_peer_shapes.py`` names
 them); the attention lever matters most where groups are large.
@@ -80,7 +83,9 @@ def _attention(actor: Any, name: str) -> Callable[[], None]:
     return use
 
 
-def trainer_levers(model: Path, data: Path, shape: str, rounds: int, dtype: str) -> list[dict]:
+def trainer_levers(
+    model: Path, data: Path, shape: str, rounds: int, dtype: str, compile_forward: bool = False
+) -> list[dict]:
     from benchmarks import roofline
     from benchmarks import roofline_core as rc
     from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA
@@ -93,15 +98,21 @@ def trainer_levers(model: Path, data: Path, shape: str, rounds: int, dtype: str)
     rows = []
     rollout = iter(range(10**6))
 
+    def phase_rounds(variants: dict[str, Callable[[], None]]) -> dict[str, list[list[Any]]]:
+        """The trainer's phases (``roofline_core.actor_phases``) under each variant, alternating; round 0 warms up."""
+        out: dict[str, list[list[Any]]] = {name: [] for name in variants}
+        for r in range(rounds + 1):
+            for name, setup in variants.items():
+                setup()
+                got = rc.actor_phases(actor, batch, next(rollout), "time")
+                if r:
+                    out[name].append(got)
+        return out
+
     # shared-prefix attention: the trainer's phases with HF's sdpa, then with ours
-    phases: dict[str, list[list[Any]]] = {"sdpa": [], SHARED_PREFIX_SDPA: []}
-    for r in range(rounds + 1):
-        for name in phases:
-            _attention(actor, name)()
-            got = rc.actor_phases(actor, batch, next(rollout), "time")
-            if r:
-                phases[name].append(got)
-    _attention(actor, SHARED_PREFIX_SDPA)()
+    phases = phase_rounds(
+        {"sdpa": _attention(actor, "sdpa"), SHARED_PREFIX_SDPA: _attention(actor, SHARED_PREFIX_SDPA)}
+    )
     for i, what in ((2, "train fwd+bwd"), (0, "log-prob pass (no gradient)")):
         before = [p[i].seconds for p in phases["sdpa"]]
         after = [p[i].seconds for p in phases[SHARED_PREFIX_SDPA]]
@@ -134,6 +145,28 @@ def trainer_levers(model: Path, data: Path, shape: str, rounds: int, dtype: str)
     optimizers = [torch.optim.AdamW(params, lr=1e-9, **kind) for kind in ({"foreach": True}, {"fused": True})]
     before, after = alternate(optimizers[0].step, optimizers[1].step, max(rounds, 3))
     rows.append(lever_row("fused AdamW", "optimizer step", shape, before, after))
+
+    if compile_forward:
+        # torch.compile of the policy's forward (its backward compiles with it); the batch keeps one shape, so this
+        # is its best case: a run's answer lengths change the shapes every step.
+        eager = actor.module.forward
+        compiled = torch.compile(eager, dynamic=False)
+        t0 = time.perf_counter()
+        forwards = {"eager": eager, "compiled": compiled}
+        compiled_phases = phase_rounds(
+            {k: lambda f=f: setattr(actor.module, "forward", f) for k, f in forwards.items()}
+        )
+        actor.module.forward = eager
+        row = lever_row(
+            "torch.compile",
+            "train fwd+bwd",
+            shape,
+            [p[2].seconds for p in compiled_phases["eager"]],
+            [p[2].seconds for p in compiled_phases["compiled"]],
+        )
+        row["seconds_with_compiling"] = time.perf_counter() - t0
+        row["measured"] += f" (these rounds, compiling included: {row['seconds_with_compiling']:.0f} s)"
+        rows.append(row)
     return rows
 
 
@@ -177,7 +210,10 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
     }
 
 
-def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None) -> dict:
+def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None, compile_forward: bool | None = None) -> dict:
+    """benchmarks.run's entry: the levers at SHAPES (quick: a tiny model at QUICK_SHAPES), torch.compile at the first
+    shape of a full run (``compile_forward``: whether to, whatever the mode)."""
+    compile_forward = not quick if compile_forward is None else compile_forward
     from transformers import AutoConfig
 
     from benchmarks.common import smollm2_path, tiny_setup
@@ -190,8 +226,9 @@ def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         tiny_model, data, _ = tiny_setup(Path(tmp), n_train=16)
         model = tiny_model if quick else smollm2_path()
-        for shape in shapes or (QUICK_SHAPES if quick else SHAPES):
-            rows += trainer_levers(model, data, shape, rounds, dtype)
+        for i, shape in enumerate(shapes or (QUICK_SHAPES if quick else SHAPES)):
+            # torch.compile at the first shape only: compiling takes minutes on 2 cores
+            rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0)
         rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
     return summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype)
 
@@ -212,8 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="SHAPE", help="e.g. 8x8x40 32x16x40")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile of the policy's forward at the first shape (minutes; default: in a full run)",
+    )
     args = ap.parse_args(argv)
-    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes)
+    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes, args.compile)
     for t in result["tables"]:
         print(render_table(t), "\n")
     return 0
