@@ -4,6 +4,7 @@ run through the attention that computes only the blocks its mask opens (backends
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from miles_async.backends.fsdp.actor import FSDPTrainActor, response_logits
@@ -26,7 +27,13 @@ def _actor(cfg) -> FSDPTrainActor:
     return FSDPTrainActor(cfg.train, 0, 1, total_optimizer_steps=4)
 
 
-def test_shared_prefix_trains_like_one_row_per_sample(tiny_model, tiny_task, tmp_path):
+@pytest.mark.parametrize("split", [True, False], ids=["attention-split", "attention-dense"])
+def test_shared_prefix_trains_like_one_row_per_sample(tiny_model, tiny_task, tmp_path, monkeypatch, split):
+    """Both ways the shared layout's attention runs: split into the blocks its mask opens (forced here: the tiny
+    batch's groups are too small for it to pay) and HF's sdpa on the whole mask."""
+    import miles_async.backends.fsdp.prefix_attention as prefix_attention
+
+    monkeypatch.setattr(prefix_attention, "MIN_SCORE_RATIO", 0.0 if split else float("inf"))
     budget = ("--use-tis", "--max-tokens-per-gpu", "64")
     shared = _actor(_cfg(tiny_model, tiny_task, tmp_path, *budget))
     rows = _actor(_cfg(tiny_model, tiny_task, tmp_path, *budget, "--no-shared-prefix"))

@@ -14,7 +14,7 @@ import torch
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.lora import adapter_tensors, add_adapters, merged_parameters, write_adapter
-from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA, use_prefix_attention
+from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA, use_prefix_attention, worth_splitting
 from miles_async.backends.fsdp.sharding import full_parameters, local_tensor, shard_model
 from miles_async.backends.fsdp.vision import VisionInputs, forward_kwargs, freeze_vision_tower
 from miles_async.backends.fsdp.worker import TrainWorker
@@ -79,8 +79,10 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
     width = layout.input_ids.shape[1]
     if attn_implementation == "eager":  # eager adds the mask to the scores
         mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    # Our sdpa computes only the blocks the layout's mask opens (prefix_attention.py): it needs the blocks' sizes.
-    blocks = {"shared_prefix": layout.blocks} if attn_implementation == SHARED_PREFIX_SDPA else {}
+    # Our sdpa computes only the blocks the layout's mask opens (prefix_attention.py), given the blocks' sizes, where
+    # that skips enough of the scores to pay; otherwise it is HF's sdpa on the whole mask.
+    split = attn_implementation == SHARED_PREFIX_SDPA and worth_splitting(*layout.blocks)
+    blocks = {"shared_prefix": layout.blocks} if split else {}
     out = model(
         input_ids=layout.input_ids.to(device),
         attention_mask=mask,
