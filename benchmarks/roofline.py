@@ -443,7 +443,13 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--shape", type=shaped, default=None, help="the step's shape, ANSWERxGROUPxPROMPT (SmolLM2)")
+    p.add_argument("--bound-json", type=Path, default=None, help="only the step's bound (step_bound), to this file")
     a = p.parse_args()
+    if a.bound_json is not None:
+        import json
+
+        a.bound_json.write_text(json.dumps(step_bound(a.shape or FULL), indent=1) + "\n")
+        sys.exit(0)
     result = run(a.quick, Path(tempfile.mkdtemp()), a.shape)
     from benchmarks.common import render_table
 
