@@ -20,7 +20,12 @@ def test_each_shape_reaches_both_sides_through_the_launchers_flags():
     flags = dict(zip(args[::2], args[1::2], strict=True))
     assert flags["--num-generations"] == "4" and flags["--max-completion-length"] == "128"
     assert flags["--eval-max-new-tokens"] == "128" and flags["--prompts-per-step"] == "8"
-    assert flags["--eval-samples"] == "1"
+    assert flags["--eval-samples"] == "1" and flags["--max-tokens-per-micro-batch"] == "8192"
+    # a shape with its own micro-batch budget gives it to both sides
+    long_answers = next(s for s in shapes.SHAPES if s.name == "128x8x40")
+    ns = trl_peer.launcher_namespace(long_answers.launcher_args(), env)
+    assert ns.max_tokens_per_gpu == 4096
+    assert trl_peer.peer_args(ns)[trl_peer.peer_args(ns).index("--max-tokens-per-micro-batch") + 1] == "4096"
 
 
 @pytest.mark.parametrize("template", MUL_TEMPLATES)
