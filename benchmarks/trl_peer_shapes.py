@@ -309,16 +309,19 @@ def _kept(path: Path, shape: Shape, steps: int) -> dict | None:
     return raw if raw.get("launcher_args") == shape.launcher_args() and full else None
 
 
-def measure(shapes: Sequence[Shape], steps: int, work: Path, roofline: bool = True) -> dict:
+def measure(shapes: Sequence[Shape], steps: int, work: Path, roofline: bool = True, run_missing: bool = True) -> dict:
     """Each shape's raw result is kept in ``work``/SHAPE.json with the commit and date it ran at; one kept there with
     the same flags and steps is read instead of run again (the set takes hours on 2 cores: a cut run goes on where
     it stopped, and a shape can be run alone first). ``roofline``: each shape's step bound (SmolLM2), measured once
-    and kept with it."""
+    and kept with it. Without ``run_missing``, a shape with no kept result is named in the notes, not run."""
     model, data = prepare_assets()
-    rows, ran = [], []
+    rows, ran, missing = [], [], []
     for shape in shapes:
         path = work / f"{shape.name}.json"
         raw = _kept(path, shape, steps)
+        if raw is None and not run_missing:
+            missing.append(shape.name)
+            continue
         if raw is None:
             shaped = write_shaped_data(data, shape, work / shape.name)
             print(f"[trl_peer_shapes] shape {shape.name}", file=sys.stderr, flush=True)
@@ -336,6 +339,9 @@ def measure(shapes: Sequence[Shape], steps: int, work: Path, roofline: bool = Tr
         rows.append(shape_row(shape, raw))
         ran.append(raw.get("ran"))
     entry = summarize(rows, steps)
+    entry["notes"] += [
+        f"{name}: not measured yet (python -m benchmarks.trl_peer_shapes --only {name})" for name in missing
+    ]
     if all(ran):
         entry["machine"] = kept_machine(ran)
     return entry
@@ -358,13 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, metavar="SHAPE", help="shapes by name, e.g. 32x4x40")
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_shapes"))
     ap.add_argument("--no-roofline", action="store_true", help="skip each shape's step bound (run it later)")
+    ap.add_argument("--kept-only", action="store_true", help="sum up the kept shapes; run none")
     args = ap.parse_args(argv)
     by_name = {s.name: s for s in SHAPES}
     unknown = sorted(set(args.only or ()) - set(by_name))
     if unknown:
         ap.error(f"--only {' '.join(unknown)}: the shapes are {', '.join(by_name)}")
     picked = [by_name[n] for n in args.only] if args.only else SHAPES
-    entry = measure(picked, args.steps, args.out, roofline=not args.no_roofline)
+    entry = measure(picked, args.steps, args.out, roofline=not args.no_roofline, run_missing=not args.kept_only)
     write_entry(entry, args.out)
     return 0
 
