@@ -78,8 +78,8 @@ def finish_stamp(ran: dict[str, Any]) -> dict[str, Any]:
 
 def kept_machine(ran: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The entry's machine when its runs were kept from earlier invocations: the commits and first date they ran at."""
-    commits = list(dict.fromkeys(r["commit"] for r in ran))
-    return {**machine_info(), "git_commit": ", ".join(c or "?" for c in commits), "date": min(r["date"] for r in ran)}
+    commits = list(dict.fromkeys((r["commit"] or "?")[:7] for r in ran))
+    return {**machine_info(), "git_commit": ", ".join(commits), "date": min(r["date"] for r in ran)}
 
 
 def smollm2_path() -> Path:
