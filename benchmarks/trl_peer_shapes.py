@@ -87,7 +87,7 @@ SHAPES = (
     Shape(32, 16, 40),
     # At the default 8,192 tokens a micro-batch, 7 groups of 8 answers of up to 128 tokens took our trainer to
     # 20 GB and out of memory on a 24 GB machine (not profiled: their float32 logits are 1.4 GB a copy).
-    Shape(128, 8, 40, trl_steps=5, max_tokens=4096),
+    Shape(128, 8, 40, trl_steps=3, max_tokens=4096),
     Shape(32, 8, 300, trl_steps=3),
 )
 QUICK_SHAPES = (Shape(8, 2, 40), Shape(16, 2, 300))
