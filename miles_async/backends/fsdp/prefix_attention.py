@@ -3,9 +3,9 @@
 ``backends/shared_prefix.py`` lays a group out as one sequence ``[prompt | slot 0 | ... | slot K-1]`` of length
 ``L = P + K * R`` with a block mask: a prompt token sees the prompt, a slot's token the prompt and its own slot. HF's
 sdpa attention computes every one of the ``L x L`` scores and masks most away: with groups of 16 answers of 32 tokens
-after a 40-token prompt, about 90% of them. Here the prompt attends to itself (``P x P``), and the ``K`` slots attend, as
-one batch of ``G * K`` short sequences, to the prompt's keys and their own (``R x (P + R)`` each), so the work grows
-with ``K`` instead of ``K**2``. The masks of both parts are cut out of the layout's own mask, so padding and
+after a 40-token prompt, about 90% of them. Here the prompt attends to itself (``P x P``), and the ``K`` slots
+attend, as one batch of ``G * K`` short sequences, to the prompt's keys and their own (``R x (P + R)`` each), so the
+work grows with ``K`` instead of ``K**2``. The masks of both parts are cut out of the layout's own mask, so padding and
 causality are exactly the layout's; the log-probs equal the dense attention's up to float summation order, and the
 gradient of every slot flows into the one copy of the prompt's keys and values.
 
