@@ -350,13 +350,14 @@ def shaped(text: str) -> Settings:
     return replace(FULL, samples=group, prompt_len=prompt, response_len=answer)
 
 
-def run(quick: bool, out_dir: Path, settings: Settings | None = None) -> dict:
+def measure(s: Settings, quick: bool, profile: bool = True) -> tuple[list[rc.Phase], dict, str]:
+    """The step's phases at ``s`` (a tiny random model when ``quick``, else SmolLM2), the limits probed between its
+    runs, and the dtype it computes in."""
     from transformers import AutoConfig
 
     from benchmarks.common import smollm2_path, tiny_setup
     from miles_async.config.precision import cpu_has_bf16
 
-    s = settings or (QUICK if quick else FULL)
     bf16_native = torch.cuda.is_available() or cpu_has_bf16()
     dtype = "bfloat16" if bf16_native else "float32"
     with tempfile.TemporaryDirectory() as tmp:
@@ -364,8 +365,13 @@ def run(quick: bool, out_dir: Path, settings: Settings | None = None) -> dict:
         model = tiny_model if quick else smollm2_path()
         torch.set_num_threads(_threads())
         probes = Probes(measure_limits(AutoConfig.from_pretrained(model), s, bf16_native), s, dtype)
-        phases = measure_step(model, data, s, dtype, between=probes)
-        limits = probes.best()
+        phases = measure_step(model, data, s, dtype, between=probes, profile=profile)
+        return phases, probes.best(), dtype
+
+
+def run(quick: bool, out_dir: Path, settings: Settings | None = None) -> dict:
+    s = settings or (QUICK if quick else FULL)
+    phases, limits, dtype = measure(s, quick)
     rows = phase_rows(phases, limits)
     model_name = "tiny random model" if quick else "SmolLM2-135M"
     return {
@@ -385,19 +391,7 @@ def step_bound(s: Settings) -> dict:
     """The roofline of a whole SmolLM2 step at ``s``'s shape: each of ``STEP_PHASES`` measured through our code
     (``s.reps`` timed runs, one counted, no profile) against the limits measured in the same process; the step's
     bound is the sum of its phases' bounds."""
-    from transformers import AutoConfig
-
-    from benchmarks.common import smollm2_path, tiny_setup
-    from miles_async.config.precision import cpu_has_bf16
-
-    dtype = "bfloat16" if torch.cuda.is_available() or cpu_has_bf16() else "float32"
-    model = smollm2_path()
-    with tempfile.TemporaryDirectory() as tmp:
-        _, data, _ = tiny_setup(Path(tmp), n_train=16)
-        torch.set_num_threads(_threads())
-        probes = Probes(measure_limits(AutoConfig.from_pretrained(model), s, dtype == "bfloat16"), s, dtype)
-        phases = measure_step(model, data, s, dtype, between=probes, profile=False)
-        limits = probes.best()
+    phases, limits, dtype = measure(s, quick=False, profile=False)
     rows = {r["phase"]: r for r in phase_rows(phases, limits) if r["phase"] in STEP_PHASES}
     return {
         "settings": asdict(s),
