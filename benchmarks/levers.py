@@ -1,7 +1,7 @@
 """Each speed lever of issue 34 against what it replaced, side by side in one run: the two ways alternate, on the
 same model, batch and process, and each side's median counts.
 
-    python -m benchmarks.levers [--quick] [--shapes 8x8x40 32x16x40]
+    python -m benchmarks.levers [--quick] [--shapes 8x8x40 32x16x40] [--levers training-logprobs ...]
     python -m benchmarks.run --only levers
 
 The levers, and what each is timed on (SmolLM2-135M through our own code: ``FSDPTrainActor`` and the embedded
@@ -10,8 +10,12 @@ engine's sampler; bf16 where the CPU computes it):
 - **shared-prefix attention** (``backends/fsdp/prefix_attention.py``): the trainer's passes with the layout's
   attention computing only the blocks its mask opens, against HF's sdpa over the whole ``L x L`` mask; timed on
   the training forward and backward (optimizer step excluded) and on the log-prob pass;
-- **chunked log-probs** (``FSDPTrainActor._chunked_logprobs``): the no-gradient log-prob pass projecting and
-  reducing 256 tokens at a time, against the ``[tokens x vocab]`` float32 logits of the whole micro-batch;
+- **chunked log-probs** (``FSDPTrainActor._forward``): the no-gradient log-prob pass projecting and reducing 256
+  tokens at a time, against the ``[tokens x vocab]`` float32 logits of the whole micro-batch;
+- **chunked training log-probs**: the training pass the same way, each chunk recomputed in the backward, against
+  the whole micro-batch's logits (and their log-softmax and entropy terms) kept for the backward; timed on the
+  training forward and backward, and the peak resident memory of the step above its start (``VmHWM``, reset
+  before each round);
 - **no old-log-prob pass** (``PolicyMixin.prepare``: one optimizer step per rollout, no KL): the step without the
   separate forward, against the step with it (the pass is timed in the same rounds);
 - **fused AdamW** (``backends/fsdp/worker.make_optimizer``): torch's fused CPU kernel against its default
@@ -29,7 +33,9 @@ them); the attention lever matters most where groups are large.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -42,6 +48,8 @@ import torch
 
 ROUNDS, QUICK_ROUNDS = 3, 1
 SHAPES, QUICK_SHAPES = ("8x8x40", "32x16x40"), ("4x4x12",)
+# The trainer's levers by name (--levers); torch.compile runs where asked (--compile), the sampler in every run.
+TRAINER_LEVERS = ("attention", "chunked-logprobs", "training-logprobs", "fused-adamw")
 
 
 def lever_row(lever: str, measured: str, shape: str, before: Sequence[float], after: Sequence[float]) -> dict:
@@ -74,6 +82,35 @@ def alternate(before: Callable[[], Any], after: Callable[[], Any], rounds: int) 
 # ---- the levers (I/O: real model, real actor) ----
 
 
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def peak_above_start(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and the most resident memory it added, in bytes: the peak (``VmHWM``, reset to the current size
+    first through ``/proc/self/clear_refs``) less the resident size at its start."""
+    Path("/proc/self/clear_refs").write_text("5")
+    start = _status_kib("VmRSS")
+    out = fn()
+    return out, (_status_kib("VmHWM") - start) * 1024.0
+
+
+def whole_logits_forward(actor: Any, model: Any, mb: Any, temperature: float = 1.0, with_entropy: bool = False):
+    """``FSDPTrainActor._forward`` as it was before the chunked log-probs: the micro-batch's whole ``[B, R, V]``
+    float32 logits, their log-probs and entropies taken from them at once (and, with a gradient, all kept for the
+    backward)."""
+    from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
+    from miles_async.backends.fsdp.actor import response_hidden
+
+    actor._route(mb)
+    with actor._autocast():
+        hidden, head = response_hidden(model, mb, actor.device, actor.module.config._attn_implementation)
+        logits = head(hidden).float()
+    logits = actor._sampled_logits(logits, temperature)
+    logprobs = logprobs_from_logits(logits, mb.response_ids.to(actor.device))
+    return logprobs, entropy_from_logits(logits) if with_entropy else None
+
+
 def _attention(actor: Any, name: str) -> Callable[[], None]:
     def use() -> None:
         for model in (actor.module, actor.ref_model):
@@ -84,7 +121,13 @@ def _attention(actor: Any, name: str) -> Callable[[], None]:
 
 
 def trainer_levers(
-    model: Path, data: Path, shape: str, rounds: int, dtype: str, compile_forward: bool = False
+    model: Path,
+    data: Path,
+    shape: str,
+    rounds: int,
+    dtype: str,
+    compile_forward: bool = False,
+    levers: Sequence[str] = TRAINER_LEVERS,
 ) -> list[dict]:
     from benchmarks import roofline
     from benchmarks import roofline_core as rc
@@ -99,58 +142,80 @@ def trainer_levers(
     rows = []
     rollout = iter(range(10**6))
 
+    peaks: dict[str, list[float]] = {}
+
     def phase_rounds(variants: dict[str, Callable[[], None]]) -> dict[str, list[list[Any]]]:
-        """The trainer's phases (``roofline_core.actor_phases``) under each variant, alternating; round 0 warms up."""
+        """The trainer's phases (``roofline_core.actor_phases``) under each variant, alternating; round 0 warms up.
+        Each round's peak memory above its start goes to ``peaks``."""
         out: dict[str, list[list[Any]]] = {name: [] for name in variants}
         for r in range(rounds + 1):
             for name, setup in variants.items():
                 setup()
-                got = rc.actor_phases(actor, batch, next(rollout), "time")
+                got, peak = peak_above_start(lambda: rc.actor_phases(actor, batch, next(rollout), "time"))
                 if r:
                     out[name].append(got)
+                    peaks.setdefault(name, []).append(peak)
         return out
 
-    # shared-prefix attention: the trainer's phases with HF's sdpa, then split (forced: where it does not pay,
-    # production keeps HF's, and this row shows why)
-    prefix_attention.MIN_SCORE_RATIO, kept_ratio = 0.0, prefix_attention.MIN_SCORE_RATIO
-    try:
-        phases = phase_rounds(
-            {"sdpa": _attention(actor, "sdpa"), SHARED_PREFIX_SDPA: _attention(actor, SHARED_PREFIX_SDPA)}
+    if "training-logprobs" in levers:
+        # the training pass's whole logits against the chunks recomputed in the backward (the log-prob pass runs
+        # whole too while the old way is set, unused here)
+        whole = {
+            "whole": lambda: setattr(actor, "_forward", lambda *a, **k: whole_logits_forward(actor, *a, **k)),
+            "chunked": lambda: actor.__dict__.pop("_forward", None),
+        }
+        phases = phase_rounds(whole)
+        before, after = ([p[2].seconds for p in phases[k]] for k in whole)
+        rows.append(lever_row("chunked training log-probs", "train fwd+bwd", shape, before, after))
+        row = lever_row(
+            "chunked training log-probs", "peak memory of the step above its start, GB", shape,
+            [b / 1e9 for b in peaks["whole"]], [a / 1e9 for a in peaks["chunked"]],
+        )  # fmt: skip
+        rows.append({**row, "unit": "GB"})
+    if "attention" in levers:
+        # shared-prefix attention: the trainer's phases with HF's sdpa, then split (forced: where it does not pay,
+        # production keeps HF's, and this row shows why)
+        prefix_attention.MIN_SCORE_RATIO, kept_ratio = 0.0, prefix_attention.MIN_SCORE_RATIO
+        try:
+            phases = phase_rounds(
+                {"sdpa": _attention(actor, "sdpa"), SHARED_PREFIX_SDPA: _attention(actor, SHARED_PREFIX_SDPA)}
+            )
+        finally:
+            prefix_attention.MIN_SCORE_RATIO = kept_ratio
+        for i, what in ((2, "train fwd+bwd"), (0, "log-prob pass (no gradient)")):
+            before = [p[i].seconds for p in phases["sdpa"]]
+            after = [p[i].seconds for p in phases[SHARED_PREFIX_SDPA]]
+            rows.append(lever_row("shared-prefix attention", what, shape, before, after))
+
+        # no old-log-prob pass: the step with the separate forward against the step without it, from the same rounds
+        ours = phases[SHARED_PREFIX_SDPA]
+        rows.append(
+            lever_row(
+                "no old-log-prob pass",
+                "log-prob pass + train fwd+bwd + optimizer",
+                shape,
+                [p[0].seconds + p[2].seconds + p[3].seconds for p in ours],
+                [p[2].seconds + p[3].seconds for p in ours],
+            )
         )
-    finally:
-        prefix_attention.MIN_SCORE_RATIO = kept_ratio
-    for i, what in ((2, "train fwd+bwd"), (0, "log-prob pass (no gradient)")):
-        before = [p[i].seconds for p in phases["sdpa"]]
-        after = [p[i].seconds for p in phases[SHARED_PREFIX_SDPA]]
-        rows.append(lever_row("shared-prefix attention", what, shape, before, after))
 
-    # no old-log-prob pass: the step with the separate forward against the step without it, from the same rounds
-    ours = phases[SHARED_PREFIX_SDPA]
-    rows.append(
-        lever_row(
-            "no old-log-prob pass",
-            "log-prob pass + train fwd+bwd + optimizer",
-            shape,
-            [p[0].seconds + p[2].seconds + p[3].seconds for p in ours],
-            [p[2].seconds + p[3].seconds for p in ours],
-        )
-    )
+    if "chunked-logprobs" in levers:
+        # chunked log-probs: the whole micro-batch's logits, against 256 tokens at a time
+        def whole() -> None:
+            with torch.no_grad():
+                actor._per_sample(lambda mb: whole_logits_forward(actor, actor.module, mb)[0], batch, idx)
 
-    # chunked log-probs: the whole micro-batch's logits, against 256 tokens at a time
-    def whole() -> None:
-        with torch.no_grad():
-            actor._per_sample(lambda mb: actor._forward(actor.module, mb)[0], batch, idx)
+        before, after = alternate(whole, lambda: actor._logprobs_of(actor.module, batch, idx, 1.0), rounds)
+        rows.append(lever_row("chunked log-probs", "log-prob pass (no gradient)", shape, before, after))
 
-    before, after = alternate(whole, lambda: actor._logprobs_of(actor.module, batch, idx, 1.0), rounds)
-    rows.append(lever_row("chunked log-probs", "log-prob pass (no gradient)", shape, before, after))
-
-    # fused AdamW: torch's default (foreach) against the fused kernel, on the policy's parameters and gradients
-    params = [p for p in actor.module.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    optimizers = [torch.optim.AdamW(params, lr=1e-9, **kind) for kind in ({"foreach": True}, {"fused": True})]
-    before, after = alternate(optimizers[0].step, optimizers[1].step, max(rounds, 3))
-    rows.append(lever_row("fused AdamW", "optimizer step", shape, before, after))
+    if "fused-adamw" in levers:
+        # fused AdamW: torch's default (foreach) against the fused kernel, on the policy's parameters and gradients
+        params = [p for p in actor.module.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        optimizers = [torch.optim.AdamW(params, lr=1e-9, **kind) for kind in ({"foreach": True}, {"fused": True})]
+        before, after = alternate(optimizers[0].step, optimizers[1].step, max(rounds, 3))
+        rows.append(lever_row("fused AdamW", "optimizer step", shape, before, after))
 
     if compile_forward:
         # torch.compile of the policy's forward (its backward compiles with it); the batch keeps one shape, so this
@@ -211,8 +276,8 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
             _lever_name(r),
             r["measured"],
             r["shape"],
-            f"{r['before_median']:.3g}",
-            f"{r['after_median']:.3g}",
+            f"{r['before_median']:.3g} {r.get('unit', 's')}",
+            f"{r['after_median']:.3g} {r.get('unit', 's')}",
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
         ]
         for r in rows
@@ -221,9 +286,9 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
         "rows": rows,
         "tables": [
             table(
-                f"Each lever against what it replaced, {model_name}, {dtype}: median seconds, the two ways alternating "
-                "in one process",
-                ["lever", "measured", "shape", "before s", "after s", "speed-up"],
+                f"Each lever against what it replaced, {model_name}, {dtype}: medians, the two ways alternating in one "
+                "process",
+                ["lever", "measured", "shape", "before", "after", "before / after"],
                 body,
                 f"{rounds} rounds each after a warm-up (the sampler and the optimizer more: they take milliseconds); "
                 "shapes ANSWERxGROUPxPROMPT, 8 prompts a step; the shared-prefix attention split wherever measured, "
@@ -233,9 +298,16 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
     }
 
 
-def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None, compile_forward: bool | None = None) -> dict:
+def run(
+    quick: bool,
+    out_dir: Path,
+    shapes: Sequence[str] | None = None,
+    compile_forward: bool | None = None,
+    levers: Sequence[str] = TRAINER_LEVERS,
+    rounds: int | None = None,
+) -> dict:
     """benchmarks.run's entry: the levers at SHAPES (quick: a tiny model at QUICK_SHAPES), torch.compile at the first
-    shape of a full run (``compile_forward``: whether to, whatever the mode)."""
+    shape of a full run (``compile_forward``: whether to, whatever the mode); ``levers``: the trainer's to run."""
     compile_forward = not quick if compile_forward is None else compile_forward
     from transformers import AutoConfig
 
@@ -243,7 +315,7 @@ def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None, compile
     from miles_async.config.precision import cpu_has_bf16
 
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
-    rounds = QUICK_ROUNDS if quick else ROUNDS
+    rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,7 +323,7 @@ def run(quick: bool, out_dir: Path, shapes: Sequence[str] | None = None, compile
         model = tiny_model if quick else smollm2_path()
         for i, shape in enumerate(shapes or (QUICK_SHAPES if quick else SHAPES)):
             # torch.compile at the first shape only: compiling takes minutes on 2 cores
-            rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0)
+            rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0, levers)
         rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
     return summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype)
 
@@ -260,7 +332,8 @@ def headline(entry: dict) -> list[tuple[str, str]]:
     return [
         (
             f"lever: {_lever_name(r)}, {r['measured']} ({r['shape']})",
-            f"{r['before_median']:.3g} s -> {r['after_median']:.3g} s ({r['speedup']:.2f}x)",
+            f"{r['before_median']:.3g} {r.get('unit', 's')} -> {r['after_median']:.3g} {r.get('unit', 's')} "
+            f"({r['speedup']:.2f}x)",
         )
         for r in entry["rows"]
     ]
@@ -278,8 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch.compile of the policy's forward at the first shape (minutes; default: in a full run)",
     )
+    ap.add_argument(
+        "--levers",
+        nargs="+",
+        choices=TRAINER_LEVERS,
+        default=list(TRAINER_LEVERS),
+        help="the trainer's levers to run (default: all; the sampler's runs in every run)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="a folder for the rows' results.json")
+    ap.add_argument("--rounds", type=int, default=None, help=f"rounds of each side (default {ROUNDS}; quick 1)")
     args = ap.parse_args(argv)
-    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes, args.compile)
+    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes, args.compile, args.levers, args.rounds)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     for t in result["tables"]:
         print(render_table(t), "\n")
     return 0

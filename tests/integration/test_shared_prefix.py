@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_async.backends.fsdp.actor import FSDPTrainActor, response_logits
+from miles_async.backends.fsdp.actor import FSDPTrainActor, response_hidden
 from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA
 from miles_async.backends.packing import collate
 from tests.integration.test_algorithms_in_trainer import _batch, _cfg
@@ -75,10 +75,14 @@ def test_eager_attention_takes_the_same_block_mask(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager").eval()
     prompts, responses = [[7, 8, 9, 10]] * 3 + [[11, 12]], [[13, 14], [15], [16, 17, 18], [19, 20]]
     masks = [[1] * len(r) for r in responses]
+
+    def logits(mb):
+        hidden, head = response_hidden(model, mb, torch.device("cpu"), "eager")
+        return head(hidden)
+
     with torch.no_grad():
-        cpu = torch.device("cpu")
-        one = response_logits(model, collate(prompts, responses, masks), cpu, "eager")
-        shared = response_logits(model, collate(prompts, responses, masks, share_prefix=True), cpu, "eager")
+        one = logits(collate(prompts, responses, masks))
+        shared = logits(collate(prompts, responses, masks, share_prefix=True))
     got = {i: shared[i, : len(r)] for i, r in enumerate(responses)}
     want = {i: one[i, : len(r)] for i, r in enumerate(responses)}
     seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -89,38 +93,62 @@ def test_eager_attention_takes_the_same_block_mask(tiny_model):
     assert_rejected({i: x.roll(1, 0) for i, x in got.items()}, want, tol, "logits one position off")
 
 
-def test_frozen_model_projects_the_kept_logits_in_one_matrix_product(tiny_model):
-    """The reference model's weights are frozen. Its output projection must still run as one matrix product over
-    every kept position of every sequence, as the trained policy's does: fed a view not contiguous across sequences,
+def test_frozen_model_projects_its_logits_in_one_matrix_product(tiny_model, tiny_task, tmp_path):
+    """The reference model's weights are frozen. Its output projection must still run as a matrix product of the
+    chunk's [tokens x hidden] states, as the trained policy's does: fed a view not contiguous across sequences,
     torch's matmul on a frozen weight runs a batched product against the weight expanded per sequence instead (a 3x
-    slower reference forward on SmolLM2-135M). The projection's matmul must take the [tokens x vocab] shape, in
-    both layouts, and the logits equal the trainable model's."""
+    slower reference forward on SmolLM2-135M, before the passes projected chunks). In both layouts every product with
+    a vocabulary-wide side is ``aten::mm``, and the reference's log-probs equal the policy's (same checkpoint)."""
     from torch.profiler import profile
-    from transformers import AutoModelForCausalLM
 
-    trained = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
-    frozen = AutoModelForCausalLM.from_pretrained(tiny_model).eval().requires_grad_(False)
-    vocab = trained.config.vocab_size
-    prompts, responses = [[7, 8, 9, 10]] * 2 + [[11, 12]] * 2, [[13, 14], [15], [16, 17, 18], [19, 20]]
-    cpu = torch.device("cpu")
-    for share_prefix in (False, True):
-        mb = collate(prompts, responses, [[1] * len(r) for r in responses], share_prefix=share_prefix)
-        with torch.no_grad(), profile(record_shapes=True) as prof:
-            got = response_logits(frozen, mb, cpu)
+    ref_flags = ("--use-tis", "--ref-load", str(tiny_model), "--use-kl-loss", "--kl-loss-coef", "0.01")
+    batch = _batch()
+    idx = list(range(len(batch.tokens)))
+    for layout in ((), ("--no-shared-prefix",)):
+        actor = _actor(_cfg(tiny_model, tiny_task, tmp_path, *ref_flags, *layout))
+        vocab = actor.module.config.vocab_size
+        mb = actor._collate(batch, actor._micro_batches(batch, idx)[0])
+        with profile(record_shapes=True) as prof:
+            got = actor._chunked_logprobs(actor.ref_model, mb, 1.0)
         products = [e for e in prof.events() if e.name in ("aten::mm", "aten::bmm")]
         projections = [(e.name, e.input_shapes) for e in products if e.input_shapes[-1][-1:] == [vocab]]
-        assert [name for name, _ in projections] == ["aten::mm"], projections
-        with torch.no_grad():
-            assert torch.equal(got, response_logits(trained, mb, cpu)), f"share_prefix={share_prefix}"
+        assert projections and {name for name, _ in projections} == {"aten::mm"}, projections
+        assert torch.equal(got, actor._chunked_logprobs(actor.module, mb, 1.0)), layout
 
 
-def test_chunked_logprobs_equal_those_of_the_whole_logits(tiny_model, tiny_task, tmp_path, monkeypatch):
-    """The no-gradient passes (old and reference log-probs) project the last hidden states and reduce their logits
-    a few tokens at a time, over real response tokens only. Their log-probs equal the training forward's, taken
-    from the whole [B, R, V] logits, in both layouts, at a temperature, through the policy and the frozen reference
-    model (loaded from the same checkpoint), with chunks smaller than a micro-batch (the last one ragged); padding
-    gets 0. Log-probs one token off are rejected by the same bound."""
+def _widest_projection(fn, vocab: int, hidden: int) -> int:
+    """The most token rows any matrix product with a ``vocab``-wide side took while ``fn`` ran (forward and
+    backward): how many tokens' logits, or gradients of them, existed at once."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as prof:
+        fn()
+    rows = [
+        n
+        for e in prof.events()
+        if e.name in ("aten::mm", "aten::addmm", "aten::bmm")
+        for shape in e.input_shapes
+        if len(shape) >= 2 and vocab in shape[-2:]
+        for n in shape[-2:]
+        if n not in (vocab, hidden)
+    ]
+    return max(rows, default=0)
+
+
+def test_chunked_passes_equal_those_of_the_whole_logits(tiny_model, tiny_task, tmp_path, monkeypatch):
+    """Every pass of the policy projects the last hidden states and reduces their logits a few tokens at a time, over
+    real response tokens only; the training pass checkpoints each chunk and projects it again in its backward.
+
+    - The no-gradient passes (old and reference log-probs) equal the whole [B, R, V] logits' log-probs, in both
+      layouts, at a temperature, through the policy and the frozen reference model, with chunks smaller than a
+      micro-batch (the last one ragged); padding gets 0; log-probs one token off are rejected by the same bound.
+    - The training step (entropy bonus on, so the entropy's gradient counts too) equals the step taken from the
+      whole logits (``benchmarks/levers.py``'s ``whole_logits_forward``, the pass before the chunks): gradients and
+      weights within tests/tolerance.py's bounds, with its negative controls.
+    - No matrix product with a vocabulary-wide side takes more tokens than a chunk, in the forward or the backward;
+      the whole logits' pass takes the micro-batch's (the check's own control)."""
     import miles_async.backends.fsdp.actor as actor_module
+    from benchmarks.levers import whole_logits_forward
 
     monkeypatch.setattr(actor_module, "LOGPROB_CHUNK_TOKENS", 5)
     batch = _batch()
@@ -130,7 +158,7 @@ def test_chunked_logprobs_equal_those_of_the_whole_logits(tiny_model, tiny_task,
     for layout in ((), ("--no-shared-prefix",)):
         actor = _actor(_cfg(tiny_model, tiny_task, tmp_path, *ref_flags, *layout))
         with torch.no_grad():
-            want = actor._per_sample(lambda mb, a=actor: a._forward(a.model, mb, 0.7)[0], batch, idx)
+            want = actor._per_sample(lambda mb, a=actor: whole_logits_forward(a, a.model, mb, 0.7)[0], batch, idx)
         mb = actor._collate(batch, actor._micro_batches(batch, idx)[0])
         padded = actor._chunked_logprobs(actor.module, mb, 0.7)
         assert (
@@ -140,3 +168,18 @@ def test_chunked_logprobs_equal_those_of_the_whole_logits(tiny_model, tiny_task,
             got = actor._logprobs_of(model, batch, idx, 0.7)
             assert_within(got, want, bounds.logprob, f"chunked log-probs {layout}")
         assert_rejected({i: lp[1:] + lp[:1] for i, lp in got.items()}, want, bounds.logprob, "shifted by one")
+
+    flags = ("--use-tis", "--entropy-coef", "0.01", "--rollout-temperature", "0.7")
+    chunked, whole = (_actor(_cfg(tiny_model, tiny_task, tmp_path, *flags)) for _ in range(2))
+    whole._forward = lambda *a, **k: whole_logits_forward(whole, *a, **k)
+    first = {name: record_torch_step(a) for name, a in (("chunked", chunked), ("whole", whole))}
+    chunked.train(0, batch)
+    whole.train(0, batch)
+    margins = assert_same_first_step(first["whole"], first["chunked"], bounds, metrics=("entropy",))
+    print(f"chunked training log-probs vs the whole logits, largest |diff| / tolerance: {margins}")
+    config = chunked.module.config
+    widest = {
+        name: _widest_projection(lambda a=a: a.train(1, _batch(seed=1)), config.vocab_size, config.hidden_size)
+        for name, a in (("chunked", chunked), ("whole", whole))
+    }
+    assert widest["chunked"] == 5 < widest["whole"], widest

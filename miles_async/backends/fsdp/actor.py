@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from miles_async.algorithms.losses import entropy_from_logits, logprobs_from_logits
 from miles_async.backends.fsdp.lora import adapter_tensors, add_adapters, merged_parameters, write_adapter
@@ -34,25 +35,19 @@ if TYPE_CHECKING:
 
 
 SHARED_PREFIX_ATTENTION = ("sdpa", "eager", SHARED_PREFIX_SDPA)
-# Tokens whose logits the no-gradient log-prob passes hold at once: ~50 MB of float32 logits at a 49k vocabulary;
-# the projection's matmul runs as fast at this height as over a whole micro-batch (issue 34, lever 2).
+# Tokens whose logits a pass holds at once: ~50 MB of float32 logits at a 49k vocabulary, where a micro-batch's
+# whole [tokens x vocab] logits (and, training, their log-softmax and entropy terms and the gradients of each) ran to
+# gigabytes with long answers; the projection's matmul runs as fast at this height as over a whole micro-batch
+# (issue 34, lever 1).
 LOGPROB_CHUNK_TOKENS = 256
-
-
-def response_logits(
-    model: torch.nn.Module, mb: MicroBatch, device: torch.device, attn_implementation: str = "sdpa"
-) -> torch.Tensor:
-    """``[B, R, V]`` float logits predicting each response token of ``mb``, from its shared-prefix layout when it
-    has one, else from one padded row per sample. ``model`` may be wrapped (DDP): the caller names its attention."""
-    return _response_outputs(model, mb, device, attn_implementation).float()
 
 
 def response_hidden(
     model: torch.nn.Module, mb: MicroBatch, device: torch.device, attn_implementation: str = "sdpa"
 ) -> tuple[torch.Tensor, torch.nn.Module]:
-    """``[B, R, H]``: the last hidden state that predicts each response token of ``mb`` (what ``response_logits``
-    projects), and the output projection that makes it logits. The model runs whole (its hooks, a sharded root's
-    gathers included) with that projection swapped out for the pass."""
+    """``[B, R, H]``: the last hidden state that predicts each response token of ``mb``, from its shared-prefix layout
+    when it has one, else from one padded row per sample, and the output projection that makes it logits. The model
+    runs whole (its hooks, a sharded root's gathers included) with that projection swapped out for the pass."""
     head = model.get_output_embeddings()
     model.set_output_embeddings(torch.nn.Identity())
     try:
@@ -96,11 +91,11 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
 
 
 def kept_positions(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """The columns ``[start, end)`` whose logits a forward keeps, as positions rather than a count: HF then gathers
-    them into a contiguous tensor for the output projection, where a count slices a view that is not contiguous
-    across sequences. With frozen weights (the reference model) torch's matmul does not fold such a view into one
-    matrix product: it runs a batched product against the [vocab x hidden] weight expanded per sequence, which made
-    the reference forward about 3x as slow as the policy's on SmolLM2-135M (the roofline's, issue 34)."""
+    """The columns ``[start, end)`` whose outputs a forward keeps, as positions rather than a count: HF then gathers
+    them into a contiguous tensor, where a count slices a view that is not contiguous across sequences. (When the
+    projection ran inside the forward, torch's matmul with a frozen weight did not fold such a view into one matrix
+    product: it ran a batched product against the [vocab x hidden] weight expanded per sequence, a reference forward
+    about 3x as slow as the policy's on SmolLM2-135M.)"""
     return torch.arange(start, end, device=device)
 
 
@@ -173,13 +168,37 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         self._replayer.set(targets(mb.routing, rows, pos).flatten(0, 1), self._routing_stats)
 
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """``[B, R]`` log-probs (and entropies) of ``mb``'s real response tokens, 0 at padding: the last hidden
+        states projected and reduced ``LOGPROB_CHUNK_TOKENS`` tokens at a time, so the micro-batch's
+        ``[tokens x vocab]`` logits never exist at once. With a gradient each chunk is checkpointed: its backward
+        projects the chunk again instead of keeping its logits, one more matmul of the output projection for
+        memory that no longer grows with the micro-batch."""
         self._route(mb)
         with self._autocast():
-            logits = response_logits(model, mb, self.device, self.module.config._attn_implementation)
-        logits = self._sampled_logits(logits, temperature)
-        logprobs = logprobs_from_logits(logits, mb.response_ids.to(self.device))
-        entropy = entropy_from_logits(logits) if with_entropy else None
-        return logprobs, entropy
+            hidden, head = response_hidden(model, mb, self.device, self.module.config._attn_implementation)
+        real = mb.attention_mask[:, -mb.max_response_len :].bool().to(self.device)
+        hidden, labels = hidden[real], mb.response_ids.to(self.device)[real]
+
+        def chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            with self._autocast():
+                logits = head(h).float()
+            logits = self._sampled_logits(logits, temperature)
+            lp = logprobs_from_logits(logits, y)
+            return (lp, entropy_from_logits(logits)) if with_entropy else (lp,)
+
+        recompute = torch.is_grad_enabled()
+        outs = []
+        for start in range(0, len(labels), LOGPROB_CHUNK_TOKENS):
+            h, y = hidden[start : start + LOGPROB_CHUNK_TOKENS], labels[start : start + LOGPROB_CHUNK_TOKENS]
+            outs.append(checkpoint(chunk, h, y, use_reentrant=False) if recompute else chunk(h, y))
+        zeros = hidden.new_zeros(real.shape, dtype=torch.float32)
+        if not outs:
+            # No real token: the zeros still hang off the model's graph, as under FSDP every rank's backward must run
+            # through the same modules.
+            zeros = zeros + hidden.sum() * 0
+            return zeros, zeros if with_entropy else None
+        per_token = [zeros.index_put((real,), torch.cat(parts)) for parts in zip(*outs)]
+        return per_token[0], per_token[1] if with_entropy else None
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.dtype == "bfloat16")
@@ -194,24 +213,9 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     @torch.no_grad()
     def _chunked_logprobs(self, model, mb: MicroBatch, temperature: float) -> torch.Tensor:
-        """``[B, R]``: what ``_forward`` gives without a gradient, each real response token's log-prob (0 at
-        padding), its logits projected and reduced ``LOGPROB_CHUNK_TOKENS`` tokens at a time: the [tokens x vocab]
-        logits of the micro-batch never exist at once, and padding gets none."""
-        self._route(mb)
-        with self._autocast():
-            hidden, head = response_hidden(model, mb, self.device, self.module.config._attn_implementation)
-        real = mb.attention_mask[:, -mb.max_response_len :].bool().to(self.device)
-        hidden, labels = hidden[real], mb.response_ids.to(self.device)[real]
-        picked = []
-        for start in range(0, len(labels), LOGPROB_CHUNK_TOKENS):
-            with self._autocast():
-                logits = head(hidden[start : start + LOGPROB_CHUNK_TOKENS]).float()
-            logits = self._sampled_logits(logits, temperature)
-            picked.append(logprobs_from_logits(logits, labels[start : start + LOGPROB_CHUNK_TOKENS]))
-        out = torch.zeros(real.shape, device=self.device)
-        if picked:
-            out[real] = torch.cat(picked)
-        return out
+        """``[B, R]``: each real response token's log-prob (0 at padding) without a gradient (old and reference
+        log-probs)."""
+        return self._forward(model, mb, temperature)[0]
 
     def _logprobs_of(self, model, batch: RolloutBatch, idx: list[int], temperature: float) -> dict[int, list[float]]:
         return self._per_sample(lambda mb: self._chunked_logprobs(model, mb, temperature), batch, idx)
