@@ -334,7 +334,8 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
 
 
 def _is_mla(ns: argparse.Namespace) -> bool:
-    from miles_async.config.model import MLA, hf_config_json
+    from miles_async.config.hf_to_megatron import MLA
+    from miles_async.config.model import hf_config_json
 
     return hf_config_json(ns).get("model_type") in MLA
 

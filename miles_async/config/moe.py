@@ -15,8 +15,9 @@ import argparse
 from dataclasses import dataclass
 
 from miles_async.config.declare import When, at_least, flag, group
+from miles_async.config.hf_to_megatron import EXPERT_BIAS
 from miles_async.config.machine import Machine
-from miles_async.config.model import EXPERT_BIAS, hf_config_json
+from miles_async.config.model import hf_config_json
 
 # The MoE families the megatron backend builds, and for others what it would need (in the error).
 BUILT = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")

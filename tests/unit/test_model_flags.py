@@ -14,7 +14,8 @@ import subprocess
 import pytest
 
 from miles_async.arguments import ConfigError, build_parser, parse_args
-from miles_async.config.model import effective_args, megatron_args, mismatches
+from miles_async.config.hf_to_megatron import megatron_args
+from miles_async.config.model import effective_args, mismatches
 from tests.flag_helpers import minimal_flags
 from tests.scripts.helpers import ROOT
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from miles_async.config.model import QKV_ONLY_ATTENTION_BIAS
+from miles_async.config.hf_to_megatron import QKV_ONLY_ATTENTION_BIAS
 from miles_async.config.moe import not_built
 
 if TYPE_CHECKING:

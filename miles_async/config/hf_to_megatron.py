@@ -1,0 +1,232 @@
+"""config.json -> the Megatron-LM flags that describe the same model: one row per flag, pure and unit-tested for the
+llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, glm4_moe and deepseek_v3 families
+(``config/model.py`` checks a launcher's flags against it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Families whose layout is known: which have q/k norms, and which put a bias on q/k/v only.
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
+QK_NORM = ("qwen3", "qwen3_moe")
+QKV_BIAS = ("qwen2", "qwen2_moe")
+# Families whose attention_bias biases q/k/v only (Llama's also biases o_proj).
+QKV_ONLY_ATTENTION_BIAS = QKV_BIAS + ("glm4_moe",)
+# Sigmoid routers that choose by score plus a learned per-expert bias and scale the chosen weights (GLM-4.5,
+# DeepSeek-V3), with shared experts.
+EXPERT_BIAS = ("glm4_moe", "deepseek_v3")
+# Multi-latent attention (DeepSeek-V3).
+MLA = ("deepseek_v3",)
+
+
+# -- config.json -> Megatron-LM flags (pure) ------------------------------------------------------
+def _rope(hf: Mapping[str, Any]) -> dict:
+    """RoPE settings from either config.json (rope_theta + rope_scaling) or transformers 5 (rope_parameters)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if hf.get("rope_scaling"):
+        rope = {**hf["rope_scaling"], **rope}
+    if "rope_theta" not in rope and hf.get("rope_theta") is not None:
+        rope["rope_theta"] = hf["rope_theta"]
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _num_experts(hf: Mapping[str, Any]) -> int | None:
+    return hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or None
+
+
+def _moe_layers(hf: Mapping[str, Any]) -> list[int] | None:
+    """Which layers are MoE (1) or dense (0), as --moe-layer-freq lists them: Qwen's decoder_sparse_step and
+    mlp_only_layers, GLM's and DeepSeek's first_k_dense_replace."""
+    if _num_experts(hf) is None:
+        return None
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    dense |= set(range(hf.get("first_k_dense_replace") or 0))
+    return [0 if i in dense or (i + 1) % step else 1 for i in range(hf["num_hidden_layers"])]
+
+
+def _shared_expert(hf: Mapping[str, Any]) -> int | None:
+    """The shared expert's hidden size: Qwen2-MoE's own, GLM's and DeepSeek's n_shared_experts routed-expert
+    sizes."""
+    if hf.get("model_type") in EXPERT_BIAS:
+        return (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"] or None
+    return hf.get("shared_expert_intermediate_size") or None
+
+
+def _qk_norm(hf: Mapping[str, Any]) -> bool:
+    # Under multi-latent attention, Megatron-LM's --qk-layernorm is the norm of each low-rank latent.
+    mt = hf["model_type"]
+    return mt in QK_NORM + MLA or (mt == "glm4_moe" and bool(hf.get("use_qk_norm")))
+
+
+def _mla(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in MLA
+
+
+def _not_mla(hf: Mapping[str, Any]) -> bool:
+    return not _mla(hf)
+
+
+def uses_yarn(hf: Mapping[str, Any]) -> bool:
+    return _mla(hf) and _rope(hf)["rope_type"] == "yarn"
+
+
+def _groups(hf: Mapping[str, Any]) -> int | None:
+    """DeepSeek's expert groups (n_group), None without group-limited routing."""
+    return hf.get("n_group") if (hf.get("n_group") or 1) > 1 else None
+
+
+def _expert_bias(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in EXPERT_BIAS
+
+
+def _known(hf: Mapping[str, Any]) -> bool:
+    return hf.get("model_type") in DENSE + MOE
+
+
+def _is_moe(hf: Mapping[str, Any]) -> bool:
+    return _num_experts(hf) is not None
+
+
+def _llama3_rope(hf: Mapping[str, Any]) -> bool:
+    return _rope(hf)["rope_type"] == "llama3"
+
+
+def _always(hf: Mapping[str, Any]) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Row:
+    """One Megatron-LM flag: the config.json keys it is read from, its value, and for which configs it applies."""
+
+    flag: str
+    keys: tuple[str, ...]
+    value: Callable[[Mapping[str, Any]], Any]
+    applies: Callable[[Mapping[str, Any]], bool] = _always
+
+
+def _bias_linear(hf: Mapping[str, Any]) -> bool:
+    # Llama's attention_bias also biases o_proj, which Megatron ties to the MLP's add_bias_linear; Qwen2's
+    # q/k/v biases are --add-qkv-bias alone.
+    o_proj_bias = bool(hf.get("attention_bias")) and hf["model_type"] not in QKV_ONLY_ATTENTION_BIAS
+    return not (o_proj_bias or hf.get("mlp_bias", False))
+
+
+TABLE: tuple[Row, ...] = (
+    Row("--num-layers", ("num_hidden_layers",), lambda hf: hf["num_hidden_layers"]),
+    Row("--hidden-size", ("hidden_size",), lambda hf: hf["hidden_size"]),
+    Row("--ffn-hidden-size", ("intermediate_size",), lambda hf: hf["intermediate_size"]),
+    Row("--num-attention-heads", ("num_attention_heads",), lambda hf: hf["num_attention_heads"]),
+    Row(
+        "--num-query-groups",
+        ("num_key_value_heads",),
+        lambda hf: hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    ),
+    Row(
+        "--kv-channels",
+        ("head_dim",),
+        lambda hf: hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        _not_mla,  # multi-latent attention's heads are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim
+    ),
+    Row("--swiglu", ("hidden_act",), lambda hf: hf.get("hidden_act", "silu") == "silu"),
+    Row("--normalization", ("model_type",), lambda hf: "RMSNorm", _known),
+    Row("--norm-epsilon", ("rms_norm_eps",), lambda hf: hf.get("rms_norm_eps")),
+    Row("--position-embedding-type", ("model_type",), lambda hf: "rope", _known),
+    Row("--rotary-base", ("rope_theta",), lambda hf: float(_rope(hf).get("rope_theta", 10000.0))),
+    Row(
+        "--rotary-percent",
+        ("partial_rotary_factor",),
+        lambda hf: _rope(hf).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0,
+    ),
+    Row("--use-rope-scaling", ("rope_type",), _llama3_rope),
+    Row("--rope-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), _llama3_rope),
+    Row("--max-position-embeddings", ("max_position_embeddings",), lambda hf: hf.get("max_position_embeddings")),
+    Row("--vocab-size", ("vocab_size",), lambda hf: hf["vocab_size"]),
+    Row(
+        "--untie-embeddings-and-output-weights",
+        ("tie_word_embeddings",),
+        lambda hf: not hf.get("tie_word_embeddings", False),
+    ),
+    Row("--qk-layernorm", ("model_type", "use_qk_norm"), _qk_norm, _known),
+    Row("--multi-latent-attention", ("model_type",), _mla, _known),
+    Row("--q-lora-rank", ("q_lora_rank",), lambda hf: hf.get("q_lora_rank"), _mla),
+    Row("--kv-lora-rank", ("kv_lora_rank",), lambda hf: hf["kv_lora_rank"], _mla),
+    Row("--qk-head-dim", ("qk_nope_head_dim",), lambda hf: hf["qk_nope_head_dim"], _mla),
+    Row("--qk-pos-emb-head-dim", ("qk_rope_head_dim",), lambda hf: hf["qk_rope_head_dim"], _mla),
+    Row("--v-head-dim", ("v_head_dim",), lambda hf: hf["v_head_dim"], _mla),
+    Row("--rotary-scaling-factor", ("rope_type", "factor"), lambda hf: float(_rope(hf)["factor"]), uses_yarn),
+    Row("--mscale", ("rope_type", "mscale"), lambda hf: float(_rope(hf).get("mscale", 1.0)), uses_yarn),
+    Row(
+        "--mscale-all-dim",
+        ("rope_type", "mscale_all_dim"),
+        lambda hf: float(_rope(hf).get("mscale_all_dim", 0.0)),
+        uses_yarn,
+    ),
+    Row(
+        "--add-qkv-bias",
+        ("model_type", "attention_bias"),
+        lambda hf: hf["model_type"] in QKV_BIAS or bool(hf.get("attention_bias")),
+        _known,
+    ),
+    Row("--disable-bias-linear", ("attention_bias", "mlp_bias"), _bias_linear, _known),
+    Row("--num-experts", ("num_experts",), _num_experts),
+    Row("--moe-router-topk", ("num_experts_per_tok",), lambda hf: hf.get("num_experts_per_tok"), _is_moe),
+    Row(
+        "--moe-ffn-hidden-size",
+        ("moe_intermediate_size",),
+        lambda hf: hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        _is_moe,
+    ),
+    Row("--moe-layer-freq", ("decoder_sparse_step", "mlp_only_layers", "first_k_dense_replace"), _moe_layers, _is_moe),
+    Row(
+        "--moe-shared-expert-intermediate-size",
+        ("shared_expert_intermediate_size", "n_shared_experts", "moe_intermediate_size"),
+        _shared_expert,
+        lambda hf: _is_moe(hf) and _shared_expert(hf) is not None,
+    ),
+    Row(
+        "--moe-router-score-function",
+        ("model_type",),
+        lambda hf: "sigmoid" if _expert_bias(hf) else "softmax",
+        lambda hf: _is_moe(hf) and _known(hf),
+    ),
+    Row("--moe-router-enable-expert-bias", ("model_type",), _expert_bias, lambda hf: _is_moe(hf) and _known(hf)),
+    Row(
+        "--moe-router-topk-scaling-factor",
+        ("routed_scaling_factor",),
+        lambda hf: float(hf.get("routed_scaling_factor") or 1.0),
+        _expert_bias,
+    ),
+    Row("--moe-router-num-groups", ("n_group",), _groups, _expert_bias),
+    Row(
+        "--moe-router-group-topk",
+        ("topk_group",),
+        lambda hf: hf.get("topk_group") if _groups(hf) else None,
+        _expert_bias,
+    ),
+)
+ROWS = {row.flag: row for row in TABLE}
+
+
+def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The Megatron-LM flags (by name; switches True/False) that build the model config.json describes. A flag
+    whose value the config does not determine (an unknown family's norms or biases, a dense model's MoE flags)
+    is left out; --num-experts is None for a dense model."""
+    out = {row.flag: row.value(hf) for row in TABLE if row.applies(hf)}
+    return {k: v for k, v in out.items() if v is not None or k == "--num-experts"}
+
+
+def config_source(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The config.json keys a row reads, with their values, for messages."""
+    rope = _rope(hf)
+    special = {
+        "rope_theta": rope.get("rope_theta"),
+        "rope_type": rope["rope_type"],
+        "factor": rope.get("factor"),
+        "num_experts": _num_experts(hf),
+    }
+    return ", ".join(f"{k} {special[k] if k in special else hf.get(k)}" for k in keys)
