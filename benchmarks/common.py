@@ -65,10 +65,20 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+# What a kept run records of the machine it ran on: its figures depend on them (bf16 or not above all).
+STAMPED_MACHINE = ("cpu_model", "cores", "memory_gib", "cpu_bf16", "torch")
+
+
 def ran_stamp() -> dict[str, Any]:
-    """Where a kept benchmark run comes from: the commit and date it ran at, and the 1-minute load as it started."""
+    """Where a kept benchmark run comes from: the commit and date it ran at, the machine, and the 1-minute load as
+    it started."""
     info = machine_info()
-    return {"commit": info["git_commit"], "date": info["date"], "load": [round(os.getloadavg()[0], 1)]}
+    return {
+        "commit": info["git_commit"],
+        "date": info["date"],
+        "machine": {k: info[k] for k in STAMPED_MACHINE},
+        "load": [round(os.getloadavg()[0], 1)],
+    }
 
 
 def finish_stamp(ran: dict[str, Any]) -> dict[str, Any]:
@@ -77,9 +87,14 @@ def finish_stamp(ran: dict[str, Any]) -> dict[str, Any]:
 
 
 def kept_machine(ran: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The entry's machine when its runs were kept from earlier invocations: the commits and first date they ran at."""
+    """The entry's machine when its runs were kept from earlier invocations: the commits and first date they ran at,
+    and the machine they ran on, not the one summing them up (a run kept on one machine and summed up on another
+    keeps its own CPU and precision). Runs kept on different machines fail: their figures do not add up."""
+    machines = [r["machine"] for r in ran]
+    if any(m != machines[0] for m in machines):
+        raise ValueError(f"the kept runs ran on different machines: {machines}")
     commits = list(dict.fromkeys((r["commit"] or "?")[:7] for r in ran))
-    return {**machine_info(), "git_commit": ", ".join(commits), "date": min(r["date"] for r in ran)}
+    return {**machine_info(), **machines[0], "git_commit": ", ".join(commits), "date": min(r["date"] for r in ran)}
 
 
 def smollm2_path() -> Path:

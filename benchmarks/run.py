@@ -38,6 +38,7 @@ REGISTRY: dict[str, str] = {
     "train_memory": "benchmarks.train_memory",
     "trl_peer": "benchmarks.trl_peer",
     "trl_peer_shapes": "benchmarks.trl_peer_shapes",
+    "trl_peer_accuracy": "benchmarks.trl_peer_accuracy",
     "quickstart_speed": "benchmarks.quickstart_speed",
     "roofline": "benchmarks.roofline",
     "async_real": "benchmarks.async_real",

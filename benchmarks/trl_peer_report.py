@@ -156,7 +156,8 @@ def tables(
 def headline(entry: dict) -> list[list[str]]:
     c = entry["comparison"]
     mode = entry.get("results", {}).get("mode", "one-step-off")  # runs before the mode was recorded: the default
-    what = f"TRL GRPOTrainer peer, SmolLM2 quickstart, {entry['steps']} steps, ours {mode}"
+    task = entry.get("task", f"SmolLM2 quickstart, {entry['steps']} steps")  # entries before the task was recorded
+    what = f"TRL GRPOTrainer peer, {task}, ours {mode}"
     if entry.get("seeds"):
         what += f", seed {entry['seeds'][0]}" if len(entry["seeds"]) == 1 else f", mean of {len(entry['seeds'])} seeds"
     rows = [
@@ -175,7 +176,13 @@ def headline(entry: dict) -> list[list[str]]:
     return rows
 
 
-def _plot(runs: dict[str, list[Curve]], out_dir: Path, mode: str) -> list[str]:
+def _plot(
+    runs: dict[str, list[Curve]],
+    out_dir: Path,
+    mode: str,
+    title: str = "SmolLM2 quickstart",
+    name: str = "trl_peer.png",
+) -> list[str]:
     """Held-out accuracy against wall time: each side's mean over its runs, and each run faintly when several."""
     try:
         import matplotlib
@@ -194,12 +201,12 @@ def _plot(runs: dict[str, list[Curve]], out_dir: Path, mode: str) -> list[str]:
         ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", color=color, label=label)
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("held-out accuracy")
-    ax.set_title("SmolLM2 quickstart: train_async.py vs TRL")
+    ax.set_title(f"{title}: train_async.py vs TRL")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "trl_peer.png", dpi=100)
+    fig.savefig(out_dir / name, dpi=100)
     plt.close(fig)
-    return ["trl_peer.png"]
+    return [name]
 
 
 def _notes(raw: dict) -> list[str]:
@@ -233,8 +240,11 @@ def _precision(raw: dict) -> str:
     return {"bf16": "bf16 mixed precision", "float32": "float32"}[flags[flags.index("--precision") + 1]]
 
 
-def _what(steps: int, interval: int) -> str:
-    return f"SmolLM2-135M quickstart (multiplication), {steps} steps of 8 prompts x 8, eval every {interval}"
+QUICKSTART = "SmolLM2-135M quickstart (multiplication), {steps} steps of 8 prompts x 8, eval every {interval}"
+
+
+def _what(steps: int, interval: int, task: str = QUICKSTART) -> str:
+    return task.format(steps=steps, interval=interval)
 
 
 def summarize(steps: int, interval: int, raw: dict, out_dir: Path) -> dict:
@@ -287,8 +297,16 @@ def seed_table(per_seed: dict[str, dict]) -> dict:
     )
 
 
-def summarize_seeds(steps: int, interval: int, raws: dict[str, dict], out_dir: Path) -> dict:
-    """The entry of one run of each per seed: the comparison of their means, and each seed's own."""
+def summarize_seeds(
+    steps: int,
+    interval: int,
+    raws: dict[str, dict],
+    out_dir: Path,
+    task: str = QUICKSTART,
+    plot: tuple[str, str] = ("SmolLM2 quickstart", "trl_peer.png"),
+) -> dict:
+    """The entry of one run of each per seed: the comparison of their means, and each seed's own. ``task``: what
+    ran, for the titles (``{steps}`` and ``{interval}`` filled in); ``plot``: the plot's title and file name."""
     if len({r["mode"] for r in raws.values()}) != 1:
         raise ValueError(f"the seeds ran different loops: {sorted({r['mode'] for r in raws.values()})}")
     mode = next(iter(raws.values()))["mode"]
@@ -297,8 +315,9 @@ def summarize_seeds(steps: int, interval: int, raws: dict[str, dict], out_dir: P
     per_seed = {seed: compare(r["ours"], r["trl"]) for seed, r in raws.items()}
     curves = {name: mean_curve(c) for name, c in runs.items()}
     ranges = {name: accuracy_range(c) for name, c in runs.items()}
-    what = f"{_what(steps, interval)}, mean of seeds {', '.join(raws)}"
+    what = f"{_what(steps, interval, task)}, mean of seeds {', '.join(raws)}"
     return {
+        "task": _what(steps, interval, task),
         "steps": steps,
         "eval_interval": interval,
         "seeds": list(raws),
@@ -306,7 +325,7 @@ def summarize_seeds(steps: int, interval: int, raws: dict[str, dict], out_dir: P
         "comparison": cmp,
         "per_seed_comparison": per_seed,
         "tables": [*tables(cmp, curves, what, mode, ranges), seed_table(per_seed)],
-        "plots": _plot(runs, out_dir, mode),
+        "plots": _plot(runs, out_dir, mode, *plot),
         "notes": [
             "Step times pooled over the seeds; the curves are the seeds' means (accuracy and wall time at each "
             "eval step), and the wall time to a level is read off the mean curves.",

@@ -36,11 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import finish_stamp, kept_machine, median, ran_stamp, table
-from benchmarks.trl_peer import FULL as ACCURACY_STEPS
-from benchmarks.trl_peer import FULL_LAUNCHER_ARGS as ACCURACY_LAUNCHER_ARGS
-from benchmarks.trl_peer import FULL_SEEDS as ACCURACY_SEEDS
-from benchmarks.trl_peer import prepare_assets, run_kept, seed_args
-from benchmarks.trl_peer_report import ratio, summarize_seeds
+from benchmarks.trl_peer import prepare_assets, run_kept
+from benchmarks.trl_peer_report import ratio
 
 GOAL = 5.0
 STEPS, QUICK_STEPS = 10, 2
@@ -81,20 +78,6 @@ class Shape:
             *(["--max-tokens-per-gpu", str(self.max_tokens)] if self.max_tokens else []),
         ]
 
-    def accuracy_args(self) -> list[str]:
-        """The time-to-accuracy run's flags: the README's trl_peer row (on-policy, the cosine of a 60-step run, the
-        quickstart's held-out eval of 4 samples a prompt) at this shape's group and answer cap."""
-        return [
-            *ACCURACY_LAUNCHER_ARGS,
-            "--n-samples-per-prompt",
-            str(self.group),
-            "--rollout-max-response-len",
-            str(self.answer),
-            "--eval-max-response-len",
-            str(self.answer),
-            *(["--max-tokens-per-gpu", str(self.max_tokens)] if self.max_tokens else []),
-        ]
-
 
 # TRL's steps at the long shapes take minutes each on 2 cores (its first at 32x8x300 ran past 13 minutes with the
 # 64 rows of ~330 tokens in one micro-batch, before the runner took our token budget): their medians are of fewer.
@@ -108,9 +91,6 @@ SHAPES = (
     Shape(32, 8, 300, trl_steps=3),
 )
 QUICK_SHAPES = (Shape(8, 2, 40), Shape(16, 2, 300))
-# Time to TRL's final accuracy, over three seeds, on a shape besides the quickstart's (benchmarks/trl_peer.py's
-# row): the cheapest of the shapes where the per-step goal is missed.
-ACCURACY_SHAPE = SHAPES[1]
 
 
 # ---- the prompts (pure) ----
@@ -329,33 +309,6 @@ def _kept(path: Path, shape: Shape, steps: int) -> dict | None:
     return raw if raw.get("launcher_args") == shape.launcher_args() and full else None
 
 
-def accuracy(shape: Shape, work: Path, seeds: Sequence[int] = ACCURACY_SEEDS, run_missing: bool = True) -> dict | None:
-    """Time to TRL's final accuracy at ``shape``: one run of each per seed (``shape.accuracy_args``, the shape's
-    prompts), each seed's raw result kept in ``work``/accuracy-SHAPE/seed-S.json and read back when its flags
-    match; summed up as ``benchmarks/trl_peer.py``'s seeds are. None where a seed is missing and not run."""
-    steps, interval = ACCURACY_STEPS
-    folder = work / f"accuracy-{shape.name}"
-    folder.mkdir(parents=True, exist_ok=True)
-    raws = {}
-    for seed in seeds:
-        path = folder / f"seed-{seed}.json"
-        args = [*shape.accuracy_args(), *seed_args(seed)]
-        raw = json.loads(path.read_text()) if path.exists() else None
-        if raw is not None and (raw.get("launcher_args") != args or len(raw["ours"]["step_seconds"]) != steps):
-            raw = None
-        if raw is None:
-            if not run_missing:
-                return None
-            _, data = prepare_assets()
-            print(f"[trl_peer_shapes] time to accuracy at {shape.name}, seed {seed}", file=sys.stderr, flush=True)
-            stamp = ran_stamp()
-            raw = run_kept(steps, interval, args, write_shaped_data(data, shape, folder / "data"))
-            raw["ran"] = finish_stamp(stamp)
-            path.write_text(json.dumps(raw, indent=1) + "\n")
-        raws[str(seed)] = raw
-    return summarize_seeds(steps, interval, raws, folder)
-
-
 def measure(shapes: Sequence[Shape], steps: int, work: Path, roofline: bool = True, run_missing: bool = True) -> dict:
     """Each shape's raw result is kept in ``work``/SHAPE.json with the commit and date it ran at; one kept there with
     the same flags and steps is read instead of run again (the set takes hours on 2 cores: a cut run goes on where
@@ -412,18 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_shapes"))
     ap.add_argument("--no-roofline", action="store_true", help="skip each shape's step bound (run it later)")
     ap.add_argument("--kept-only", action="store_true", help="sum up the kept shapes; run none")
-    ap.add_argument(
-        "--accuracy",
-        action="store_true",
-        help=f"time to TRL's final accuracy at {ACCURACY_SHAPE.name} over seeds {ACCURACY_SEEDS} instead "
-        f"({ACCURACY_STEPS[0]} steps, an eval every {ACCURACY_STEPS[1]}; about an hour)",
-    )
     args = ap.parse_args(argv)
-    if args.accuracy:
-        entry = accuracy(ACCURACY_SHAPE, args.out)
-        assert entry is not None  # run_missing: every seed ran or was kept
-        write_entry(entry, args.out / f"accuracy-{ACCURACY_SHAPE.name}")
-        return 0
     by_name = {s.name: s for s in SHAPES}
     unknown = sorted(set(args.only or ()) - set(by_name))
     if unknown:
