@@ -325,13 +325,15 @@ def run(
             # torch.compile at the first shape only: compiling takes minutes on 2 cores
             rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0, levers)
         rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
+    for r in rows:  # rows of runs on other machines may sit beside these in one entry
+        r["dtype"] = dtype
     return summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype)
 
 
 def headline(entry: dict) -> list[tuple[str, str]]:
     return [
         (
-            f"lever: {_lever_name(r)}, {r['measured']} ({r['shape']})",
+            f"lever: {_lever_name(r)}, {r['measured']} ({r['shape']}{', ' + r['dtype'] if 'dtype' in r else ''})",
             f"{r['before_median']:.3g} {r.get('unit', 's')} -> {r['after_median']:.3g} {r.get('unit', 's')} "
             f"({r['speedup']:.2f}x)",
         )

@@ -87,3 +87,17 @@ def test_a_levers_before_and_after_alternate_and_its_speedup_is_their_medians_ra
     assert calls == ["b", "a"] * 4 and len(before) == len(after) == 3  # one warm-up of each, untimed
     row = lever_row("fused AdamW", "optimizer step", "8x8x40", [0.5, 0.2, 0.9], [0.1, 0.1, 0.3])
     assert (row["before_median"], row["after_median"], row["speedup"]) == (0.5, 0.1, 5.0)
+
+
+def test_a_levers_peak_memory_is_what_its_call_added_at_most_at_once():
+    """The peak is reset before the call: a 200 MB tensor made and freed inside counts, one made before does not."""
+    import torch
+
+    from benchmarks.levers import peak_above_start
+
+    held = torch.ones(50_000_000)  # 200 MB resident before the calls
+    held.add_(1)
+    _, idle = peak_above_start(lambda: None)
+    total, peak = peak_above_start(lambda: float(torch.ones(50_000_000).sum()))
+    assert total == 50_000_000 and peak > 190e6 and idle < 20e6, (peak, idle)
+    del held
