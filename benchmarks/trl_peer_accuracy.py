@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.common import finish_stamp, kept_machine, ran_stamp, write_entry
 from benchmarks.trl_peer import FULL, FULL_LAUNCHER_ARGS, FULL_SEEDS, QUICK, prepare_assets, run_kept, seed_args
 from benchmarks.trl_peer_report import headline as peer_headline
-from benchmarks.trl_peer_report import summarize_seeds
+from benchmarks.trl_peer_report import mean_curve, summarize_seeds
 from benchmarks.trl_peer_shapes import PROMPTS_PER_STEP, SHAPES, WORKING, Shape, write_shaped_data
 
 SHAPE = SHAPES[1]  # 32x4x40
@@ -110,8 +110,28 @@ def run(quick: bool, out_dir: Path) -> dict:
     return entry
 
 
+def accuracy_at(curve: Sequence[Sequence[float]], seconds: float) -> float | None:
+    """The accuracy of a ``(step, accuracy, seconds)`` curve at ``seconds``, read linearly between its evals; None
+    outside them."""
+    for (_, a0, t0), (_, a1, t1) in zip(curve, curve[1:]):
+        if t0 <= seconds <= t1:
+            return a0 + (a1 - a0) * (seconds - t0) / (t1 - t0) if t1 > t0 else a1
+    return None
+
+
 def headline(entry: dict) -> list[list[str]]:
-    return peer_headline(entry)
+    """trl_peer's rows, and both sides' accuracy when our run ends (where it ends before TRL's, the time to TRL's
+    final accuracy may lie beyond it)."""
+    per_seed = entry["results"]["per_seed"].values()
+    ours, trl = (mean_curve([r[side]["curve"] for r in per_seed]) for side in ("ours", "trl"))
+    end = ours[-1][2]
+    at = accuracy_at(trl, end)
+    row = [
+        f"TRL GRPOTrainer peer, {entry['task']}: held-out accuracy when our {ours[-1][0]} steps end ({end:.0f} s), "
+        "ours vs TRL (TRL's mean curve read between its evals)",
+        f"{ours[-1][1]:.2f} vs {'-' if at is None else format(at, '.2f')}",
+    ]
+    return [*peer_headline(entry), row]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,12 +192,12 @@ def _plot(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label, color in (("ours", f"train_async.py ({mode})", "C0"), ("trl", "TRL GRPOTrainer", "C1")):
-        if len(runs[name]) > 1:
-            label += f", mean of {len(runs[name])} seeds"
-            for c in runs[name]:
+    for side, label, color in (("ours", f"train_async.py ({mode})", "C0"), ("trl", "TRL GRPOTrainer", "C1")):
+        if len(runs[side]) > 1:
+            label += f", mean of {len(runs[side])} seeds"
+            for c in runs[side]:
                 ax.plot([s for _, _, s in c], [a for _, a, _ in c], color=color, alpha=0.25, linewidth=1)
-        c = mean_curve(runs[name])
+        c = mean_curve(runs[side])
         ax.plot([s for _, _, s in c], [a for _, a, _ in c], marker="o", color=color, label=label)
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("held-out accuracy")

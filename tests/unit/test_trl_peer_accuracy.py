@@ -54,3 +54,16 @@ def test_runs_kept_on_two_machines_do_not_add_up():
     with pytest.raises(ValueError, match="different machines"):
         common.kept_machine([one, {**one, "machine": {**ELSEWHERE, "cpu_bf16": True}}])
     assert set(common.STAMPED_MACHINE) <= set(common.ran_stamp()["machine"])
+
+
+def test_the_headline_gives_both_sides_accuracy_when_our_run_ends(tmp_path):
+    assert acc.accuracy_at([(0, 0.2, 0.0), (1, 0.6, 40.0), (2, 1.0, 80.0)], 60.0) == pytest.approx(0.8)
+    assert acc.accuracy_at([(0, 0.2, 0.0), (1, 0.6, 40.0)], 41.0) is None
+    folder = tmp_path / acc.SHAPE.name
+    folder.mkdir()
+    for seed, raw in ((1, SEED_A), (2, SEED_B)):
+        (folder / f"seed-{seed}.json").write_text(json.dumps(_seed(raw, seed, ELSEWHERE)))
+    entry = acc.measure(acc.SHAPE, tmp_path, (2, 1), (1, 2), run_missing=False)
+    # ours ends at 22 s (mean of 20 and 24) with 0.9; TRL's mean curve is 0.15 at 0 s and 0.6 at 42 s: 0.39 at 22 s
+    what, result = acc.headline(entry)[-1]
+    assert "when our 2 steps end (22 s)" in what and result == "0.90 vs 0.39"
