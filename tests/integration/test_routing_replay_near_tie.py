@@ -56,7 +56,9 @@ def _near_tie_moe(path: Path, one_expert: bool) -> Path:
 def _argv(model: Path, train: Path, out: Path, *extra: str) -> list[str]:
     return ["--hf-checkpoint", str(model), "--prompt-data", str(train), "--rollout-batch-size", "8",
             "--n-samples-per-prompt", "2", "--num-rollout", "1", "--rm-type", "first_integer", "--use-tis",
-            "--rollout-backend", "embedded", "--rollout-dtype", "bfloat16", "--no-shared-prefix",
+            # --keep-cpu-bf16: on a CPU without bf16 arithmetic the engine would fall back to float32 and agree with
+            # the trainer on every pick; emulated bf16 is slow, but 16 answers of 8 tokens on a tiny model are not.
+            "--rollout-backend", "embedded", "--rollout-dtype", "bfloat16", "--keep-cpu-bf16", "--no-shared-prefix",
             "--output-dir", str(out), *extra]  # fmt: skip
 
 
