@@ -116,23 +116,18 @@ def test_frozen_model_projects_its_logits_in_one_matrix_product(tiny_model, tiny
         assert torch.equal(got, actor._chunked_logprobs(actor.module, mb, 1.0)), layout
 
 
-def _widest_projection(fn, vocab: int, hidden: int) -> int:
-    """The most token rows any matrix product with a ``vocab``-wide side took while ``fn`` ran (forward and
-    backward): how many tokens' logits, or gradients of them, existed at once."""
+def _projections(fn, vocab: int, hidden: int) -> tuple[int, int]:
+    """While ``fn`` ran (forward and backward): the most token rows any matrix product with a ``vocab``-wide side
+    took (how many tokens' logits, or gradients of them, existed at once), and how many products projected hidden
+    states to logits (each chunk once, twice where its backward recomputes it)."""
     from torch.profiler import profile
 
     with profile(record_shapes=True) as prof:
         fn()
-    rows = [
-        n
-        for e in prof.events()
-        if e.name in ("aten::mm", "aten::addmm", "aten::bmm")
-        for shape in e.input_shapes
-        if len(shape) >= 2 and vocab in shape[-2:]
-        for n in shape[-2:]
-        if n not in (vocab, hidden)
-    ]
-    return max(rows, default=0)
+    products = [e.input_shapes for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::bmm")]
+    rows = [n for shapes in products for s in shapes if vocab in s[-2:] for n in s[-2:] if n not in (vocab, hidden)]
+    forward = sum(1 for shapes in products if shapes[-1][-2:] == [hidden, vocab])
+    return max(rows, default=0), forward
 
 
 def test_chunked_passes_equal_those_of_the_whole_logits(tiny_model, tiny_task, tmp_path, monkeypatch):
@@ -146,11 +141,13 @@ def test_chunked_passes_equal_those_of_the_whole_logits(tiny_model, tiny_task, t
       whole logits (``benchmarks/levers.py``'s ``whole_logits_forward``, the pass before the chunks): gradients and
       weights within tests/tolerance.py's bounds, with its negative controls.
     - No matrix product with a vocabulary-wide side takes more tokens than a chunk, in the forward or the backward;
-      the whole logits' pass takes the micro-batch's (the check's own control)."""
+      the whole logits' pass takes the micro-batch's (the check's own control). The backward projects each chunk
+      again only where keeping the logits would take more than ``RECOMPUTE_ABOVE_BYTES`` (forced both ways here)."""
     import miles_async.backends.fsdp.actor as actor_module
     from benchmarks.levers import whole_logits_forward
 
     monkeypatch.setattr(actor_module, "LOGPROB_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(actor_module, "RECOMPUTE_ABOVE_BYTES", 0)
     batch = _batch()
     idx = list(range(len(batch.tokens)))
     bounds = StepBounds.of(tiny_model, batch.tokens, group_size=4)
@@ -178,8 +175,11 @@ def test_chunked_passes_equal_those_of_the_whole_logits(tiny_model, tiny_task, t
     margins = assert_same_first_step(first["whole"], first["chunked"], bounds, metrics=("entropy",))
     print(f"chunked training log-probs vs the whole logits, largest |diff| / tolerance: {margins}")
     config = chunked.module.config
-    widest = {
-        name: _widest_projection(lambda a=a: a.train(1, _batch(seed=1)), config.vocab_size, config.hidden_size)
-        for name, a in (("chunked", chunked), ("whole", whole))
-    }
-    assert widest["chunked"] == 5 < widest["whole"], widest
+    shapes = (config.vocab_size, config.hidden_size)
+    widest, projected = {}, {}
+    for name, a, threshold in (("chunked", chunked, 0), ("kept", chunked, 2**40), ("whole", whole, 0)):
+        monkeypatch.setattr(actor_module, "RECOMPUTE_ABOVE_BYTES", threshold)
+        widest[name], projected[name] = _projections(lambda a=a: a.train(1, _batch(seed=1)), *shapes)
+    assert widest["chunked"] == widest["kept"] == 5 < widest["whole"], widest
+    # a chunk recomputed in the backward is projected twice; kept, once, as the whole logits' micro-batches are
+    assert projected["chunked"] == 2 * projected["kept"] and projected["kept"] > projected["whole"], projected

@@ -40,6 +40,11 @@ SHARED_PREFIX_ATTENTION = ("sdpa", "eager", SHARED_PREFIX_SDPA)
 # gigabytes with long answers; the projection's matmul runs as fast at this height as over a whole micro-batch
 # (issue 34, lever 1).
 LOGPROB_CHUNK_TOKENS = 256
+# The training pass recomputes its chunks' logits in the backward only where keeping them would take more than this
+# (float32 logits of the micro-batch's real answer tokens): the recomputation is one more output-projection matmul a
+# chunk, 10% of SmolLM2's training pass at 8x8x40 (benchmarks/levers.py), where keeping them is 100 MB; at 128x8x40
+# they would be 1.4 GB a copy, and recomputing ran both faster and in 2.6x less memory.
+RECOMPUTE_ABOVE_BYTES = 512 * 2**20
 
 
 def response_hidden(
@@ -170,9 +175,10 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
     def _forward(self, model, mb: MicroBatch, temperature: float = 1.0, with_entropy: bool = False):
         """``[B, R]`` log-probs (and entropies) of ``mb``'s real response tokens, 0 at padding: the last hidden
         states projected and reduced ``LOGPROB_CHUNK_TOKENS`` tokens at a time, so the micro-batch's
-        ``[tokens x vocab]`` logits never exist at once. With a gradient each chunk is checkpointed: its backward
-        projects the chunk again instead of keeping its logits, one more matmul of the output projection for
-        memory that no longer grows with the micro-batch."""
+        ``[tokens x vocab]`` logits never exist at once. With a gradient, where keeping every chunk's logits for the
+        backward would take more than ``RECOMPUTE_ABOVE_BYTES``, each chunk is checkpointed: its backward projects
+        the chunk again instead of keeping its logits, one more matmul of the output projection for memory that no
+        longer grows with the micro-batch."""
         self._route(mb)
         with self._autocast():
             hidden, head = response_hidden(model, mb, self.device, self.module.config._attn_implementation)
@@ -186,7 +192,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
             lp = logprobs_from_logits(logits, y)
             return (lp, entropy_from_logits(logits)) if with_entropy else (lp,)
 
-        recompute = torch.is_grad_enabled()
+        vocab = self.module.config.get_text_config().vocab_size
+        recompute = torch.is_grad_enabled() and len(labels) * vocab * 4 > RECOMPUTE_ABOVE_BYTES
         outs = []
         for start in range(0, len(labels), LOGPROB_CHUNK_TOKENS):
             h, y = hidden[start : start + LOGPROB_CHUNK_TOKENS], labels[start : start + LOGPROB_CHUNK_TOKENS]
