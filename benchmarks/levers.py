@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -82,17 +81,15 @@ def alternate(before: Callable[[], Any], after: Callable[[], Any], rounds: int) 
 # ---- the levers (I/O: real model, real actor) ----
 
 
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
 def peak_above_start(fn: Callable[[], Any]) -> tuple[Any, float]:
     """``fn()`` and the most resident memory it added, in bytes: the peak (``VmHWM``, reset to the current size
     first through ``/proc/self/clear_refs``) less the resident size at its start."""
+    from benchmarks.train_memory import status_kib
+
     Path("/proc/self/clear_refs").write_text("5")
-    start = _status_kib("VmRSS")
+    start = status_kib("VmRSS")
     out = fn()
-    return out, (_status_kib("VmHWM") - start) * 1024.0
+    return out, (status_kib("VmHWM") - start) * 1024.0
 
 
 def whole_logits_forward(actor: Any, model: Any, mb: Any, temperature: float = 1.0, with_entropy: bool = False):

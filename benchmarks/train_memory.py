@@ -57,7 +57,7 @@ RESULT_PREFIX = "TRAIN_MEMORY_RESULT "
 
 
 # -- the worker: one rank of one configuration, run with PYTHONPATH at the variant's tree --------------------------
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
@@ -130,7 +130,7 @@ def _worker_main(a: argparse.Namespace) -> None:
     t0 = time.time()
     actor = FSDPTrainActor(cfg, a.rank, a.world, total_optimizer_steps=a.steps)
     actor.init_process_group("127.0.0.1", a.port)
-    hwm_setup = _status_kib("VmHWM")
+    hwm_setup = status_kib("VmHWM")
     from transformers import AutoConfig
 
     batch = train_step.step_batch(AutoConfig.from_pretrained(a.model).vocab_size, prompts=a.prompts)
@@ -145,9 +145,9 @@ def _worker_main(a: argparse.Namespace) -> None:
         "step_seconds": seconds,
         "losses": losses,
         "hwm_setup_kib": hwm_setup,
-        "hwm_kib": _status_kib("VmHWM"),
-        "rss_end_kib": _status_kib("VmRSS"),
-        "rss_anon_end_kib": _status_kib("RssAnon"),
+        "hwm_kib": status_kib("VmHWM"),
+        "rss_end_kib": status_kib("VmRSS"),
+        "rss_anon_end_kib": status_kib("RssAnon"),
         "model_class": type(actor.module).__name__,
         **state_bytes(actor.module, actor.optimizer),
     }
