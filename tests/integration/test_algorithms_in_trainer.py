@@ -270,3 +270,16 @@ def test_a_trained_token_without_a_rollout_logprob_fails_the_step_naming_the_sam
     for ok in (untrained, masked):
         assert math.isfinite(actor.train(0, ok)["train/pg_loss"])
     assert actor.optimizer_steps == 2
+
+
+def test_the_logged_lr_is_the_one_each_step_took(tiny_model, tiny_task, tmp_path):
+    """``train/lr`` is the learning rate of the rollout's (last) optimizer step, the one Megatron-LM and TRL log: the
+    first step trains at the peak. (It was the next step's, as the scheduler reports once stepped.) The Megatron
+    backend's is compared with this one's in tests/integration/test_megatron_backend.py."""
+    schedule = ("--lr-decay-style", "cosine", "--min-lr", "1e-3", "--lr-decay-iters", "4", "--use-tis")
+    actor = FSDPTrainActor(_cfg(tiny_model, tiny_task, tmp_path, *schedule).train, 0, 1, total_optimizer_steps=4)
+    lrs = [actor.train(i, _batch(i))["train/lr"] for i in range(3)]
+    assert actor.optimizer_steps == 3
+    expected = [1e-3 + (1e-2 - 1e-3) * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(3)]
+    assert lrs == pytest.approx(expected, rel=1e-9), (lrs, expected)
+    assert lrs[0] == pytest.approx(1e-2)

@@ -230,8 +230,8 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             group["lr"] = lr
 
     def _current_lr(self) -> float:
-        # The LR of the step just taken, as the torch scheduler reports it.
-        return self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps)
+        # The LR of the step just taken (_set_lr gave it before the count moved on), as the torch backend reports it.
+        return self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps - 1)
 
     # -- forward ----------------------------------------------------------------------------
     def _logits(self, model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
