@@ -41,7 +41,7 @@ What differs, because TRL does not offer ours:
 
 Output in --out: ``steps.jsonl`` (one row per optimizer step: step, step_seconds, reward_mean,
 train_seconds = training wall time since the first step began, evaluations excluded, prompts = the
-step's user messages in the order TRL drew them) and
+step's user messages in the order TRL drew them, and TRL's logged grad_norm, learning_rate and entropy) and
 ``evals.jsonl`` (step, accuracy, train_seconds when that eval's weights were ready, eval_seconds,
 num_samples), both written as they happen.
 """
@@ -355,6 +355,10 @@ class Recorder:
                     return
                 row["reward_mean"] = logs["reward"]
                 row["completion_mean_length"] = logs.get("completions/mean_length")
+                # What the update was, beside what it earned: the per-step learning of the two sides compared.
+                row["grad_norm"] = logs.get("grad_norm")
+                row["learning_rate"] = logs.get("learning_rate")
+                row["entropy"] = logs.get("entropy")
                 rec.steps_file.write(json.dumps(row) + "\n")
                 rec.steps_file.flush()
                 print(

@@ -54,6 +54,9 @@ from miles_async.config import precision
 LAUNCHER = ROOT / "scripts" / "run-smollm2-cpu-async.sh"
 RUNNER = ROOT / "benchmarks" / "trl_grpo_runner.py"
 EVAL_KEY = "eval/mul/accuracy"
+# Each side's per-step trace of its update (TRL's logged name -> ours in metrics.jsonl), kept beside the rewards so
+# that two runs learning at different speeds can be told apart by what their steps did.
+UPDATE_TRACE = {"grad_norm": "train/grad_norm", "learning_rate": "train/lr", "entropy": "train/entropy"}
 FULL = (30, 5)  # steps, eval interval
 QUICK = (2, 1)
 # The full run behind the README's row: our on-policy loop (TRL's), the cosine of a 60-step run, three seeds.
@@ -348,6 +351,7 @@ def run_both(
         "step_seconds": [r["step_seconds"] for r in trl_records],
         "curve": trl_curve(trl_evals),
         "response_len_mean": [r.get("completion_mean_length") for r in trl_records],
+        **{key: [r.get(key) for r in trl_records] for key in UPDATE_TRACE},
     }
     trl_sequence = sequence[: n_trl * ns.rollout_batch_size]
     check_same_prompts("TRL", trl_sequence, ns.rollout_batch_size, [r["prompts"] for r in trl_records], "prompt")
@@ -363,6 +367,7 @@ def run_both(
             "process_seconds": ours_wall,
             "reward_mean": [r.get("rollout/reward_mean") for r in metrics],
             "response_len_mean": [r.get("rollout/response_len_mean") for r in metrics],
+            **{key: [r.get(ours_key) for r in metrics] for key, ours_key in UPDATE_TRACE.items()},
         },
         "trl": {**trl, "process_seconds": trl_wall, "reward_mean": [r["reward_mean"] for r in trl_records]},
         "launcher_args": list(launcher_args),
