@@ -244,8 +244,8 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
         )
 
     def _current_lr(self) -> float:
-        # The scheduler has stepped past the step just taken: get_last_lr() is the next step's.
-        return self.cfg.optimizer.lr * self.scheduler.lr_lambdas[0](self.optimizer_steps - 1)
+        # The scheduler has stepped past the step just taken (get_last_lr() is the next step's): its schedule there.
+        return self.cfg.optimizer.lr * self._lr_at(self.optimizer_steps - 1)
 
     def _snapshot_weights(self) -> dict[str, torch.Tensor]:
         # This rank's shards: the scratch module is sharded the same way.

@@ -120,7 +120,8 @@ class TrainWorker(BaseWorker):
                 shard_model(module, self.world_size, self.device, self.cfg.dtype == "bfloat16", self.cfg.cpu_offload)
         opt = self.cfg.optimizer
         self.optimizer = make_optimizer([p for p in self.module.parameters() if p.requires_grad], opt)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(opt, self._total_optimizer_steps))
+        self._lr_at = lr_lambda(opt, self._total_optimizer_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_at)
         load_dir, load_rollout_id = self._load_from
         if load_dir is not None and load_rollout_id is not None:
             self._load(load_dir, load_rollout_id)
