@@ -20,6 +20,11 @@ engine's sampler; bf16 where the CPU computes it):
   separate forward, against the step with it (the pass is timed in the same rounds);
 - **fused AdamW** (``backends/fsdp/worker.make_optimizer``): torch's fused CPU kernel against its default
   (``foreach``) on the policy's parameters;
+- **growing KV cache** (``inference/embedded/kv_cache.py``): the embedded engine's decode of a step's generation
+  (every prompt GROUP times, ANSWER tokens each) with its cache appending into spare columns, against transformers'
+  ``DynamicCache`` concatenating every step; at ENGINE_SHAPES unless ``--shapes`` says;
+- **decode attention by matmuls** (``inference/embedded/decode_attention.py``): the same decode with a step's
+  one-token attention as two matmuls, against HF's sdpa (torch's CPU flash kernel); float32 only;
 - **inverse-CDF sampler** (``inference/embedded/sampling.draw``): one token per row of ``[rows x vocab]``
   probabilities, against ``torch.multinomial``;
 - **torch.compile** of the policy's forward (a lever tried, not kept; at the first shape of a full run, or
@@ -47,8 +52,12 @@ import torch
 
 ROUNDS, QUICK_ROUNDS = 3, 1
 SHAPES, QUICK_SHAPES = ("8x8x40", "32x16x40"), ("4x4x12",)
-# The trainer's levers by name (--levers); torch.compile runs where asked (--compile), the sampler in every run.
+# The engine's levers matter most where answers are long.
+ENGINE_SHAPES = ("32x16x40", "128x8x40")
+# The levers by name (--levers); torch.compile runs where asked (--compile), the sampler in every run.
 TRAINER_LEVERS = ("attention", "chunked-logprobs", "training-logprobs", "fused-adamw")
+ENGINE_LEVERS = {"kv-cache": "growing KV cache", "decode-attention": "decode attention by matmuls"}
+LEVERS = TRAINER_LEVERS + tuple(ENGINE_LEVERS)
 
 
 def lever_row(lever: str, measured: str, shape: str, before: Sequence[float], after: Sequence[float]) -> dict:
@@ -238,6 +247,45 @@ def trainer_levers(
     return rows
 
 
+def engine_lever(model: Path, shape: str, rounds: int, dtype: str, lever: str) -> dict:
+    """The engine's decode of one step's generation at ``shape``, the lever off and on, alternating on one engine
+    (``roofline_core.engine_phases``: every answer runs to its cap)."""
+    from transformers import DynamicCache
+
+    from benchmarks import roofline
+    from benchmarks import roofline_core as rc
+    from miles_async.inference.embedded.decode_attention import DECODE_SDPA
+    from miles_async.inference.embedded.engine import Engine
+
+    s = roofline.shaped(shape)
+    batch = roofline.step_batch(model, s)
+    prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in range(0, len(batch), s.samples)]
+    engine = Engine(str(model), dtype=getattr(torch, dtype), max_running_requests=s.prompts * s.samples)
+    lm, growing = engine.lm, engine.lm.new_cache
+    variants: dict[str, Callable[[], None]] = {
+        "kv-cache": {
+            "before": lambda: setattr(lm, "new_cache", lambda: DynamicCache(config=lm.config)),
+            "after": lambda: setattr(lm, "new_cache", growing),
+        },
+        "decode-attention": {
+            "before": lambda: lm.model.set_attn_implementation("sdpa"),
+            "after": lambda: lm.model.set_attn_implementation(DECODE_SDPA),
+        },
+    }[lever]
+    engine.start()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for r in range(rounds + 1):
+            for name, setup in variants.items():
+                setup()
+                decode = rc.engine_phases(engine, prompts, s.samples, s.response_len, "time")[1]
+                if r:
+                    times[name].append(decode.seconds)
+    finally:
+        engine.shutdown()
+    return lever_row(ENGINE_LEVERS[lever], "decode of a step's generation", shape, times["before"], times["after"])
+
+
 def sampler_lever(vocab: int, batch: int, rounds: int) -> dict:
     from miles_async.inference.embedded.sampling import draw
 
@@ -300,7 +348,7 @@ def run(
     out_dir: Path,
     shapes: Sequence[str] | None = None,
     compile_forward: bool | None = None,
-    levers: Sequence[str] = TRAINER_LEVERS,
+    levers: Sequence[str] = LEVERS,
     rounds: int | None = None,
 ) -> dict:
     """benchmarks.run's entry: the levers at SHAPES (quick: a tiny model at QUICK_SHAPES), torch.compile at the first
@@ -318,9 +366,13 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         tiny_model, data, _ = tiny_setup(Path(tmp), n_train=16)
         model = tiny_model if quick else smollm2_path()
-        for i, shape in enumerate(shapes or (QUICK_SHAPES if quick else SHAPES)):
-            # torch.compile at the first shape only: compiling takes minutes on 2 cores
-            rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0, levers)
+        if set(levers) & set(TRAINER_LEVERS):
+            for i, shape in enumerate(shapes or (QUICK_SHAPES if quick else SHAPES)):
+                # torch.compile at the first shape only: compiling takes minutes on 2 cores
+                rows += trainer_levers(model, data, shape, rounds, dtype, compile_forward and i == 0, levers)
+        for lever in (name for name in ENGINE_LEVERS if name in levers):
+            for shape in shapes or (QUICK_SHAPES if quick else ENGINE_SHAPES):
+                rows.append(engine_lever(model, shape, rounds, dtype, lever))
         rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
     for r in rows:  # rows of runs on other machines may sit beside these in one entry
         r["dtype"] = dtype
@@ -353,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--levers",
         nargs="+",
-        choices=TRAINER_LEVERS,
-        default=list(TRAINER_LEVERS),
-        help="the trainer's levers to run (default: all; the sampler's runs in every run)",
+        choices=LEVERS,
+        default=list(LEVERS),
+        help="the levers to run (default: all; the sampler's runs in every run)",
     )
     ap.add_argument("--out", type=Path, default=None, help="a folder for the rows' results.json")
     ap.add_argument("--rounds", type=int, default=None, help=f"rounds of each side (default {ROUNDS}; quick 1)")

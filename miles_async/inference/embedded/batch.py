@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from miles_async.inference.embedded.kv_cache import select_rows
 from miles_async.inference.embedded.records import Seq
 
 
@@ -29,13 +30,6 @@ def prefill_inputs(contexts: list[tuple[int, ...]], pad_id: int) -> tuple[torch.
         mask[i, longest - len(ctx) :] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return ids, mask, positions
-
-
-def select_rows(cache: Any, idx: torch.Tensor, first_column: int = 0) -> None:
-    """Keep the cache rows ``idx`` (in that order, repeats allowed) from column ``first_column`` on."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, idx)[:, :, first_column:]
-        layer.values = layer.values.index_select(0, idx)[:, :, first_column:]
 
 
 def _left_pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:

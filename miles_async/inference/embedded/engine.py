@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from miles_async.inference.embedded.batch import KVBatch, prefill_inputs, select_rows
+from miles_async.inference.embedded.batch import KVBatch, prefill_inputs
+from miles_async.inference.embedded.kv_cache import select_rows
 from miles_async.inference.embedded.model import CausalLM
 from miles_async.inference.embedded.records import (
     EngineDeadError,

@@ -1,5 +1,5 @@
 """The embedded engine's model: one Hugging Face causal LM on the CPU, loaded from a local folder, and one forward
-pass of it over a batch that shares a ``DynamicCache``.
+pass of it over a batch that shares a ``DynamicCache`` (of ``kv_cache.GrowingLayer`` s).
 
 A vision-language model (Qwen2-VL layout: a config with a ``vision_config``) loads with its processor; its prefill
 takes the rows' pixel inputs and runs the vision tower, and every pass takes Qwen2-VL's 3-D positions
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles_async.inference.embedded import decode_attention, kv_cache
 from miles_async.inference.routed_experts import DENSE_LAYER_FILL
 from miles_async.utils.moe_routers import find_routers
 
@@ -43,6 +44,10 @@ class CausalLM:
             model_path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
         self.model.eval()
+        if attn_implementation == "sdpa" and not self.is_vision:
+            # the same attention, its decode steps without the flash kernel's overhead (decode_attention.py)
+            decode_attention.register()
+            self.model.set_attn_implementation(decode_attention.DECODE_SDPA)
         # No requires_grad_(False): the decode loop runs under inference_mode anyway, and with
         # frozen bf16 weights torch's CPU matmul on the non-contiguous last-token view that
         # lm_head receives at prefill copies the weight once per row (~200x slower at B=32).
@@ -67,14 +72,14 @@ class CausalLM:
         self.last_routing: torch.Tensor | None = None
 
     def new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
+        """An empty cache whose layers append in place (``kv_cache.py``)."""
+        return kv_cache.new_cache(self.config)
 
     def _check_cache_layout(self) -> None:
+        from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
-        cache = self.new_cache()
+        cache = DynamicCache(config=self.config)
         bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
         if bad:
             raise NotImplementedError(
