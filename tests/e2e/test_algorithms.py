@@ -116,7 +116,9 @@ def test_stale_data_is_trained_with_truncated_importance_weights(old_policy, tin
     assert max(r["train/tis_clipfrac"] for r in stale) > 0.2
     for r in m:
         if r["train/tis_clipfrac"] > 0:  # the applied weights are not the raw ratios ...
-            assert abs(r["train/tis_weight_mean"] - r["train/tis_mean"]) > 1e-4, r
+            # by as little as one token's overshoot past the band over the step's tokens (9.7e-5 once,
+            # 2026-12-07); where nothing left it they agree to 1e-6 (below)
+            assert abs(r["train/tis_weight_mean"] - r["train/tis_mean"]) > 1e-6, r
             if r["train/tis_max"] > 1.5:
                 assert r["train/tis_weight_max"] == pytest.approx(1.5), r
         else:  # ... and are exactly them where nothing left the band

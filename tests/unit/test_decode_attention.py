@@ -14,10 +14,11 @@ from miles_async.inference.embedded.decode_attention import decode_sdpa
 ROWS, HEADS, KV_HEADS, KEYS, DIM = 5, 6, 2, 23, 16
 
 
-def _inputs(queries: int, dtype: torch.dtype = torch.float32):
+def _inputs(queries: int, dtype: torch.dtype = torch.float32, value_dim: int = DIM):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(ROWS, HEADS, queries, DIM, generator=g).to(dtype)
-    k, v = (torch.randn(ROWS, KV_HEADS, KEYS, DIM, generator=g).to(dtype) for _ in range(2))
+    k = torch.randn(ROWS, KV_HEADS, KEYS, DIM, generator=g).to(dtype)
+    v = torch.randn(ROWS, KV_HEADS, KEYS, value_dim, generator=g).to(dtype)
     mask = torch.ones(ROWS, 1, queries, KEYS, dtype=torch.bool)
     mask[1, :, :, :7] = False  # left padding, as the engine's batch has
     mask[3, :, :, :2] = False
@@ -25,14 +26,15 @@ def _inputs(queries: int, dtype: torch.dtype = torch.float32):
     return module, q, k, v, mask
 
 
-@pytest.mark.parametrize("additive", [False, True])
-def test_a_decode_step_attends_as_sdpa_does(additive: bool) -> None:
-    module, q, k, v, mask = _inputs(1)
+# additive: a float mask; value_dim: values narrower than queries and keys, as MLA's (DeepSeek-V3) are
+@pytest.mark.parametrize(("additive", "value_dim"), [(False, DIM), (True, DIM), (False, DIM // 2)])
+def test_a_decode_step_attends_as_sdpa_does(additive: bool, value_dim: int) -> None:
+    module, q, k, v, mask = _inputs(1, value_dim=value_dim)
     if additive:
         mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     got, _ = decode_sdpa(module, q, k, v, mask, scaling=0.3)
-    assert got.shape == want.shape == (ROWS, 1, HEADS, DIM)
+    assert got.shape == want.shape == (ROWS, 1, HEADS, value_dim)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # a padded row's hidden columns change nothing
     k2 = k.clone()

@@ -32,8 +32,9 @@ def decode_sdpa(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF's attention-function contract: ``query`` ``[B, H, Q, D]``, ``key``/``value`` ``[B, Hkv, L, D]``, a
-    boolean (True: attend) or additive mask broadcastable to ``[B, 1, Q, L]``; returns ``[B, Q, H, D]``."""
+    """HF's attention-function contract: ``query`` ``[B, H, Q, D]``, ``key`` ``[B, Hkv, L, D]``, ``value``
+    ``[B, Hkv, L, Dv]``, a boolean (True: attend) or additive mask broadcastable to ``[B, 1, Q, L]``; returns
+    ``[B, Q, H, Dv]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (
@@ -58,8 +59,9 @@ def decode_sdpa(
             scores.masked_fill_(~attention_mask, float("-inf"))
         else:
             scores.add_(attention_mask)
-    out = torch.matmul(scores.softmax(dim=-1), value)  # [B, Hkv, group, D]
-    return out.reshape(rows, 1, heads, dim), None
+    out = torch.matmul(scores.softmax(dim=-1), value)  # [B, Hkv, group, Dv]
+    # Dv: the values' width, which MLA (DeepSeek-V3) makes narrower than the queries' and keys'
+    return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
 def register() -> None:
