@@ -94,8 +94,11 @@ def test_lora_on_an_moe_at_two_workers_adapts_the_experts_and_sends_the_merge_un
     model, hf = make_tiny_model(tmp_path / "model", seed=0, arch="qwen3_moe"), tmp_path / "hf"
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "all-linear", "--lr", "1e-2"]
     exports = ["--check-weight-update-equal", "--save-hf", str(hf), "--save-lora-adapter"]
-    args = tiny_args(model, tiny_task, tmp_path / "run", *lora, "--actor-num-gpus-per-node", "2", "--num-rollout", "2",
-                     "--use-rollout-routing-replay", *exports)  # fmt: skip
+    # starts_with_digit: with --rm-type first_integer a random tiny MoE scored every sample of both steps alike once
+    # (2026-12-07): no advantage, no update, nothing to export
+    reward = ["--custom-rm-path", "tests.e2e.rewards:starts_with_digit"]
+    args = without_rm_type(tiny_args(model, tiny_task, tmp_path / "run", *lora, *reward, "--actor-num-gpus-per-node",
+                                     "2", "--num-rollout", "2", "--use-rollout-routing-replay", *exports))  # fmt: skip
     run = run_train(args, tmp_path / "run")
     assert run.returncode == 0, run.output[-3000:]
     # Step 0 trains on a rollout of its own weights (float32 on both sides): they route alike but for rounding near
