@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# A tiny random Qwen3 for rehearsals on a CPU machine (tests/scripts/test_rehearsal_cluster.py):
+# A tiny random Qwen3 for rehearsals on a CPU machine (tests/scripts/test_check_config.py):
 # the config.json of miles_async/assets/tiny_model.py's make_tiny_model(arch="qwen3"): 2 layers,
 # hidden 64, GQA 4 heads / 2 KV groups of head_dim 16, SwiGLU FFN 128, RMSNorm eps 1e-6, RoPE theta
 # 1e4, vocab 54 (its character tokenizer), QK-norm, no biases, tied input/output embeddings: the

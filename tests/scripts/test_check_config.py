@@ -163,8 +163,8 @@ def test_each_models_args_pass_check_config_against_its_published_config(tmp_pat
 
 
 def test_the_tiny_qwen3_args_pass_check_config_against_the_tiny_qwen3(tmp_path):
-    """The Qwen3 launcher with MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh (the rehearsal cluster's model, in
-    tests/scripts/test_rehearsal_cluster.py) against the tiny random Qwen3 of miles_async/assets/tiny_model.py."""
+    """The Qwen3 launcher with MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh (a CPU rehearsal's model) against the
+    tiny random Qwen3 of miles_async/assets/tiny_model.py."""
     from miles_async.assets.tiny_model import make_tiny_model
 
     env = _launcher_env(tmp_path, QWEN3, "Qwen3-4B")

@@ -1,22 +1,24 @@
-"""The GPU cluster path rehearsed on this machine: scripts/slurm/train-async.sbatch starts a two-node Ray cluster (a
-head and a worker, each its own `ray start` with 2 logical GPUs and a Ray resource naming its node) and runs the
-Qwen3 launcher as written, on a tiny random Qwen3 (MODEL_ARGS_FILE=scripts/models/qwen3-tiny.sh),
-with the real train_async.py: Megatron TP 2 over gloo and a real SGLang CPU server. Sizes come from flags
-appended to the launcher's command, as an operator would give them.
+"""The GPU cluster path rehearsed on this machine: scripts/slurm/train-async.sbatch starts a three-node Ray cluster (a
+head and two workers, each its own `ray start` with 2 logical GPUs and a Ray resource naming its node) and runs
+the Qwen3-30B-A3B launcher (scripts/run-qwen3-30B-A3B-async.sh) as written, on a tiny random Qwen3-MoE
+(MODEL_ARGS_FILE=scripts/models/qwen3-moe-tiny.sh), with the real train_async.py: Megatron TP 2 x EP 2 over gloo
+on two nodes and two real SGLang CPU servers on the third. Sizes come from flags appended to the launcher's
+command, as an operator would give them.
 
 Stand-ins, for what cannot run here: `srun` and `scontrol` (tests/scripts/stubs: every "node" is a set of local
 processes) and the GPUs (Ray's logical GPUs; every process computes on the CPU).
 
 The run records where each actor worker and engine ran and which GPUs Ray gave it (processes.json's
-"placement"); the actor and the engines must sit on different nodes with disjoint GPUs. Then Slurm's warning
-before the time limit (USR1): the run saves, the job asks to be requeued and Slurm stops it (SIGTERM); nothing is
-left running on any node. What the requeued job does next is tested in parts, each where it is cheap: the script
-restarts the same command with ``--load`` (tests/scripts/test_slurm.py), and a run resumes exactly from a
-checkpoint, Megatron's included (tests/e2e/test_train_async.py, tests/e2e/test_megatron.py). A second run here
-(another cluster, SGLang server and two Megatron workers) took 80 s of the suite's 20 minutes.
+"placement"); the actor and the engines must sit on different nodes with disjoint GPUs, each TP group on one
+node. Then Slurm's warning before the time limit (USR1): the run saves, the job asks to be requeued and Slurm
+stops it (SIGTERM); nothing is left running on any node. What the requeued job does next is tested in parts,
+each where it is cheap: the script restarts the same command with ``--load`` (tests/scripts/test_slurm.py), and a
+run resumes exactly from a checkpoint, Megatron's MoE included (tests/e2e/test_train_async.py,
+tests/e2e/test_megatron_moe.py).
 
-A second, shorter run does the same for the MoE launcher (scripts/run-qwen3-30B-A3B-async.sh) on a tiny
-Qwen3-MoE and three nodes: Megatron TP 2 x EP 2 over two, SGLang on the third.
+One run does all of it: a second cluster for the dense Qwen3-4B launcher (TP 2, one SGLang server) took 85 s of
+the suite's 20 minutes and repeated what this run covers; that launcher's exact command goes through
+train_async.py --check-config against a tiny Qwen3 in tests/scripts/test_check_config.py.
 """
 
 from __future__ import annotations
@@ -39,42 +41,32 @@ from tests.scripts.helpers import ROOT, Job, cmdline, marked_pids, wait_marked_g
 pytestmark = pytest.mark.sglang
 
 NODES = ["node1", "node2", "node3"]
-DENSE_NODES = NODES[:2]  # the actor's node and the engine's
 NODE_RESOURCE = "rehearsal_"  # each Ray node's resource "rehearsal_<Slurm node>" (the stub srun adds it)
-# Far more than the run reaches before Slurm stops it after the save (a tiny step takes 0.3 s here): with 10, a
-# loaded machine let the run reach its end between the save and the SIGTERM (2026-12-06).
+# Far more than the run reaches before Slurm stops it after the save: with 10, a loaded machine let the dense
+# rehearsal (0.3 s steps) reach its end between the save and the SIGTERM (2026-12-06).
 NUM_ROLLOUT = 1000
-LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-4B-async.sh")]
-# Appended to the launcher's command (they override its own): 2 Megatron workers as one TP 2 group, 1 SGLang
-# engine of 1 GPU (two engines of a run are the MoE rehearsal's), 2 prompts x 2 samples a step, 4-token answers, one
-# tiny eval before training.
+LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-30B-A3B-async.sh")]
+# Appended to the launcher's command (they override its own): the MoE launcher's layout at toy size, 4 Megatron
+# workers on 2 nodes as TP 2 (sequence parallel, which MoE layers under TP need) x EP 2 with expert TP 1 (each TP
+# group on one node, the experts split across the two), and 2 SGLang engines of 1 GPU on the third node; 2 prompts
+# x 2 samples a step, 4-token answers, one tiny eval before training.
 SIZES = [
-    "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-    "--rollout-num-gpus", "1", "--rollout-num-gpus-per-engine", "1",
+    "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+    "--expert-model-parallel-size", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
     "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
     "--global-batch-size", "4", "--rollout-max-response-len", "4",
     "--eval-max-response-len", "4", "--n-samples-per-eval-prompt", "1",
 ]  # fmt: skip
-# What the CPU needs: no sequence parallelism (it needs Transformer Engine), fp32 engines (SGLang's CPU
-# kernels), one trainer thread per worker on 2 cores, a generous start-up for two engine servers and two Megatron
-# workers sharing them, no plot.
-CPU = [
-    "--no-sequence-parallel",
-    "--rollout-dtype",
-    "float32",
-    "--train-num-threads",
-    "1",
-    "--engine-startup-timeout",
-    "400",
-    "--no-plot",
-]
+# What the CPU needs: fp32 engines (SGLang's CPU kernels), one trainer thread per worker on 2 cores, a generous
+# start-up for two engine servers and four Megatron workers sharing them, no plot.
+CPU = ["--rollout-dtype", "float32", "--train-num-threads", "1", "--engine-startup-timeout", "400", "--no-plot"]
 
 
 def _model_and_data(tmp: Path) -> tuple[Path, Path]:
-    """The tiny Qwen3 and the tiny task at the paths the launcher reads under DATA_DIR."""
+    """The tiny Qwen3-MoE and the tiny task at the paths the launcher reads under DATA_DIR."""
     from miles_async.assets.tiny_model import make_tiny_model, make_tiny_task_dataset
 
-    model = make_tiny_model(tmp / "model", seed=0, arch="qwen3")
+    model = make_tiny_model(tmp / "moe", seed=2, arch="qwen3_moe", tied=False)
     train, held_out = make_tiny_task_dataset(tmp / "task", n_train=64, n_eval=8, seed=0)
     data = tmp / "data"
     for src, dst in ((train, "dapo-math-17k/dapo-math-17k.jsonl"), (held_out, "aime-2024/aime-2024.jsonl")):
@@ -106,21 +98,24 @@ def _ray_nodes(job: Job) -> dict[str, str]:
 
 
 def _check_placement(procs: dict, nodes: dict[str, str]) -> None:
-    """The actor's 2 workers and the engine, each with one GPU of its own, on different nodes."""
+    """The actor's 4 workers on 2 nodes (each TP group on one), the 2 engines on the third, every process with one
+    GPU of its own."""
     placement = procs["placement"]
     actor = sorted((p for p in placement if p["role"] == "actor"), key=lambda p: p["index"])
     engines = sorted((p for p in placement if p["role"] == "rollout"), key=lambda p: p["index"])
-    assert [p["index"] for p in actor] == [0, 1] and [p["index"] for p in engines] == [0], placement
+    assert [p["index"] for p in actor] == [0, 1, 2, 3] and [p["index"] for p in engines] == [0, 1], placement
     assert {p["pid"] for p in actor} == set(procs["train_workers"]), placement
     assert {p["pid"] for p in engines} == set(procs["engines"]), placement
     assert {p["node_id"] for p in placement} <= set(nodes), (placement, nodes)
     actor_nodes, engine_nodes = {p["node_id"] for p in actor}, {p["node_id"] for p in engines}
-    assert len(actor_nodes) == 1, f"--actor-num-nodes 1: the TP group on one node: {placement}"
+    assert len(actor_nodes) == 2 and len(engine_nodes) == 1, f"--actor-num-nodes 2: {placement}"
+    # Ranks 0-1 and 2-3 are the TP groups (TP is the innermost dimension): each on one node.
+    assert actor[0]["node_id"] == actor[1]["node_id"] != actor[2]["node_id"] == actor[3]["node_id"], placement
     assert actor_nodes.isdisjoint(engine_nodes), f"actor and engines share a node: {placement} ({nodes})"
     # Every "node" has this machine's address, so a GPU is (Ray node id, GPU id on that node).
     gpus = [(p["node_id"], g) for p in actor + engines for g in p["gpu_ids"]]
     assert all(len(p["gpu_ids"]) == 1 for p in actor + engines), placement
-    assert len(set(gpus)) == len(gpus) == 3, f"a GPU given twice: {placement}"
+    assert len(set(gpus)) == len(gpus) == 6, f"a GPU given twice: {placement}"
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -166,16 +161,15 @@ def _job(job_factory, model_args: str, nodes: list[str]) -> Job:
     )
 
 
-def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_requeues(job_factory):
+def test_rehearsal_cluster_trains_the_moe_launcher_places_apart_saves_on_usr1_and_requeues(job_factory):
     t0 = time.monotonic()
-    job = _job(job_factory, "qwen3-tiny.sh", DENSE_NODES)
+    job = _job(job_factory, "qwen3-moe-tiny.sh", NODES)
     model, data = _model_and_data(job.tmp)
     out = job.tmp / "out"
     job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
-    command = [*LAUNCHER, *SIZES, *CPU]
 
-    # First run: the cluster comes up, the run trains.
-    job.start(*command)
+    # The cluster comes up, the run trains.
+    job.start(*LAUNCHER, *SIZES, *CPU)
     job.wait_for("the first training step", lambda: len(_metrics(out)) >= 1, timeout=600)
     # Slurm's warning before the time limit: the run saves after its current step, then the job asks to be
     # requeued. (Sent at once: steps take seconds, and the run must still be training when Slurm stops it.)
@@ -183,15 +177,15 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_requeues(job_fa
 
     # Meanwhile, where the run placed its processes, on the live cluster.
     nodes = _ray_nodes(job)
-    assert sorted(nodes.values()) == DENSE_NODES, nodes
+    assert sorted(nodes.values()) == NODES, nodes
     procs = json.loads((out / "processes.json").read_text())
     _check_placement(procs, nodes)
 
     pointer = job.save_dir / "latest_checkpointed_iteration.txt"
     scontrol_log = job.tmp / "scontrol.log"
     job.wait_for("scontrol requeue after the save", scontrol_log.exists, timeout=300)
-    # Slurm requeues: SIGTERM to the batch script at once, as Slurm stops a requeued job (steps of the tiny model
-    # take 0.3 s, so the run would otherwise reach its end first); the script stops the run and Ray on every node.
+    # Slurm requeues: SIGTERM to the batch script at once, as Slurm stops a requeued job; the script stops the run
+    # and Ray on every node.
     os.kill(job.proc.pid, signal.SIGTERM)
     assert job.wait_exit(180) == 143, job.log[-5000:]
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
@@ -204,64 +198,14 @@ def test_rehearsal_cluster_trains_places_apart_saves_on_usr1_and_requeues(job_fa
     assert int(pointer.read_text()) >= saved
     assert (job.save_dir / f"iter_{saved:07d}" / "actor" / "megatron" / ".metadata").is_file()
     assert not (job.save_dir / "SAVE_NOW").exists()
-    first = _metrics(out)
-    # The sentinel save of rollout `saved` precedes that step's metrics row; SIGTERM may land between them.
-    assert [m["step"] for m in first][:saved] == list(range(1, saved + 1)), first
-    _check_trained(first, out, 1)
-    assert max(m["step"] for m in _metrics(out)) < NUM_ROLLOUT, "the run ended before Slurm stopped it"
-    _check_nothing_left(job, procs)
-    print(f"rehearsal cluster: {time.monotonic() - t0:.0f} s (saved at rollout {saved})")
-
-
-MOE_LAUNCHER = ["bash", str(ROOT / "scripts" / "run-qwen3-30B-A3B-async.sh")]
-MOE_ROLLOUTS = 2
-# The MoE launcher's layout at toy size: 4 Megatron workers on 2 nodes as TP 2 (sequence parallel, which MoE
-# layers under TP need) x EP 2 with expert TP 1 (each TP group on one node, the experts split across the two), and
-# 2 SGLang engines of 1 GPU on the third node.
-MOE_SIZES = [
-    "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
-    "--expert-model-parallel-size", "2", "--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "1",
-    "--num-rollout", str(MOE_ROLLOUTS), "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-    "--global-batch-size", "4", "--rollout-max-response-len", "4",
-    "--eval-max-response-len", "4", "--n-samples-per-eval-prompt", "1",
-]  # fmt: skip
-
-
-def test_rehearsal_cluster_trains_the_moe_launcher_at_tp2_ep2_with_sglang(job_factory):
-    """The Qwen3-30B-A3B launcher as written, through the same sbatch script and three-node cluster, on a tiny
-    Qwen3-MoE (MODEL_ARGS_FILE=scripts/models/qwen3-moe-tiny.sh): Megatron TP 2 x EP 2 over gloo on two nodes and
-    two real SGLang CPU servers on the third, which take every weight update. Where each process ran is asserted
-    as for the dense run; the run ends at --num-rollout and leaves nothing running."""
-    from miles_async.assets.tiny_model import make_tiny_model
-
-    t0 = time.monotonic()
-    job = _job(job_factory, "qwen3-moe-tiny.sh", NODES)
-    _, data = _model_and_data(job.tmp)
-    model = make_tiny_model(job.tmp / "moe", seed=2, arch="qwen3_moe", tied=False)
-    out = job.tmp / "out"
-    job.env.update(HF_CHECKPOINT=str(model), DATA_DIR=str(data), OUT=str(out))
-    cpu = [f for f in CPU if f != "--no-sequence-parallel"]
-    job.start(*MOE_LAUNCHER, *MOE_SIZES, *cpu)
-    assert job.wait_exit(780) == 0, job.log[-5000:]
-    assert "[miles-async] done." in job.log
-
-    procs = json.loads((out / "processes.json").read_text())
-    placement = procs["placement"]
-    actor = [p for p in placement if p["role"] == "actor"]
-    engines = [p for p in placement if p["role"] == "rollout"]
-    assert sorted(p["index"] for p in actor) == [0, 1, 2, 3] and len(engines) == 2, placement
-    assert {p["pid"] for p in actor} == set(procs["train_workers"]), placement
-    actor_nodes, engine_nodes = {p["node_id"] for p in actor}, {p["node_id"] for p in engines}
-    assert len(actor_nodes) == 2 and len(engine_nodes) == 1, f"--actor-num-nodes 2: {placement}"
-    assert actor_nodes.isdisjoint(engine_nodes), f"actor and engines share a node: {placement}"
-    gpus = [(p["node_id"], g) for p in actor + engines for g in p["gpu_ids"]]
-    assert len(set(gpus)) == len(gpus) == 6, f"a GPU given twice: {placement}"
     metrics = _metrics(out)
-    assert [m["step"] for m in metrics] == list(range(1, MOE_ROLLOUTS + 1)), metrics
+    # The sentinel save of rollout `saved` precedes that step's metrics row; SIGTERM may land between them.
+    assert [m["step"] for m in metrics][:saved] == list(range(1, saved + 1)), metrics
+    assert max(m["step"] for m in metrics) < NUM_ROLLOUT, "the run ended before Slurm stopped it"
     _check_trained(metrics, out, 2)
     # Step 1 trains on samples of the initial weights, which the trainer still holds: SGLang's MoE and
     # Megatron's agree on their log-probs (a head or experts SGLang failed to load would put them nats apart).
     assert metrics[0]["train/train_rollout_logprob_abs_diff"] < 1e-2, metrics[0]
     _check_nothing_left(job, procs)
-    print(f"MoE rehearsal: {time.monotonic() - t0:.0f} s, step 1's train-rollout log-prob gap "
-          f"{metrics[0]['train/train_rollout_logprob_abs_diff']:.2e}")  # fmt: skip
+    print(f"rehearsal cluster: {time.monotonic() - t0:.0f} s (saved at rollout {saved}), step 1's train-rollout "
+          f"log-prob gap {metrics[0]['train/train_rollout_logprob_abs_diff']:.2e}")  # fmt: skip

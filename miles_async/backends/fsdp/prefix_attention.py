@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from miles_async.utils.hf_attention import register_sdpa_variant
+
 SHARED_PREFIX_SDPA = "miles_shared_prefix_sdpa"
 # The least ratio of the dense layout's scores to the blocks' at which the split pays: its extra kernels (two
 # attentions of many short sequences, the prompt's keys copied per slot) cost more than the scores it skips below
@@ -88,12 +90,7 @@ def shared_prefix_sdpa(
 
 def register() -> None:
     """Make ``SHARED_PREFIX_SDPA`` an attention implementation transformers models can be set to (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-
-    if SHARED_PREFIX_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(SHARED_PREFIX_SDPA, shared_prefix_sdpa)
-        AttentionMaskInterface.register(SHARED_PREFIX_SDPA, sdpa_mask)
+    register_sdpa_variant(SHARED_PREFIX_SDPA, shared_prefix_sdpa)
 
 
 def use_prefix_attention(model: torch.nn.Module, shared_prefix: bool) -> torch.nn.Module:

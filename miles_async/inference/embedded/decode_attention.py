@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from miles_async.utils.hf_attention import register_sdpa_variant
+
 DECODE_SDPA = "miles_decode_sdpa"
 # Keywords of HF's attention contract that change what attention computes: their calls stay with sdpa.
 _SDPA_ONLY = ("softcap", "s_aux", "position_bias", "sliding_window")
@@ -66,9 +68,4 @@ def decode_sdpa(
 
 def register() -> None:
     """Make ``DECODE_SDPA`` an attention implementation transformers models can be set to (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-
-    if DECODE_SDPA not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(DECODE_SDPA, decode_sdpa)
-        AttentionMaskInterface.register(DECODE_SDPA, sdpa_mask)
+    register_sdpa_variant(DECODE_SDPA, decode_sdpa)

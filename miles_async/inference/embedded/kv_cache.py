@@ -38,16 +38,20 @@ class _Store:
     def __init__(self, data: torch.Tensor | None) -> None:
         self.data = data
         self.start = 0
-        self.end = data.shape[2] if data is not None and data.dim() == 4 else 0
+        self.end = data.shape[2] if self._holds_tokens() else 0
+
+    def _holds_tokens(self) -> bool:
+        # Not before the first update: a DynamicLayer starts from None or an empty placeholder, not [B, H, T, D].
+        return self.data is not None and self.data.dim() == 4
 
     def view(self) -> torch.Tensor | None:
-        if self.data is None or self.data.dim() != 4:
+        if not self._holds_tokens():
             return self.data
         return self.data[:, :, self.start : self.end]
 
     def append(self, new: torch.Tensor) -> None:
         added = new.shape[2]
-        if self.data is not None and self.data.dim() == 4 and self.data.shape[2] - self.end >= added:
+        if self._holds_tokens() and self.data.shape[2] - self.end >= added:
             self.data[:, :, self.end : self.end + added] = new
             self.end += added
             return
