@@ -20,6 +20,15 @@ def ratio(slow: float | None, fast: float | None) -> float | None:
     return slow / fast
 
 
+def welch_t(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Welch's t of ``mean(b) - mean(a)``: the difference of two samples' means over its standard error; None with
+    fewer than two values a side or no spread in either."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    se2 = statistics.variance(a) / len(a) + statistics.variance(b) / len(b)
+    return (statistics.fmean(b) - statistics.fmean(a)) / se2**0.5 if se2 > 0 else None
+
+
 def step_stats(seconds: Sequence[float]) -> dict[str, float]:
     return {"median": median(seconds), "mean": float(statistics.fmean(seconds))}
 
