@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,12 +26,11 @@ from pathlib import Path
 from benchmarks.common import finish_stamp, kept_machine, ran_stamp, write_entry
 from benchmarks.trl_peer import FULL, FULL_LAUNCHER_ARGS, FULL_SEEDS, QUICK, prepare_assets, run_kept, seed_args
 from benchmarks.trl_peer_report import headline as peer_headline
-from benchmarks.trl_peer_report import mean_curve, summarize_seeds, welch_t
+from benchmarks.trl_peer_report import mean_curve, summarize_seeds
 from benchmarks.trl_peer_shapes import PROMPTS_PER_STEP, SHAPES, WORKING, Shape, write_shaped_data
 
 SHAPE = SHAPES[1]  # 32x4x40
 QUICK_SHAPE, QUICK_SEEDS = Shape(8, 2, 40), (1,)
-WHOSE_FINAL = {"ours": "our final", "trl": "TRL's final"}
 
 
 def launcher_args(shape: Shape) -> list[str]:
@@ -122,43 +120,18 @@ def accuracy_at(curve: Sequence[Sequence[float]], seconds: float) -> float | Non
 
 
 def headline(entry: dict) -> list[list[str]]:
-    """trl_peer's rows; both sides' accuracy when our run ends (where it ends before TRL's, the time to TRL's
-    final accuracy may lie beyond it); the time to the level both sides reach; and whether the seeds tell the two
-    sides' final accuracies apart."""
-    what = f"TRL GRPOTrainer peer, {entry['task']}"
+    """trl_peer's rows, and both sides' accuracy when our run ends (where it ends before TRL's, the time to TRL's
+    final accuracy may lie beyond it)."""
     per_seed = entry["results"]["per_seed"].values()
     ours, trl = (mean_curve([r[side]["curve"] for r in per_seed]) for side in ("ours", "trl"))
     end = ours[-1][2]
     at = accuracy_at(trl, end)
-    rows = [
-        [
-            f"{what}: held-out accuracy when our {ours[-1][0]} steps end ({end:.0f} s), ours vs TRL (TRL's mean curve "
-            "read between its evals)",
-            f"{ours[-1][1]:.2f} vs {'-' if at is None else format(at, '.2f')}",
-        ]
+    row = [
+        f"TRL GRPOTrainer peer, {entry['task']}: held-out accuracy when our {ours[-1][0]} steps end ({end:.0f} s), "
+        "ours vs TRL (TRL's mean curve read between its evals)",
+        f"{ours[-1][1]:.2f} vs {'-' if at is None else format(at, '.2f')}",
     ]
-    lower = min(entry["comparison"]["levels"], key=lambda lv: lv["level"])
-    if lower["speedup"] is not None:
-        rows.append(
-            [
-                f"{what}: wall time to the accuracy both sides reach ({lower['level']:.2f}, "
-                f"{WHOSE_FINAL[lower['of']]}), ours vs TRL (first eval at or above it)",
-                f"{lower['ours_seconds']:.0f} s (step {lower['ours_step']}) vs {lower['trl_seconds']:.0f} s "
-                f"(step {lower['trl_step']}) ({lower['speedup']:.2f}x)",
-            ]
-        )
-    finals = {side: [r[side]["curve"][-1][1] for r in per_seed] for side in ("ours", "trl")}
-    t = welch_t(finals["ours"], finals["trl"])
-    if t is not None:
-        gap = statistics.fmean(finals["trl"]) - statistics.fmean(finals["ours"])
-        rows.append(
-            [
-                f"{what}: final accuracy by seed, ours vs TRL, and Welch's t of TRL's mean over ours",
-                ", ".join(f"{o:.2f} vs {r:.2f}" for o, r in zip(finals["ours"], finals["trl"]))
-                + f"; gap {gap:+.2f}, t {t:.1f} over {len(finals['ours'])} seeds a side",
-            ]
-        )
-    return [*peer_headline(entry), *rows]
+    return [*peer_headline(entry), row]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -320,6 +320,40 @@ def test_seeds_are_summed_up_as_their_mean_curves(tmp_path):
         report.summarize_seeds(2, 1, {"1": SEED_A, "2": {**SEED_B, "mode": "one-step-off"}}, tmp_path)
 
 
+SEED_LOW = _raw(
+    [(0, 0.2, -1.0), (1, 0.5, 10.0), (2, 0.6, 20.0)],
+    [(0, 0.2, 0.0), (1, 0.7, 40.0), (2, 0.8, 80.0)],
+    [10.0, 10.0],
+    [40.0, 40.0],
+)
+
+
+def test_the_headline_explains_a_time_to_accuracy_miss_by_steps_and_by_the_seeds_spread(tmp_path):
+    rows = dict(report.headline(report.summarize_seeds(2, 1, {"1": SEED_A, "2": SEED_LOW}, tmp_path)))
+    # Mean curves: ours 0.55 at step 1 (10 s) and 0.75 at step 2 (20 s); TRL 0.7 (40 s) and 0.9 (80 s).
+    (tta,) = [w for w in rows if "wall time to TRL's final" in w]
+    assert rows[tta] == "ours not reached, TRL 80 s; final accuracy 0.75 vs 0.90 (goal: 3x)"
+    # Our final 0.75, which TRL's mean first reaches at step 2: 80 s against our 20 s.
+    (ours,) = [w for w in rows if "wall time to our final held-out accuracy (0.75)" in w]
+    assert rows[ours] == "20 s (step 2) vs 80 s (step 2) (4.00x)"
+    # Finals 0.9 and 0.6 (variance 0.045) against 1.0 and 0.8 (0.02): gap 0.15 over sqrt(0.045/2 + 0.02/2).
+    (spread,) = [w for w in rows if "by seed" in w]
+    assert rows[spread] == "0.90 vs 1.00, 0.60 vs 0.80; gap +0.15, t 0.8 over 2 seeds a side"
+    # Where TRL's final is reached, the row gives the step at which each side reached it, and no second level.
+    rows = dict(report.headline(report.summarize_seeds(2, 1, {"1": SEED_A, "2": SEED_B}, tmp_path)))
+    (tta,) = [w for w in rows if "wall time to TRL's final" in w]
+    assert rows[tta] == "22 s (step 2) vs 82 s (step 2) (3.73x); final accuracy 0.90 vs 0.90 (goal: 3x)"
+    assert not [w for w in rows if "wall time to our final" in w]
+
+
+def test_welch_t_is_the_gap_of_the_means_over_its_standard_error():
+    # means 2 and 5, variances 1 and 7: standard error sqrt(1/3 + 7/3)
+    assert report.welch_t([1.0, 2.0, 3.0], [3.0, 4.0, 8.0]) == pytest.approx(3 / (8 / 3) ** 0.5)
+    assert report.welch_t([3.0, 4.0, 8.0], [1.0, 2.0, 3.0]) == pytest.approx(-3 / (8 / 3) ** 0.5)
+    assert report.welch_t([1.0], [2.0, 3.0]) is None  # one seed: no spread to measure
+    assert report.welch_t([1.0, 1.0], [2.0, 2.0]) is None
+
+
 def test_from_results_sums_up_an_earlier_seeds_run_and_refuses_mismatched_ones(tmp_path, capsys):
     for seed, raw in (("1", SEED_A), ("2", SEED_B)):
         (tmp_path / f"seed-{seed}.json").write_text(json.dumps(raw))
