@@ -42,6 +42,8 @@ from miles_async.utils.weight_checksum import first_mismatch
 logger = logging.getLogger(__name__)
 
 SEED_BUCKET_BYTES = 512 * 1024**2
+# How long a failed health check waits for the server's process to be seen exiting before calling it unhealthy.
+EXIT_GRACE_S = 2.0
 
 
 class InferenceController:
@@ -146,9 +148,19 @@ class InferenceController:
             self._tails[i] = await e.tail_log(15)
             return Probe.DEAD, f"process {e.pid} exited with code {code}"
         timeout = self.cfg.fault_tolerance.health_check_timeout
+        asked = time.monotonic()
         if await self.clients[i].health(timeout=timeout):
             return Probe.OK, ""
+        # A refused or reset check (not a silent one: a hung server lets it time out) is a server going away: a
+        # killed one closes its socket before its process is reaped, which on a loaded machine took over a second
+        # (its threads ending). A process that exits meanwhile is dead, not unhealthy, and its exit code says why.
+        deadline = time.monotonic() + (EXIT_GRACE_S if time.monotonic() - asked < timeout else 0.0)
+        while alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            alive, code = await e.state()
         self._tails[i] = await e.tail_log(15)
+        if not alive:
+            return Probe.DEAD, f"process {e.pid} exited with code {code}"
         return Probe.FAILED, f"/health did not answer 200 within {timeout:.1f}s (--rollout-health-check-timeout)"
 
     def _describe(self, i: int) -> str:
