@@ -27,6 +27,9 @@ engine's sampler; bf16 where the CPU computes it):
   one-token attention as two matmuls, against HF's sdpa (torch's CPU flash kernel); float32 only;
 - **inverse-CDF sampler** (``inference/embedded/sampling.draw``): one token per row of ``[rows x vocab]``
   probabilities, against ``torch.multinomial``;
+- **answer slots as long as their answers** (``backends/shared_prefix.py``): the trainer's log-prob pass and training
+  forward and backward on groups whose answers spread from 0.42 of the cap to the cap (a long tail), against the
+  same answers each padded to the cap with untrained tokens, which is what slots padded to the longest answer cost;
 - **torch.compile** of the policy's forward (a lever tried, not kept; at the first shape of a full run, or
   ``--compile``): the training pass compiled against eager, at one fixed batch shape (its best case), and the seconds
   that compiling took.
@@ -55,7 +58,7 @@ SHAPES, QUICK_SHAPES = ("8x8x40", "32x16x40"), ("4x4x12",)
 # The engine's levers matter most where answers are long.
 ENGINE_SHAPES = ("32x16x40", "128x8x40")
 # The levers by name (--levers); torch.compile runs where asked (--compile), the sampler in every run.
-TRAINER_LEVERS = ("attention", "chunked-logprobs", "training-logprobs", "fused-adamw")
+TRAINER_LEVERS = ("attention", "chunked-logprobs", "training-logprobs", "fused-adamw", "tight-slots")
 ENGINE_LEVERS = {"kv-cache": "growing KV cache", "decode-attention": "decode attention by matmuls"}
 LEVERS = TRAINER_LEVERS + tuple(ENGINE_LEVERS)
 
@@ -135,7 +138,7 @@ def trainer_levers(
     compile_forward: bool = False,
     levers: Sequence[str] = TRAINER_LEVERS,
 ) -> list[dict]:
-    from benchmarks import roofline
+    from benchmarks import roofline, train_step
     from benchmarks import roofline_core as rc
     from miles_async.backends.fsdp import prefix_attention
     from miles_async.backends.fsdp.prefix_attention import SHARED_PREFIX_SDPA
@@ -222,6 +225,34 @@ def trainer_levers(
         optimizers = [torch.optim.AdamW(params, lr=1e-9, **kind) for kind in ({"foreach": True}, {"fused": True})]
         before, after = alternate(optimizers[0].step, optimizers[1].step, max(rounds, 3))
         rows.append(lever_row("fused AdamW", "optimizer step", shape, before, after))
+
+    if "tight-slots" in levers:
+        # answer slots as long as their answers, against slots padded to the longest (as the layout was): the same
+        # groups with a long tail of answer lengths under the cap, alternating with their padded copies
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model).vocab_size
+        groups = train_step.step_batch(vocab, 0, s.prompts, s.samples, s.prompt_len, s.response_len, as_groups=True)
+        sides = {
+            name: train_step.uneven_batch(groups, s.response_len, name == "padded") for name in ("padded", "tight")
+        }
+        times: dict[str, list[list[Any]]] = {name: [] for name in sides}
+        for r in range(rounds + 1):
+            for name, b in sides.items():
+                got = rc.actor_phases(actor, b, next(rollout), "time")
+                if r:
+                    times[name].append(got)
+        lengths = train_step.uneven_lengths(s.response_len, s.samples)
+        for i, what in ((0, "log-prob pass (no gradient)"), (2, "train fwd+bwd")):
+            row = lever_row(
+                "answer slots as long as their answers",
+                what,
+                shape,
+                [p[i].seconds for p in times["padded"]],
+                [p[i].seconds for p in times["tight"]],
+            )
+            row["measured"] += f" (answers {min(lengths)}-{max(lengths)} tokens, mean {statistics.fmean(lengths):.0f})"
+            rows.append(row)
 
     if compile_forward:
         # torch.compile of the policy's forward (its backward compiles with it); the batch keeps one shape, so this

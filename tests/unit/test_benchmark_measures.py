@@ -101,3 +101,16 @@ def test_a_levers_peak_memory_is_what_its_call_added_at_most_at_once():
     total, peak = peak_above_start(lambda: float(torch.ones(50_000_000).sum()))
     assert total == 50_000_000 and peak > 190e6 and idle < 20e6, (peak, idle)
     del held
+
+
+def test_the_tight_slots_lever_times_the_same_answers_cut_to_a_long_tail_and_padded_back_untrained():
+    from benchmarks import train_step
+
+    assert train_step.uneven_lengths(128, 8) == [54, 64, 75, 86, 96, 107, 117, 128]  # mean 91: the 128x8x40 run's
+    groups = train_step.step_batch(100, 0, prompts=2, samples=4, prompt_len=6, response_len=10, as_groups=True)
+    tight, padded = (train_step.uneven_batch(groups, 10, pad) for pad in (False, True))
+    assert tight.response_lengths == [4, 6, 8, 10] * 2 and padded.response_lengths == [10] * 8
+    # the same trained tokens on both sides: the padded side's fill is untrained
+    assert [sum(m) for m in padded.loss_masks] == tight.response_lengths
+    assert padded.tokens[0][: len(tight.tokens[0])] == tight.tokens[0]
+    assert all(len(lp) == n for lp, n in zip(padded.rollout_logprobs, padded.response_lengths, strict=True))

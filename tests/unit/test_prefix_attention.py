@@ -37,7 +37,9 @@ def test_it_gives_the_dense_attentions_outputs_and_gradients():
     assert layout.blocks == (5, 3, 4)
     q, k, v = _qkv(*layout.input_ids.shape)
     dense, _ = sdpa_attention_forward(_Attention(), q, k, v, layout.attention_mask, scaling=0.3)
-    ours, _ = shared_prefix_sdpa(_Attention(), q, k, v, layout.attention_mask, shared_prefix=layout.blocks, scaling=0.3)
+    ours, _ = shared_prefix_sdpa(
+        _Attention(), q, k, v, layout.attention_mask, shared_prefix=layout.slot_map, scaling=0.3
+    )
     torch.testing.assert_close(ours, dense, rtol=0, atol=1e-12)
     weights = torch.randn_like(dense)
     for a, b in zip(
@@ -65,7 +67,7 @@ def test_its_work_grows_with_the_slots_not_their_square():
 
     mask = layout.attention_mask
     dense = flops(lambda: sdpa_attention_forward(_Attention(), q, key, v, mask))
-    ours = flops(lambda: shared_prefix_sdpa(_Attention(), q, key, v, mask, shared_prefix=layout.blocks))
+    ours = flops(lambda: shared_prefix_sdpa(_Attention(), q, key, v, mask, shared_prefix=layout.slot_map))
     scores = {"dense": (p + k * r) ** 2, "ours": p * p + k * r * (p + r)}
     assert dense / ours == pytest.approx(scores["dense"] / scores["ours"])  # 552^2 / (40^2 + 512 * 72): 7.9x
 
@@ -76,9 +78,10 @@ def test_without_the_blocks_it_is_hfs_sdpa_and_a_mismatched_layout_is_refused():
     plain = sdpa_attention_forward(_Attention(), q, k, v, None)[0]
     assert torch.equal(shared_prefix_sdpa(_Attention(), q, k, v, None)[0], plain)
     # a vision tower's calls get the forward's keywords too, and no mask
-    assert torch.equal(shared_prefix_sdpa(_Attention(), q, k, v, None, shared_prefix=layout.blocks)[0], plain)
-    with pytest.raises(ValueError, match=r"L = P \+ K \* R = 3 \+ 2 \* 3"):
-        shared_prefix_sdpa(_Attention(), q, k, v, layout.attention_mask, shared_prefix=(3, 2, 3))
+    assert torch.equal(shared_prefix_sdpa(_Attention(), q, k, v, None, shared_prefix=layout.slot_map)[0], plain)
+    other = shared_layout([[1, 2, 3]] * 2, [[4, 5, 6], [6]]).slot_map  # 4 columns after the prompt, not 3
+    with pytest.raises(ValueError, match=r"L = P \+ the responses' columns = 3 \+ 4 tokens"):
+        shared_prefix_sdpa(_Attention(), q, k, v, layout.attention_mask, shared_prefix=other)
 
 
 def test_the_split_runs_where_the_dense_layout_has_four_times_its_scores_or_more():

@@ -15,39 +15,56 @@ RESPONSES = [[10, 11], [12], [13, 14, 15], []]
 
 def test_rows_with_one_prompt_become_one_sequence():
     layout = shared_layout(PROMPTS, RESPONSES, pad_id=0)
-    # Two prompts; the first has three slots; slots are 3 wide (the longest response).
+    # Two prompts; the first has three slots, each as long as its response (2, 1 and 0 tokens): no padding between
+    # them, the second sequence's 3 responses the longest tail.
     assert layout.input_ids.tolist() == [
-        [5, 6, 7, 10, 11, 0, 12, 0, 0, 0, 0, 0],
-        [0, 8, 9, 13, 14, 15, 0, 0, 0, 0, 0, 0],
+        [5, 6, 7, 10, 11, 12],
+        [0, 8, 9, 13, 14, 15],
     ]
     assert layout.sequence.tolist() == [0, 0, 1, 0]
-    assert layout.logits_to_keep == 3 * 3 + 1
+    assert layout.logits_to_keep == 3 + 1
     # Positions restart after the prompt in every slot: RoPE sees the unshared layout's positions.
-    assert layout.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 5, 3, 4, 5]
+    assert layout.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]
     assert layout.position_ids[1, 1:6].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_a_response_sees_its_prompt_and_itself_only():
-    mask = shared_layout(PROMPTS, RESPONSES).attention_mask[0, 0]
+    responses = [[10, 11], [12], [13, 14, 15], [16]]
+    mask = shared_layout(PROMPTS, responses).attention_mask[0, 0]
     assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # slot 0, second token
-    assert mask[6].nonzero().flatten().tolist() == [0, 1, 2, 6]  # slot 1 does not see slot 0
+    assert mask[5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # slot 1 does not see slot 0
+    assert mask[6].nonzero().flatten().tolist() == [0, 1, 2, 6]  # nor slot 2 slot 1
     assert mask[1].nonzero().flatten().tolist() == [0, 1]  # the prompt is causal
-    assert mask[5].nonzero().flatten().tolist() == [5]  # padding sees itself
-    # Left padding of the shorter prompt is seen by nobody else.
-    assert not shared_layout(PROMPTS, RESPONSES).attention_mask[1, 0, 1:, 0].any()
+    # Left padding of the shorter prompt is seen by nobody else; padding after a sequence's responses sees itself.
+    other = shared_layout(PROMPTS, responses).attention_mask[1, 0]
+    assert not other[1:, 0].any()
+    assert other[6].nonzero().flatten().tolist() == [6]
+
+
+def test_the_blocks_gather_each_slot_at_one_width_and_scatter_back():
+    slots = shared_layout(PROMPTS, RESPONSES).slot_map
+    assert slots.blocks == (3, 3, 3)
+    # Sequence 0: slot 0's tokens at columns 0-1 after the prompt, slot 1's at 2, slot 2 empty.
+    assert slots.gather[0].tolist() == [0, 1, 0, 2, 0, 0, 0, 0, 0]
+    assert slots.scatter[0].tolist() == [0, 1, 3]
+    # A block's second token sees the real prompt and its slot's first two; padding in a block only itself.
+    block = slots.mask.reshape(2, 3, 3, 6)[0]
+    assert block[0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert block[1, 1].nonzero().flatten().tolist() == [4]
+    assert slots.mask.reshape(2, 3, 3, 6)[1, 0, 0].nonzero().flatten().tolist() == [1, 2, 3]  # prompt padded left
 
 
 def test_each_response_token_is_predicted_from_the_column_before_it():
     layout = shared_layout(PROMPTS, RESPONSES)
     kept_start = layout.input_ids.shape[1] - layout.logits_to_keep  # the last prompt column
     assert kept_start == 2
-    # Row 1 (slot 1 of the first prompt): token 0 from the last prompt column, token 1 from slot 1's column 0.
-    assert layout.column[1].tolist() == [0, 4, 5]
+    # Row 0 (slot 0 of the first prompt): token 0 from the last prompt column, token 1 from the slot's column 0.
+    assert layout.column[0].tolist() == [0, 1, 0]
     assert layout.column[2].tolist() == [0, 1, 2]
     kept = torch.arange(2 * layout.logits_to_keep).reshape(2, -1, 1).float()
     from miles_async.backends.shared_prefix import row_logits
 
-    assert row_logits(kept, layout)[2, :, 0].tolist() == [10.0, 11.0, 12.0]
+    assert row_logits(kept, layout)[2, :, 0].tolist() == [4.0, 5.0, 6.0]
 
 
 def test_packing_counts_a_shared_prompt_once():
@@ -62,6 +79,9 @@ def test_packing_counts_a_shared_prompt_once():
     assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4)) == [[0, 1, 2]]
     assert pack_shared([[1] * 30, [2] * 30, [1] * 30], [4, 4, 4], 2 * (30 + 2 * 4) - 1) == [[0, 1], [2]]
     assert pack_shared([[1] * 100], [4], 50) == [[0]]  # too long for the budget: alone
+    # Each response counts at its length, not the longest's: 30 + 2 + 9 + 4 + 1 = 46 tokens.
+    assert pack_shared(prompts[:4], [2, 9, 4, 1], 46) == [[0, 1, 2, 3]]
+    assert [len(b) for b in pack_shared(prompts[:4], [2, 9, 4, 1], 45)] == [3, 1]
 
 
 def test_equal_tokens_with_other_images_do_not_share_a_prompt():

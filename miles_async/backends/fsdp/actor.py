@@ -82,7 +82,7 @@ def _response_outputs(model: torch.nn.Module, mb: MicroBatch, device: torch.devi
     # Our sdpa computes only the blocks the layout's mask opens (prefix_attention.py), given the blocks' sizes, where
     # that skips enough of the scores to pay; otherwise it is HF's sdpa on the whole mask.
     split = attn_implementation == SHARED_PREFIX_SDPA and worth_splitting(*layout.blocks)
-    blocks = {"shared_prefix": layout.blocks} if split else {}
+    blocks = {"shared_prefix": layout.slot_map} if split else {}
     out = model(
         input_ids=layout.input_ids.to(device),
         attention_mask=mask,

@@ -1,16 +1,18 @@
 """Attention over the shared-prefix layout that computes only the blocks its mask can open.
 
-``backends/shared_prefix.py`` lays a group out as one sequence ``[prompt | slot 0 | ... | slot K-1]`` of length
-``L = P + K * R`` with a block mask: a prompt token sees the prompt, a slot's token the prompt and its own slot. HF's
-sdpa attention computes every one of the ``L x L`` scores and masks most away: with groups of 16 answers of 32 tokens
-after a 40-token prompt, about 90% of them. Here the prompt attends to itself (``P x P``), and the ``K`` slots
-attend, as one batch of ``G * K`` short sequences, to the prompt's keys and their own (``R x (P + R)`` each), so the
-work grows with ``K`` instead of ``K**2``. The masks of both parts are cut out of the layout's own mask, so padding and
-causality are exactly the layout's; the log-probs equal the dense attention's up to float summation order, and the
-gradient of every slot flows into the one copy of the prompt's keys and values.
+``backends/shared_prefix.py`` lays a group out as one sequence ``[prompt | slot 0 | ... | slot K-1]``, each slot as
+long as its response (at most ``R``), with a block mask: a prompt token sees the prompt, a slot's token the prompt
+and its own slot. HF's sdpa attention computes every one of the ``L x L`` scores and masks most away: with groups of
+16 answers of 32 tokens after a 40-token prompt, about 90% of them. Here the prompt attends to itself (``P x P``),
+and the ``K`` slots attend, as one batch of ``G * K`` short sequences gathered into blocks of width ``R``
+(``SlotMap``), to the prompt's keys and their own (``R x (P + R)`` each), so the work grows with ``K`` instead of
+``K**2``. The blocks' mask follows the layout's rules (a token sees the real prompt and its own slot up to itself,
+padding only itself); the log-probs equal the dense attention's up to float summation order, and the gradient of
+every slot flows into the one copy of the prompt's keys and values.
 
 Registered with transformers as ``SHARED_PREFIX_SDPA`` (attention and mask), it is HF's sdpa for every call that
-does not carry ``shared_prefix=(P, K, R)`` and a mask: the non-shared layout, a vision tower, generation.
+does not carry a layout's ``SlotMap`` as ``shared_prefix`` and a mask: the non-shared layout, a vision tower,
+generation.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles_async.backends.shared_prefix import SlotMap
 from miles_async.utils.hf_attention import register_sdpa_variant
 
 SHARED_PREFIX_SDPA = "miles_shared_prefix_sdpa"
@@ -42,7 +45,7 @@ def shared_prefix_sdpa(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    shared_prefix: tuple[int, int, int] | None = None,
+    shared_prefix: SlotMap | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-function contract: ``query`` ``[G, H, L, D]``, ``key``/``value`` ``[G, Hkv, L, D]``, the
@@ -53,39 +56,40 @@ def shared_prefix_sdpa(
     # without a mask: only the language model's calls carry the layout's mask.
     if shared_prefix is None or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    p, k, r = shared_prefix
+    p, k, r = shared_prefix.blocks
+    tail = shared_prefix.scatter.shape[1]
     g, heads, length, d = query.shape
-    if length != p + k * r or attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+    if length != p + tail or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
         raise ValueError(
-            f"shared-prefix attention: a [G, 1, L, L] boolean mask over L = P + K * R = {p} + {k} * {r} tokens was "
-            f"expected, got {length} tokens and a mask of {None if attention_mask is None else attention_mask.shape}"
+            f"shared-prefix attention: a [G, 1, L, L] boolean mask over L = P + the responses' columns = {p} + {tail} "
+            f"tokens was expected, got {length} tokens and a mask of {attention_mask.shape}"
         )
     kv_heads = key.shape[1]
-    mask = attention_mask[:, 0]
     prompt_out, _ = sdpa_attention_forward(
-        module, query[:, :, :p], key[:, :, :p], value[:, :, :p], mask[:, None, :p, :p], **kwargs
+        module, query[:, :, :p], key[:, :, :p], value[:, :, :p], attention_mask[:, :, :p, :p], **kwargs
     )
+    gather = shared_prefix.gather.to(query.device)
 
-    def per_slot(x: torch.Tensor, n_heads: int) -> torch.Tensor:  # [G, h, K*R, D] -> [G, K, h, R, D]
-        return x[:, :, p:].reshape(g, n_heads, k, r, d).transpose(1, 2)
+    def blocks(x: torch.Tensor, n_heads: int) -> torch.Tensor:  # [G, h, L, D] -> [G, K, h, R, D]
+        index = gather[:, None, :, None].expand(g, n_heads, k * r, d)
+        return torch.gather(x[:, :, p:], 2, index).reshape(g, n_heads, k, r, d).transpose(1, 2)
 
-    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # each slot's keys after the prompt's: [G*K, Hkv, P+R, D]
+    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # each block's keys after the prompt's: [G*K, Hkv, P+R, D]
         prompt = x[:, None, :, :p].expand(g, k, kv_heads, p, d)
-        return torch.cat([prompt, per_slot(x, kv_heads)], dim=3).reshape(g * k, kv_heads, p + r, d)
+        return torch.cat([prompt, blocks(x, kv_heads)], dim=3).reshape(g * k, kv_heads, p + r, d)
 
-    to_prompt = mask[:, p:, :p].reshape(g, k, r, p)
-    # The diagonal blocks of the slots' mask: slot j's queries against slot j's keys ([G, R, R, K] -> [G, K, R, R]).
-    own_slot = torch.diagonal(mask[:, p:, p:].reshape(g, k, r, k, r), dim1=1, dim2=3).permute(0, 3, 1, 2)
-    slot_mask = torch.cat([to_prompt, own_slot], dim=3).reshape(g * k, 1, r, p + r)
     slot_out, _ = sdpa_attention_forward(
         module,
-        per_slot(query, heads).reshape(g * k, heads, r, d),
+        blocks(query, heads).reshape(g * k, heads, r, d),
         with_prompt(key),
         with_prompt(value),
-        slot_mask,
+        shared_prefix.mask.to(query.device),
         **kwargs,
     )
-    return torch.cat([prompt_out, slot_out.reshape(g, k * r, heads, d)], dim=1), None
+    # Back from the blocks to the sequence's columns: [G*K, R, H, D] -> [G, L - P, H, D].
+    scatter = shared_prefix.scatter.to(query.device)[:, :, None, None].expand(g, tail, heads, d)
+    slots = torch.gather(slot_out.reshape(g, k * r, heads, d), 1, scatter)
+    return torch.cat([prompt_out, slots], dim=1), None
 
 
 def register() -> None:
