@@ -228,31 +228,32 @@ def trainer_levers(
 
     if "tight-slots" in levers:
         # answer slots as long as their answers, against slots padded to the longest (as the layout was): the same
-        # groups with a long tail of answer lengths under the cap, alternating with their padded copies
+        # groups with a long tail of answer lengths under the cap, alternating with their padded copies; the
+        # log-prob pass, then a training step (forward, backward, optimizer: the reference pass left out, it costs
+        # what the log-prob pass does)
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model).vocab_size
         groups = train_step.step_batch(vocab, 0, s.prompts, s.samples, s.prompt_len, s.response_len, as_groups=True)
-        sides = {
-            name: train_step.uneven_batch(groups, s.response_len, name == "padded") for name in ("padded", "tight")
-        }
-        times: dict[str, list[list[Any]]] = {name: [] for name in sides}
-        for r in range(rounds + 1):
-            for name, b in sides.items():
-                got = rc.actor_phases(actor, b, next(rollout), "time")
-                if r:
-                    times[name].append(got)
+        padded, tight = (train_step.uneven_batch(groups, s.response_len, pad) for pad in (True, False))
+        every = list(range(len(padded)))
+
+        def logprobs(b: Any) -> Callable[[], None]:
+            def go() -> None:
+                actor.module.eval()
+                with torch.no_grad():
+                    actor._logprobs_of(actor.module, b, every, 1.0)
+
+            return go
+
         lengths = train_step.uneven_lengths(s.response_len, s.samples)
-        for i, what in ((0, "log-prob pass (no gradient)"), (2, "train fwd+bwd")):
-            row = lever_row(
-                "answer slots as long as their answers",
-                what,
-                shape,
-                [p[i].seconds for p in times["padded"]],
-                [p[i].seconds for p in times["tight"]],
-            )
-            row["measured"] += f" (answers {min(lengths)}-{max(lengths)} tokens, mean {statistics.fmean(lengths):.0f})"
-            rows.append(row)
+        answers = f" (answers {min(lengths)}-{max(lengths)} tokens, mean {statistics.fmean(lengths):.0f})"
+        before, after = alternate(logprobs(padded), logprobs(tight), rounds)
+        rows.append(lever_row("answer slots as long as their answers", "log-prob pass" + answers, shape, before, after))
+        before, after = alternate(
+            lambda: actor.train(next(rollout), padded), lambda: actor.train(next(rollout), tight), rounds
+        )
+        rows.append(lever_row("answer slots as long as their answers", "training step" + answers, shape, before, after))
 
     if compile_forward:
         # torch.compile of the policy's forward (its backward compiles with it); the batch keeps one shape, so this

@@ -10,7 +10,7 @@ unshared layout, and each token attends to the same keys: the log-probs are thos
 float summation order, and the gradient of every response flows into the one copy of the prompt's activations.
 
 Slots are not padded to the longest response: with answers of uneven length (a long tail under a cap), padding
-every slot to the longest made the linear layers compute a quarter more columns than there are tokens (SmolLM2,
+every slot to the longest made the linear layers compute over a third more columns than there are tokens (SmolLM2,
 groups of 8 answers averaging 91 of 128 tokens). Every sequence of a micro-batch has the same columns (prompts
 left-padded to the longest, the responses right-padded to the longest group's), so the logits needed are one
 contiguous tail: the last prompt column (which predicts each response's first token) and the responses. Packing by
