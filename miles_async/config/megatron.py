@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_async.config import moe
+import miles_async.config.moe as moe
 from miles_async.config.declare import When, at_least, flag, group, require, when_value
 from miles_async.config.machine import Machine
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from aiohttp import hdrs, web
 
+import miles_async.control.metrics as metrics
 from miles_async.config.control import TOKEN_ENV, ControlConfig, is_loopback
-from miles_async.control import metrics
 from miles_async.control.control import Control
 from miles_async.control.state import CommandRefused
 from miles_async.utils.checkpoint import atomic_write_json, iteration_dir, latest_checkpointed_iteration
