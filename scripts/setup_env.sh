@@ -7,11 +7,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${MILES_ASYNC_CACHE:-$HOME/.cache/miles-async}"
 VENV="${MILES_ASYNC_VENV:-$CACHE/venv}"
 PYTHON="${PYTHON:-python3}"
-TORCH_SPEC="${MILES_ASYNC_TORCH_SPEC:-torch==2.13.0}"
 
 # shellcheck source=scripts/lib/engine_env.sh
 source "$ROOT/scripts/lib/engine_env.sh"
-stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "$ROOT/requirements-megatron.txt" | sha256sum | cut -c1-16)-${TORCH_SPEC}"
+# shellcheck source=scripts/lib/torch_install.sh
+source "$ROOT/scripts/lib/torch_install.sh"
+stamp="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "$ROOT/requirements-megatron.txt" | sha256sum | cut -c1-16)-${TORCH_STAMP}"
 if venv_current "$VENV" "$stamp"; then
   echo "$VENV"
   exit 0
@@ -26,8 +27,8 @@ echo "[setup_env] building the virtual environment in $VENV (once; a few minutes
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip >&2
-# torch first and pinned, so nothing below can pull a multi-GB CUDA build on a CPU machine.
-"$VENV/bin/pip" install -q "$TORCH_SPEC" >&2
+# torch first and pinned, so nothing below can pull another build; the report says which one this is.
+torch_install "$VENV" setup_env
 "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt" >&2
 # megatron-core's only runtime dependencies (torch, numpy, packaging) are pinned above, so torch stays put.
 "$VENV/bin/pip" install -q -r "$ROOT/requirements-megatron.txt" >&2

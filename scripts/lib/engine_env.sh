@@ -47,6 +47,8 @@ engine_env() {
     return 1
   fi
   echo "$stamp" > "$VENV/.miles-async-stamp"
+  # Which torch the build installed (scripts/lib/torch_install.sh's report), out of the log.
+  grep -h "^\[setup_${name}_env\] torch " "$log" >&2 || true
   echo "[setup_${name}_env] done: $(du -sh "$VENV" | cut -f1) in $VENV" >&2
   echo "$VENV"
 }

@@ -122,8 +122,12 @@ class Image:
 
     def script(self, path: str) -> None:
         """A setup script of the repository: the repository files it reads ($ROOT/...) must be in the image, and
-        its pip installs count, with its variables' defaults (NAME="${OVERRIDE:-default}") filled in."""
+        its pip installs and those of the files it sources count, with its variables' defaults
+        (NAME="${OVERRIDE:-default}") filled in."""
         lines = self.read(path) or []
+        # What it sources is read first, as bash does: its variables and pip installs count too.
+        for sourced in re.findall(r'^\s*(?:source|\.)\s+"\$ROOT/([\w./-]+)"', "\n".join(lines), re.M):
+            lines = [*(self.read(sourced) or []), *lines]
         text = "\n".join(lines)
         for used in re.findall(r"\$ROOT/([\w./-]+)", text):
             self.read(used)
