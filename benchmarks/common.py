@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import record
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -66,7 +68,7 @@ def machine_info() -> dict[str, Any]:
 
 
 # What a kept run records of the machine it ran on: its figures depend on them (bf16 or not above all).
-STAMPED_MACHINE = ("cpu_model", "cores", "memory_gib", "cpu_bf16", "torch")
+STAMPED_MACHINE = record.STAMPED_MACHINE
 
 
 def ran_stamp() -> dict[str, Any]:

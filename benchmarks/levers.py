@@ -1,7 +1,7 @@
 """Each speed lever of issue 34 against what it replaced, side by side in one run: the two ways alternate, on the
 same model, batch and process, and each side's median counts.
 
-    python -m benchmarks.levers [--quick] [--shapes 8x8x40 32x16x40] [--levers training-logprobs ...]
+    python -m benchmarks.levers [--quick] [--shapes 8x8x40 32x16x40] [--levers training-logprobs ...] [--record]
     python -m benchmarks.run --only levers
 
 The levers, and what each is timed on (SmolLM2-135M through our own code: ``FSDPTrainActor`` and the embedded
@@ -76,6 +76,26 @@ def lever_row(lever: str, measured: str, shape: str, before: Sequence[float], af
         "after_median": a,
         "speedup": b / a if a > 0 else None,
     }
+
+
+def verdict(row: dict) -> str:
+    """Whether the lever beats what it replaced beyond the noise of its rounds. The two sides alternate, so each round
+    pairs a before with an after under the same load: the lever wins beyond noise when it wins every round, and the
+    two sides' ranges separate when its slowest round beats the old way's fastest."""
+    before, after = row["before"], row["after"]
+    if len(before) < 2:
+        return "one round: no noise measured"
+    ratios = [b / a for b, a in zip(before, after, strict=True) if a > 0]
+    won = sum(r > 1 for r in ratios)
+    what = "less" if row.get("unit") else "faster"
+    spread = f"{min(ratios):.3f}-{max(ratios):.3f}x"
+    if max(after) < min(before):
+        return f"{what} beyond noise: ranges separate, {won} of {len(ratios)} rounds ({spread})"
+    if won == len(ratios):
+        return f"{what} beyond noise: ranges overlap, but {won} of {len(ratios)} paired rounds ({spread})"
+    if won == 0:
+        return f"{'more' if row.get('unit') else 'slower'} in every round ({spread})"
+    return f"within noise: {what} in {won} of {len(ratios)} rounds ({spread})"
 
 
 def alternate(before: Callable[[], Any], after: Callable[[], Any], rounds: int) -> tuple[list[float], list[float]]:
@@ -356,6 +376,7 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
             f"{r['before_median']:.3g} {r.get('unit', 's')}",
             f"{r['after_median']:.3g} {r.get('unit', 's')}",
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            verdict(r),
         ]
         for r in rows
     ]
@@ -365,7 +386,7 @@ def summarize(rows: list[dict], rounds: int, model_name: str, dtype: str) -> dic
             table(
                 f"Each lever against what it replaced, {model_name}, {dtype}: medians, the two ways alternating in one "
                 "process",
-                ["lever", "measured", "shape", "before", "after", "before / after"],
+                ["lever", "measured", "shape", "before", "after", "before / after", "verdict"],
                 body,
                 f"{rounds} rounds each after a warm-up (the sampler and the optimizer more: they take milliseconds); "
                 "shapes ANSWERxGROUPxPROMPT, 8 prompts a step; the shared-prefix attention split wherever measured, "
@@ -382,16 +403,19 @@ def run(
     compile_forward: bool | None = None,
     levers: Sequence[str] = LEVERS,
     rounds: int | None = None,
+    dtype: str | None = None,
 ) -> dict:
     """benchmarks.run's entry: the levers at SHAPES (quick: a tiny model at QUICK_SHAPES), torch.compile at the first
-    shape of a full run (``compile_forward``: whether to, whatever the mode); ``levers``: the trainer's to run."""
+    shape of a full run (``compile_forward``: whether to, whatever the mode); ``levers``: the trainer's to run;
+    ``dtype``: bfloat16 where the CPU computes it, else float32, unless given (decode attention acts in float32
+    only)."""
     compile_forward = not quick if compile_forward is None else compile_forward
     from transformers import AutoConfig
 
     from benchmarks.common import smollm2_path, tiny_setup
     from miles_async.config.precision import cpu_has_bf16
 
-    dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    dtype = dtype or ("bfloat16" if cpu_has_bf16() else "float32")
     rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     rows: list[dict] = []
@@ -406,9 +430,7 @@ def run(
             for shape in shapes or (QUICK_SHAPES if quick else ENGINE_SHAPES):
                 rows.append(engine_lever(model, shape, rounds, dtype, lever))
         rows.append(sampler_lever(AutoConfig.from_pretrained(model).vocab_size, 64, rounds))
-    for r in rows:  # rows of runs on other machines may sit beside these in one entry
-        r["dtype"] = dtype
-    return summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype)
+    return {**summarize(rows, rounds, "tiny random model" if quick else "SmolLM2-135M", dtype), "dtype": dtype}
 
 
 def headline(entry: dict) -> list[tuple[str, str]]:
@@ -416,14 +438,18 @@ def headline(entry: dict) -> list[tuple[str, str]]:
         (
             f"lever: {_lever_name(r)}, {r['measured']} ({r['shape']}{', ' + r['dtype'] if 'dtype' in r else ''})",
             f"{r['before_median']:.3g} {r.get('unit', 's')} -> {r['after_median']:.3g} {r.get('unit', 's')} "
-            f"({r['speedup']:.2f}x)",
+            f"({r['speedup']:.2f}x; {verdict(r)})",
         )
         for r in entry["rows"]
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import render_table
+    from benchmarks import record
+    from benchmarks.common import machine_info, render_table
+    from benchmarks.run import measured
+
+    argv = sys.argv[1:] if argv is None else argv
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -442,9 +468,33 @@ def main(argv: list[str] | None = None) -> int:
         help="the levers to run (default: all; the sampler's runs in every run)",
     )
     ap.add_argument("--out", type=Path, default=None, help="a folder for the rows' results.json")
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="store the run in benchmarks/results/results.json (stamped with this command; it replaces the levers "
+        "entry of this machine and precision only)",
+    )
     ap.add_argument("--rounds", type=int, default=None, help=f"rounds of each side (default {ROUNDS}; quick 1)")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="default: bfloat16 where the CPU computes it, else float32 (decode attention acts in float32 only)",
+    )
     args = ap.parse_args(argv)
-    result = run(args.quick, Path(tempfile.mkdtemp()), args.shapes, args.compile, args.levers, args.rounds)
+    machine = machine_info()
+    result = measured(
+        lambda: run(
+            args.quick, Path(tempfile.mkdtemp()), args.shapes, args.compile, args.levers, args.rounds, args.dtype
+        ),
+        args.quick,
+        machine,
+    )
+    if args.record:
+        results = record.load()
+        key = record.put(results, "levers", result, record.command_line("benchmarks.levers", argv), machine)
+        record.save(results)
+        print(f"recorded in {record.RESULTS} as {key!r}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")

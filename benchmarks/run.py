@@ -7,43 +7,26 @@ verbatim in ``results.json``; these keys are also rendered into ``results.md``:
 - ``plots``:  PNG file names the benchmark wrote into ``out_dir``;
 - ``notes``:  a list of sentences worth reading next to the numbers.
 
-To add a benchmark, write the module and add one line to ``REGISTRY``.
+Each entry is stamped and keyed by ``benchmarks/record.py`` (benchmark, precision, machine).
+
+To add a benchmark, write the module and add one line to ``REGISTRY`` (``benchmarks/registry.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks import record
 from benchmarks.common import machine_info, render_table
-
-# name -> module path. Modules are imported only when selected, so one benchmark's heavy or
-# broken imports never stop the others from running.
-REGISTRY: dict[str, str] = {
-    "engine_throughput": "benchmarks.engine_throughput",
-    "weight_sync": "benchmarks.weight_sync",
-    "long_tail": "benchmarks.long_tail",
-    "pipeline_overlap": "benchmarks.pipeline_overlap",
-    "orchestration": "benchmarks.orchestration",
-    "time_to_accuracy": "benchmarks.time_to_accuracy",
-    "save_latency": "benchmarks.save_latency",
-    "train_step": "benchmarks.train_step",
-    "scale": "benchmarks.scale",
-    "train_memory": "benchmarks.train_memory",
-    "trl_peer": "benchmarks.trl_peer",
-    "trl_peer_shapes": "benchmarks.trl_peer_shapes",
-    "trl_peer_accuracy": "benchmarks.trl_peer_accuracy",
-    "quickstart_speed": "benchmarks.quickstart_speed",
-    "roofline": "benchmarks.roofline",
-    "async_real": "benchmarks.async_real",
-    "levers": "benchmarks.levers",
-}
+from benchmarks.registry import REGISTRY
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -54,6 +37,21 @@ def update_pages() -> None:
     from scripts.gen_docs import main as gen_docs
 
     gen_docs([])
+
+
+def measured(run: Callable[[], dict], quick: bool, machine: dict) -> dict:
+    """``run()``'s entry with the mode, the seconds it took, the machine and the 1-minute load average before and
+    after (the machine may be shared: above the core count, other work shared the CPUs)."""
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    entry = run()
+    return {
+        "quick": quick,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": machine,
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        **entry,
+    }
 
 
 def render_markdown(results: dict) -> str:
@@ -127,15 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme_only:
         update_pages()
         return 0
-    # Earlier entries of benchmarks not run now are kept, so `--only X` refreshes X alone;
-    # every entry carries its own date, mode and machine.
-    results: dict = {"benchmarks": {}}
-    if json_path.exists():
-        try:
-            results = json.loads(json_path.read_text())
-            results.setdefault("benchmarks", {})
-        except ValueError:
-            print(f"warning: {json_path} is not valid JSON; starting afresh", file=sys.stderr)
+    # Earlier entries are kept, so `--only X` refreshes X alone on this machine and in this precision (an entry of X
+    # from another machine or precision stays beside it); every entry carries its own stamp.
+    try:
+        results = record.load(json_path)
+    except ValueError:
+        print(f"warning: {json_path} is not valid JSON; starting afresh", file=sys.stderr)
+        results = {"benchmarks": {}}
 
     machine = machine_info()
     results["machine"] = machine
@@ -143,27 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     selected = [n for word in args.only for n in word] if args.only else list(REGISTRY)
     for name in dict.fromkeys(selected):
         print(f"=== {name} ({'quick' if args.quick else 'full'})", flush=True)
-        t0 = time.perf_counter()
-        load_before = os.getloadavg()[0]
         try:
-            entry = importlib.import_module(REGISTRY[name]).run(args.quick, out)
+            module = importlib.import_module(REGISTRY[name])
+            entry = measured(functools.partial(module.run, args.quick, out), args.quick, machine)
         except Exception:  # noqa: BLE001 - one failed benchmark must not lose the others' results
-            entry = {"error": traceback.format_exc()}
+            entry = {"quick": args.quick, "seconds": 0.0, "machine": machine, "error": traceback.format_exc()}
             failed.append(name)
             print(entry["error"], file=sys.stderr, flush=True)
-        # The machine may be shared: the 1-minute load average before and after says how busy it was.
-        entry = {
-            "quick": args.quick,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "machine": machine,
-            "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-            **entry,
-        }
-        results["benchmarks"][name] = entry
-        if "error" not in entry:  # measured again: no longer among the rows taken out (docs/benchmarks.md)
-            results.get("removed", {}).pop(name, None)
+        command = record.command_line("benchmarks.run", ["--only", name, *(["--quick"] if args.quick else [])])
+        record.put(results, name, entry, command, entry["machine"])
         # Written after every benchmark so an interrupted run keeps what it measured.
-        json_path.write_text(json.dumps(results, indent=1) + "\n")
+        record.save(results, json_path)
         (out / "results.md").write_text(render_markdown(results))
         for t in entry.get("tables", []):
             print(render_table(t), "\n", flush=True)
