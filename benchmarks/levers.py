@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -79,23 +80,29 @@ def lever_row(lever: str, measured: str, shape: str, before: Sequence[float], af
 
 
 def verdict(row: dict) -> str:
-    """Whether the lever beats what it replaced beyond the noise of its rounds. The two sides alternate, so each round
-    pairs a before with an after under the same load: the lever wins beyond noise when it wins every round, and the
-    two sides' ranges separate when its slowest round beats the old way's fastest."""
+    """Whether the lever beats what it replaced beyond the noise of its rounds, by the smaller of two exact
+    two-sided p-values: the sign test on the rounds' pairs (the sides alternate, so each round pairs a before with
+    an after under the same load) and, where the two sides' ranges separate, the chance of that under no difference
+    (``2 / C(2n, n)``). Beyond noise at p <= 0.05: three rounds can never show it, six won of six can."""
     before, after = row["before"], row["after"]
-    if len(before) < 2:
+    n = len(before)
+    if n < 2:
         return "one round: no noise measured"
+    won = sum(b > a for b, a in zip(before, after, strict=True))
+    tail = sum(math.comb(n, i) for i in range(min(won, n - won) + 1))
+    p = min(1.0, 2 * tail / 2**n)
+    if max(after) < min(before) or max(before) < min(after):
+        p = min(p, 2 / math.comb(2 * n, n))
     ratios = [b / a for b, a in zip(before, after, strict=True) if a > 0]
-    won = sum(r > 1 for r in ratios)
-    what = "less" if row.get("unit") else "faster"
-    spread = f"{min(ratios):.3f}-{max(ratios):.3f}x"
-    if max(after) < min(before):
-        return f"{what} beyond noise: ranges separate, {won} of {len(ratios)} rounds ({spread})"
-    if won == len(ratios):
-        return f"{what} beyond noise: ranges overlap, but {won} of {len(ratios)} paired rounds ({spread})"
-    if won == 0:
-        return f"{'more' if row.get('unit') else 'slower'} in every round ({spread})"
-    return f"within noise: {what} in {won} of {len(ratios)} rounds ({spread})"
+    spread = f"won {won} of {n} rounds, {min(ratios):.3f}-{max(ratios):.3f}x, p {p:.2g}"
+    better = won > n - won
+    if p > 0.05 and won in (0, n):
+        return f"{'better' if better else 'worse'} in every round, too few rounds to tell from noise ({spread})"
+    if p > 0.05:
+        return f"within noise ({spread})"
+    if row.get("unit"):
+        return f"{'less' if better else 'more'} beyond noise ({spread})"
+    return f"{'faster' if better else 'slower'} beyond noise ({spread})"
 
 
 def alternate(before: Callable[[], Any], after: Callable[[], Any], rounds: int) -> tuple[list[float], list[float]]:
@@ -331,6 +338,7 @@ def engine_lever(model: Path, shape: str, rounds: int, dtype: str, lever: str) -
             for name, setup in variants.items():
                 setup()
                 decode = rc.engine_phases(engine, prompts, s.samples, s.response_len, "time")[1]
+                print(f"[levers] {lever} {shape} round {r} {name}: {decode.seconds:.2f} s", file=sys.stderr, flush=True)
                 if r:
                     times[name].append(decode.seconds)
     finally:
