@@ -5,8 +5,8 @@ reading /tmp. Each is contained and the runner goes on serving calls.
 CI runs these as root, where the kernel ignores RLIMIT_NPROC: the namespace's uid 0 is the unprivileged uid 65534
 outside, so the limit holds. Limits are tight (16 processes, 256 MiB, 2 CPU seconds) so nothing here can load the
 shared machine, and the fork bomb runs only after a bounded fork loop showed the process limit holds. Every test
-needs user, PID and mount namespaces; where the machine refuses them (the probe says why) they skip, as
-tests/allowed_skips.toml allows for this file.
+needs user, PID and mount namespaces; they skip, as tests/allowed_skips.toml allows for this file, only where the
+kernel refuses them to a bare child process (tests/sandbox_helpers.py): a fault in our own set-up fails them.
 """
 
 from __future__ import annotations
