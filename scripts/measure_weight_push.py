@@ -57,8 +57,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from miles_async.arguments import parse_args
-    from miles_async.inference.auth import new_api_key
     from miles_async.inference.engines import make_client, make_engine_process
+    from miles_async.utils.api_key import new_api_key
     from miles_async.weights import shared_memory
     from miles_async.weights.http import push_buckets
     from miles_async.weights.source import iter_buckets

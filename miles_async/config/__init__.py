@@ -5,7 +5,10 @@ they fill: ``cluster``, ``train`` (with the model), ``checkpoint``, ``rollout`` 
 ``loop`` (the loop and its asynchrony), ``engine``, ``evaluation``, ``megatron``, ``algorithm``, ``tracking``,
 ``model`` (Megatron-LM's architecture flags against config.json), ``control`` (the control API and /metrics),
 ``compat`` (launcher flags accepted without effect), ``report`` (--check-config). ``capabilities`` is the
-backend x feature table; ``declare`` the way a flag is declared; ``machine`` every check of the local machine.
+backend x feature table; ``engine_kinds`` what each engine is to the flags (its weight routes, its interpreter);
+``declare`` the way a flag is declared; ``machine`` every check of the local machine. Nothing here imports
+``inference/``, which imports this package; the modules this face imports reach their siblings by their own
+names, never through the face (that would close a circle).
 ``miles_async.arguments.parse_args`` builds these once from the command line; components receive only the
 piece they need, never the argparse namespace.
 """

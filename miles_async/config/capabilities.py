@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from miles_async.config.declare import ConfigError, When, when_flag
-from miles_async.inference.engines import ENGINES
+from miles_async.config.engine_kinds import ENGINE_KINDS
 
 # Which weight route (--weight-update-method) each engine takes, as each engine declares it; "auto" picks the first.
-WEIGHT_UPDATE_METHODS = {name: spec.weight_routes for name, spec in ENGINES.items()}
+WEIGHT_UPDATE_METHODS = {name: kind.weight_routes for name, kind in ENGINE_KINDS.items()}
 
 
 @dataclass(frozen=True)

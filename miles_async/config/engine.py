@@ -18,9 +18,10 @@ from miles_async.config.declare import (
     when_flag,
     when_value,
 )
+from miles_async.config.engine_kinds import engine_python
 from miles_async.config.machine import Machine
 from miles_async.config.moe import is_moe
-from miles_async.inference.auth import ApiKey, api_key_from_env, new_api_key
+from miles_async.utils.api_key import ApiKey, api_key_from_env, new_api_key
 from miles_async.utils.cpus import cpu_list
 
 
@@ -304,8 +305,6 @@ def check_machine(ns: argparse.Namespace, machine: Machine) -> None:
     name = ns.rollout_backend
     if not machine.check_config or name not in PASSTHROUGH_ENGINES:
         return
-    from miles_async.inference.launcher import engine_python
-
     python = engine_python(name, getattr(ns, f"{name}_python"))
     machine.expect(
         machine.python_has(python, name),

@@ -7,7 +7,8 @@ started with a key and answers 401 to a request without ``Authorization: Bearer 
 random (``new_api_key``), unless the user gives one in ``$MILES_ASYNC_ENGINE_API_KEY`` (to call the engines
 themselves). It travels in ``EngineConfig.api_key`` to the launchers and to every client, as an ``ApiKey``, which
 shows a mask wherever it is printed or dumped: the configuration is printed by --check-config and sent whole to
-wandb.
+wandb. The key as a value lives in ``utils/api_key.py``, which the configuration imports; this module is the
+engines' side of it.
 
 A server gets it in a file only its user may read (0600), named by ``$MILES_ASYNC_ENGINE_API_KEY_FILE``
 (``read_key_file``): never on its command line, which ``ps`` shows to every user of the node, nor in its
@@ -16,8 +17,8 @@ environment, which ``/proc/<pid>/environ`` keeps for the process's whole life.
 What the servers leave open, mirrored from SGLang's own middleware (``sglang.srt.utils.auth``): ``OPTIONS`` and
 the probes, ``/health*`` (so ``/health_generate`` too), ``/ready*`` and ``/metrics*``. The embedded server checks
 ``is_exempt``; vLLM's ``--api-key`` guards only its own routes (not the dev-mode ones we use, depending on the
-version), so ``vllm/auth.py`` guards everything but its probes in front of it. Imports the standard library only:
-the SGLang and vLLM environments import it too.
+version), so ``vllm/auth.py`` guards everything but its probes in front of it. Imports the standard library and
+``utils/api_key.py`` only: the SGLang and vLLM environments import it too.
 """
 
 from __future__ import annotations
@@ -25,55 +26,13 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-API_KEY_ENV = "MILES_ASYNC_ENGINE_API_KEY"
+from miles_async.utils.api_key import ApiKey
+
 # The path of the file holding the key a server requires (what its launcher sets; ``read_key_file``).
 KEY_FILE_ENV = "MILES_ASYNC_ENGINE_API_KEY_FILE"
 # Paths a caller without the key may reach (prefix match, as SGLang's decide_request_auth).
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
-
-
-@dataclass(frozen=True, init=False, repr=False, eq=False)
-class ApiKey:
-    """A key that never shows itself: ``repr`` and ``str`` are a mask and, a dataclass without fields, it is ``{}``
-    in ``dataclasses.asdict`` (the config dumps: --check-config, wandb); ``reveal()`` is the key. Pickles whole
-    (Ray carries it to the actors that start or call the engines)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str):
-        if not isinstance(value, str) or not value or any(c.isspace() for c in value):
-            raise ValueError(f"${API_KEY_ENV}: an engine API key is a non-empty string without whitespace")
-        object.__setattr__(self, "_value", value)
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "ApiKey(***)"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ApiKey) and secrets.compare_digest(self._value, other._value)
-
-    def __hash__(self) -> int:
-        return hash((ApiKey, self._value))
-
-    def __reduce__(self):
-        return ApiKey, (self._value,)
-
-
-def new_api_key() -> ApiKey:
-    """A fresh random key for one run."""
-    return ApiKey(secrets.token_urlsafe(32))
-
-
-def api_key_from_env(environ: Mapping[str, str] = os.environ) -> ApiKey | None:
-    """The key the user gave in ``$MILES_ASYNC_ENGINE_API_KEY``, or None."""
-    value = environ.get(API_KEY_ENV)
-    return ApiKey(value) if value else None
 
 
 def read_key_file(environ: Mapping[str, str] = os.environ) -> str:

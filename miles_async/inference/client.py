@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from miles_async.inference.auth import API_KEY_ENV, ApiKey, auth_headers
+from miles_async.inference.auth import auth_headers
+from miles_async.utils.api_key import API_KEY_ENV, ApiKey
 
 if TYPE_CHECKING:
     import torch

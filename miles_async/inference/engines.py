@@ -1,17 +1,17 @@
-"""What each ``--rollout-backend`` is: its client, its launcher and the weight routes it can load.
+"""What each ``--rollout-backend`` runs: its client and its launcher, joined to what the configuration knows of it.
 
-One engine, one folder (``embedded/``, ``sglang/``, ``vllm/``), one line here. The base modules
-(``client.py``, ``launcher.py``) know no engine; this module, above them and the engine folders,
-is the only one that names them all. ``--weight-update-method`` is validated against
-``weight_routes`` (its ``auto`` takes the first).
+One engine, one folder (``embedded/``, ``sglang/``, ``vllm/``), one line here and one kind in
+``config/engine_kinds.py`` (its weight routes, which ``--weight-update-method`` is validated against). The base
+modules (``client.py``, ``launcher.py``) know no engine; this module, above them and the engine folders, is the
+only one that names them all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from miles_async.inference.auth import ApiKey
+from miles_async.config.engine import EngineConfig
+from miles_async.config.engine_kinds import ENGINE_KINDS, EngineKind
 from miles_async.inference.client import EngineClient
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
@@ -20,46 +20,23 @@ from miles_async.inference.sglang.client import SGLangEngineClient
 from miles_async.inference.sglang.launcher import SGLangEngineProcess
 from miles_async.inference.vllm.client import VLLMEngineClient
 from miles_async.inference.vllm.launcher import VLLMEngineProcess
-
-if TYPE_CHECKING:
-    from miles_async.config import EngineConfig  # an annotation only: config reads ENGINES
+from miles_async.utils.api_key import ApiKey
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    name: str  # the --rollout-backend value
+    kind: EngineKind  # its weight routes (config/engine_kinds.py)
     client: type[EngineClient]
     launcher: type[EngineProcess]
-    # The --weight-update-method values it can load: "tensor" (buckets over HTTP, in the engine's format),
-    # "disk" (an HF folder it reloads), "distributed" (an NCCL/gloo broadcast from the trainer's rank 0).
-    weight_routes: tuple[str, ...]
-    # The trainer-side module (miles_async.weights) of its "tensor" route: "http" (the bytes over HTTP) or
-    # "shared_memory" (handles to the trainer's memory, for an engine on the trainer's node: CUDA IPC handles
-    # when the trainer's weights are on a GPU, shared-memory files when on the CPU; for the embedded engine, a
-    # /dev/shm staging buffer it maps, with the bytes over HTTP to an engine on another node).
-    tensor_route: str = "http"
 
 
-ENGINES: dict[str, EngineSpec] = {
-    spec.name: spec
-    for spec in (
-        EngineSpec(
-            "embedded",
-            EmbeddedEngineClient,
-            EmbeddedEngineProcess,
-            weight_routes=("tensor",),
-            tensor_route="shared_memory",
-        ),
-        EngineSpec(
-            "sglang",
-            SGLangEngineClient,
-            SGLangEngineProcess,
-            weight_routes=("distributed", "disk", "tensor"),
-            tensor_route="shared_memory",
-        ),
-        EngineSpec("vllm", VLLMEngineClient, VLLMEngineProcess, weight_routes=("disk",)),
-    )
+_PARTS: dict[str, tuple[type[EngineClient], type[EngineProcess]]] = {
+    "embedded": (EmbeddedEngineClient, EmbeddedEngineProcess),
+    "sglang": (SGLangEngineClient, SGLangEngineProcess),
+    "vllm": (VLLMEngineClient, VLLMEngineProcess),
 }
+# Every kind the configuration accepts has its parts here (a kind without them fails this import, naming it).
+ENGINES: dict[str, EngineSpec] = {name: EngineSpec(kind, *_PARTS[name]) for name, kind in ENGINE_KINDS.items()}
 
 
 def engine_spec(backend: str) -> EngineSpec:

@@ -26,22 +26,18 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import requests
 
-from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, auth_headers, reveal
-from miles_async.utils.cache import cache_dir
+from miles_async.config.engine import EngineConfig
+from miles_async.inference.auth import KEY_FILE_ENV, auth_headers, reveal
+from miles_async.utils.api_key import API_KEY_ENV
 from miles_async.utils.cpus import check_available
 from miles_async.utils.credentials import private_file, without_secrets
 from miles_async.utils.ports import PORT_ATTEMPTS, free_port, port_clash, start_again
-
-if TYPE_CHECKING:
-    from miles_async.config import EngineConfig  # an annotation only: config reads the engines' declarations
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +60,6 @@ def _die_with_parent(cores: tuple[int, ...] | None = None) -> None:
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: engines import stand-ins and extensions from it
-
-
-def engine_python(engine: str, explicit: str | None) -> str:
-    """The interpreter that runs ``engine`` ("sglang", "vllm"): --<engine>-python, $MILES_ASYNC_<ENGINE>_PYTHON,
-    the engine's cached environment (scripts/setup_<engine>_env.sh), or (last) this one."""
-    if explicit:
-        return explicit
-    if os.environ.get(f"MILES_ASYNC_{engine.upper()}_PYTHON"):
-        return os.environ[f"MILES_ASYNC_{engine.upper()}_PYTHON"]
-    cached = cache_dir() / f"venv-{engine}" / "bin" / "python"
-    return str(cached) if cached.exists() else sys.executable
 
 
 class EngineProcess:

@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient, EngineError
 from miles_async.inference.engines import make_client
 from miles_async.inference.launcher import await_health
+from miles_async.utils.api_key import ApiKey
 from miles_async.utils.credentials import without_secrets
 from miles_async.utils.ports import free_port, start_again
 

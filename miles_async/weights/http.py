@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import torch
 
-from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
 from miles_async.inference.engines import make_client
+from miles_async.utils.api_key import ApiKey
 from miles_async.weights.source import bucket_bytes
 
 Bucket = list[tuple[str, torch.Tensor]]

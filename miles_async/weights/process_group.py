@@ -33,7 +33,8 @@ from urllib.parse import urlparse
 import requests
 import torch
 
-from miles_async.inference.auth import ApiKey, auth_headers
+from miles_async.inference.auth import auth_headers
+from miles_async.utils.api_key import ApiKey
 from miles_async.utils.ports import hosted_store
 from miles_async.weights.node import LOOPBACK, node_address
 from miles_async.weights.update import WeightUpdate

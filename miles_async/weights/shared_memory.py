@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
+from miles_async.utils.api_key import ApiKey
 from miles_async.weights import http
 from miles_async.weights.http import Bucket, stream_buckets
 from miles_async.weights.node import node_address, on_this_node

@@ -11,9 +11,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from miles_async.inference.auth import ApiKey
 from miles_async.inference.client import EngineClient
 from miles_async.inference.engines import engine_spec, make_client
+from miles_async.utils.api_key import ApiKey
 
 logger = logging.getLogger(__name__)
 

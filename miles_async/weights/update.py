@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles_async.inference.auth import ApiKey
 from miles_async.inference.engines import engine_spec
+from miles_async.utils.api_key import ApiKey
 
 if TYPE_CHECKING:  # the driver builds these records and needs no torch (it costs each run seconds to import)
     import torch
@@ -22,7 +22,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 # The routes, one module each; a --weight-update-method value names one, except "tensor", whose module is
-# the engine's (EngineSpec.tensor_route).
+# the engine's (EngineKind.tensor_route, config/engine_kinds.py).
 HTTP, SHARED_MEMORY, DISK, PROCESS_GROUP = "http", "shared_memory", "disk", "process_group"
 ROUTES = (HTTP, SHARED_MEMORY, DISK, PROCESS_GROUP)
 
@@ -30,7 +30,7 @@ ROUTES = (HTTP, SHARED_MEMORY, DISK, PROCESS_GROUP)
 def route_for(method: str, engine: str) -> str:
     """The route module of ``--weight-update-method method`` into ``--rollout-backend engine``."""
     if method == "tensor":
-        return engine_spec(engine).tensor_route
+        return engine_spec(engine).kind.tensor_route
     if method == "disk":
         return DISK
     if method == "distributed":

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_async.inference.auth import API_KEY_ENV, auth_headers, new_api_key
+from miles_async.inference.auth import auth_headers
+from miles_async.utils.api_key import API_KEY_ENV, new_api_key
 from tests import ray_cluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,9 +28,10 @@ import requests
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.inference.auth import KEY_FILE_ENV, ApiKey, auth_headers, is_exempt, new_api_key
+from miles_async.inference.auth import KEY_FILE_ENV, auth_headers, is_exempt
 from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
+from miles_async.utils.api_key import ApiKey, new_api_key
 from miles_async.weights.update import WeightUpdate, route_for
 from tests.tolerance import StepBounds, assert_rejected, assert_within
 from tests.trainer_helpers import actor_trained_on, assert_engine_logprobs_match

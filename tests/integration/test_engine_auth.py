@@ -26,13 +26,14 @@ import torch
 
 from miles_async.arguments import parse_args
 from miles_async.config.report import render
-from miles_async.inference.auth import API_KEY_ENV, KEY_FILE_ENV, ApiKey
+from miles_async.inference.auth import KEY_FILE_ENV
 from miles_async.inference.client import EngineError
 from miles_async.inference.engines import make_client, make_engine_process
 from miles_async.inference.launcher import EngineStartError
 from miles_async.inference.router import make_router
 from miles_async.ray.engine_host import EngineHost
 from miles_async.ray.inference_controller import InferenceController
+from miles_async.utils.api_key import API_KEY_ENV, ApiKey
 from miles_async.weights.driver import weight_update
 from miles_async.weights.sender import WeightSender
 

@@ -17,12 +17,13 @@ import pytest
 import requests
 
 from miles_async.config import EngineConfig
-from miles_async.inference.auth import new_api_key
+from miles_async.config.engine_kinds import EngineKind
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.engines import ENGINES, EngineSpec
 from miles_async.inference.launcher import EngineProcess, EngineStartError
 from miles_async.ray.inference_controller import InferenceController
+from miles_async.utils.api_key import new_api_key
 from miles_async.utils.ports import PORT_ATTEMPTS
 
 
@@ -120,7 +121,9 @@ def test_the_controller_records_the_server_started_again(root, taken, monkeypatc
         def __init__(self, cfg: EngineConfig, index: int, log_dir: str | None):
             super().__init__(root, [taken])
 
-    monkeypatch.setitem(ENGINES, "http", EngineSpec("http", EmbeddedEngineClient, Clashing, weight_routes=()))
+    monkeypatch.setitem(
+        ENGINES, "http", EngineSpec(EngineKind("http", weight_routes=()), EmbeddedEngineClient, Clashing)
+    )
     controller = InferenceController(dataclasses.replace(_cfg(str(root)), backend="http"), str(root / "logs"))
 
     async def go() -> None:

@@ -22,7 +22,7 @@ import requests
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.arguments import parse_args
 from miles_async.config import EngineConfig, SandboxConfig, ToolsConfig
-from miles_async.inference.auth import auth_headers, new_api_key
+from miles_async.inference.auth import auth_headers
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.router import make_router
@@ -31,6 +31,7 @@ from miles_async.rollout.generate import GenerateContext, encode_prompt
 from miles_async.rollout.multi_turn import Toolbox, generate_multi_turn, prompt_with_tools
 from miles_async.rollout.rollout import RolloutContext, generate_one
 from miles_async.rollout.sample import Sample, SampleStatus
+from miles_async.utils.api_key import new_api_key
 from tests.multi_turn_helpers import CHATML_TEMPLATE, make_scripted_model, make_scripted_vlm, tool_call_ids
 from tests.sandbox_helpers import TIGHT, require_namespaces
 

@@ -10,7 +10,7 @@ import requests
 
 from benchmarks.engine_doubles import fixed_step_cost_env
 from miles_async.config import EngineConfig
-from miles_async.inference.auth import auth_headers, new_api_key
+from miles_async.inference.auth import auth_headers
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
 from miles_async.inference.router import make_router
@@ -18,6 +18,7 @@ from miles_async.rollout.data_source import PromptItem
 from miles_async.rollout.generate import GenerateContext, generate_sample
 from miles_async.rollout.rollout import RolloutContext, generate_group
 from miles_async.rollout.sample import Sample, SampleStatus
+from miles_async.utils.api_key import new_api_key
 
 MAX_NEW = 200
 N_SAMPLES = 4

@@ -36,9 +36,10 @@ from miles_async.control.engines import ControllerEngines
 from miles_async.control.server import MAX_BODY_BYTES as CONTROL_MAX_BODY
 from miles_async.control.server import TOKEN_FILE, ControlServer
 from miles_async.control.state import ControlState
-from miles_async.inference.auth import ApiKey, auth_headers, is_exempt
+from miles_async.inference.auth import auth_headers, is_exempt
 from miles_async.inference.embedded.server import MAX_BODY_BYTES, MAX_JSON_BYTES, RAW_BODY_ROUTES, ROUTES
 from miles_async.ray.inference_controller import InferenceController
+from miles_async.utils.api_key import ApiKey
 
 WRONG = ApiKey("not-the-key")
 FOREIGN_HOST = "attacker.example"

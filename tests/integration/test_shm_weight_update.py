@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
-from miles_async.inference.auth import new_api_key
 from miles_async.inference.client import EngineError
 from miles_async.inference.embedded.client import EmbeddedEngineClient
 from miles_async.inference.embedded.launcher import EmbeddedEngineProcess
+from miles_async.utils.api_key import new_api_key
 from miles_async.weights import shared_memory
 from miles_async.weights.sender import WeightSender
 from miles_async.weights.source import iter_buckets

@@ -14,11 +14,11 @@ import pytest
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import SandboxConfig, ToolsConfig
 from miles_async.config.control import TOKEN_ENV
-from miles_async.inference.auth import API_KEY_ENV
 from miles_async.rollout.multi_turn import Toolbox, has_tool_role, shows_tools, tool_messages, tool_segment_text
 from miles_async.rollout.sandbox import ALLOWED_ENV, ONE_THREAD, coverage_env
 from miles_async.rollout.tools import ToolCall, ToolRunner, cap_output, load_tools, parse_tool_calls, tool_schema
 from miles_async.rollout.verifier_pool import VerifierPool
+from miles_async.utils.api_key import API_KEY_ENV
 from miles_async.utils.plugins import PluginError
 from tests.flag_helpers import minimal_flags
 from tests.hostile_tools import environment

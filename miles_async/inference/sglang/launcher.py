@@ -30,8 +30,9 @@ import signal
 import subprocess
 from pathlib import Path
 
+from miles_async.config.engine_kinds import engine_python
 from miles_async.inference.client import SERVER_KEEP_ALIVE_S
-from miles_async.inference.launcher import ROOT, ServerEngineProcess, engine_python
+from miles_async.inference.launcher import ROOT, ServerEngineProcess
 
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"
 SERVE = "miles_async.inference.sglang.serve"  # sglang.launch_server with the key from its file

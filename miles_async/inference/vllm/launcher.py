@@ -34,8 +34,9 @@ from pathlib import Path
 
 import requests
 
+from miles_async.config.engine_kinds import engine_python
 from miles_async.inference.client import SERVER_KEEP_ALIVE_S
-from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess, engine_python
+from miles_async.inference.launcher import ROOT, EngineStartError, ServerEngineProcess
 
 CPU_KVCACHE_GIB = "2"
 CPU_SHIMS = Path(__file__).resolve().parent / "cpu_shims"

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from benchmarks.engine_doubles import fixed_step_cost_env
-from miles_async.inference.auth import KEY_FILE_ENV, new_api_key
+from miles_async.inference.auth import KEY_FILE_ENV
 from miles_async.inference.embedded.client import EmbeddedEngineClient
+from miles_async.utils.api_key import new_api_key
 from miles_async.utils.credentials import private_file
 from miles_async.utils.ports import bound_socket
 
