@@ -150,7 +150,10 @@ def longest_files_first(items: list, cap_of) -> list:
 
 
 def pytest_collection_finish(session):
-    """The engines the selected tests run get their environments now, outside every test's cap."""
+    """The engines the selected tests run get their environments now, outside every test's cap; none for
+    --collect-only, which runs no test (listing the tests must not start minutes of building)."""
+    if session.config.option.collectonly:
+        return
     engines = {e for e in ENGINES for item in session.items if item.get_closest_marker(e)}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     prepare(engines, report=(lambda line: reporter.write_line(line)) if reporter else print)
