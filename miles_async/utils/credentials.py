@@ -1,11 +1,12 @@
 """Credentials kept out of the places other users can read: child processes' environments and world-readable files.
 
 A variable whose name ends like a credential's (``_TOKEN``, ``_KEY``, ...) is one: WANDB_API_KEY, HF_TOKEN,
-MILES_ASYNC_API_TOKEN, MILES_ASYNC_ENGINE_API_KEY, RAY_AUTH_TOKEN. A process the run starts gets none of them
-unless it needs it, and then as the path of a ``private_file`` (0600) rather than the value (``/proc/<pid>/environ``
-keeps a process's first environment for its whole life). Ray's own (``RAY_*``) is the exception: a cluster the run
-starts needs it in every one of its processes, which is how Ray hands it over (docs/security.md). Pure but for
-``private_file`` and ``secrets_withheld``.
+MILES_ASYNC_API_TOKEN, MILES_ASYNC_ENGINE_API_KEY, RAY_AUTH_TOKEN, and all three of AWS's (AWS_ACCESS_KEY_ID names
+the account its secret key signs for). A process the run starts gets none of them unless it needs it, and then as
+the path of a ``private_file`` (0600) rather than the value (``/proc/<pid>/environ`` keeps a process's first
+environment for its whole life). Ray's own (``RAY_*``) is the exception: a cluster the run starts needs it in every
+one of its processes, which is how Ray hands it over (docs/security.md). Pure but for ``private_file`` and
+``secrets_withheld``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 
-SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_KEY_ID", "_SECRET", "_PASSWORD")
 
 
 def is_secret_name(name: str) -> bool:
