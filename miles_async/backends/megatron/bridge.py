@@ -47,10 +47,6 @@ def _registry() -> dict[str, type]:
     return _MODEL_REGISTRY
 
 
-def has_bridge(model_type: str) -> bool:
-    return model_type in _registry()
-
-
 class Names:
     """One model's HF names and fused layouts, by mbridge's bridge for its ``model_type``."""
 

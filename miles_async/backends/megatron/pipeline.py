@@ -38,10 +38,6 @@ class Stages:
         ranks = tuple(dist.get_global_rank(group, s) for s in range(size)) if size > 1 else (dist.get_rank(),)
         return cls(size, ps.get_pipeline_model_parallel_rank(), group, ranks)
 
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
-
     def from_last(self, obj: T) -> T:
         """The last stage's ``obj``, on every stage of the group (every stage must call it)."""
         if self.size == 1:
