@@ -13,13 +13,12 @@ import pytest
 
 from miles_async.arguments import ConfigError, parse_args
 from miles_async.config import SandboxConfig, ToolsConfig
-from miles_async.config.control import TOKEN_ENV
 from miles_async.rollout.multi_turn import Toolbox, has_tool_role, shows_tools, tool_messages, tool_segment_text
 from miles_async.rollout.sandbox import ALLOWED_ENV, ONE_THREAD, coverage_env
 from miles_async.rollout.tools import ToolCall, ToolRunner, cap_output, load_tools, parse_tool_calls, tool_schema
 from miles_async.rollout.verifier_pool import VerifierPool
-from miles_async.utils.api_key import API_KEY_ENV
 from miles_async.utils.plugins import PluginError
+from tests.credentials_helpers import assert_no_credentials, hold_credentials
 from tests.flag_helpers import minimal_flags
 from tests.hostile_tools import environment
 from tests.multi_turn_helpers import CHATML_TEMPLATE, QWEN_LIKE_TEMPLATE, build_tokenizer, sum_tool
@@ -337,15 +336,7 @@ def test_a_registry_the_worker_cannot_load_is_named(runner):
 
 
 def test_a_worker_gets_no_secret_no_descriptor_and_a_session_of_its_own(runner, monkeypatch):
-    secrets = {
-        TOKEN_ENV: "control-token",
-        API_KEY_ENV: "engine-key",
-        "WANDB_API_KEY": "wandb-key",
-        "RAY_JOB_TOKEN": "ray-token",
-        "HF_TOKEN": "hf-token",
-    }
-    for name, value in secrets.items():
-        monkeypatch.setenv(name, value)
+    hold_credentials(monkeypatch)  # as a run's driver may: the worker starts from this process
     leak_r, leak_w = os.pipe()  # an inheritable descriptor of ours, as a careless library leaves one
     os.set_inheritable(leak_w, True)
     try:
@@ -358,7 +349,7 @@ def test_a_worker_gets_no_secret_no_descriptor_and_a_session_of_its_own(runner, 
         os.close(leak_r)
         os.close(leak_w)
     env, fds, ids, where = json.loads(env), json.loads(fds), json.loads(ids), json.loads(where)
-    assert not set(secrets) & set(env) and not set(secrets.values()) & set(env.values())
+    assert_no_credentials(env, "a tool worker")
     assert set(env) <= WORKER_ENV, set(env) - WORKER_ENV
     assert env["HOME"] == env["TMPDIR"] == where["cwd"]  # its own folder
     # stdin, stdout (its requests and replies), stderr (ours, for what tools print), its own copy of stdout
@@ -369,8 +360,7 @@ def test_a_worker_gets_no_secret_no_descriptor_and_a_session_of_its_own(runner, 
 
 def test_a_verifier_worker_gets_no_secret_either(monkeypatch):
     """The reward verifiers' workers (rollout.verifier_pool, math-verify's) start from the same allowlist."""
-    monkeypatch.setenv(TOKEN_ENV, "control-token")
-    monkeypatch.setenv("WANDB_API_KEY", "wandb-key")
+    hold_credentials(monkeypatch)
     pool = VerifierPool(1, 30.0)
 
     async def go():
@@ -380,7 +370,7 @@ def test_a_verifier_worker_gets_no_secret_either(monkeypatch):
             pool.close()
 
     env = asyncio.run(go())
-    assert TOKEN_ENV not in env and "WANDB_API_KEY" not in env
+    assert_no_credentials(env, "a verifier worker")
     assert set(env) <= WORKER_ENV, set(env) - WORKER_ENV
 
 
