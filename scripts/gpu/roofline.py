@@ -5,7 +5,8 @@ Same accounting (``benchmarks/roofline_core.py``) and the same quickstart-shaped
 samples): the GPU's bf16 matmul peak (a large square and the step's shapes) and triad bandwidth, then
 ``FSDPTrainActor``'s phases on the GPU in bf16: old-log-prob and reference forwards, training forward and backward,
 and the optimizer step. The embedded engine is CPU-only, so prefill and decode are not measured here (SGLang and vLLM
-report their own throughput). A few minutes on one GPU; without CUDA it says so and exits 0.
+report their own throughput). A few minutes on one GPU; without CUDA it says so on stderr and exits 2 (it measured
+nothing), as the other GPU checks do.
 
     PYTHONPATH=. HF_HUB_OFFLINE=1 python scripts/gpu/roofline.py [--model HF_FOLDER] [--json OUT.json]
 
@@ -31,6 +32,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import roofline  # noqa: E402
 from benchmarks import roofline_core as rc  # noqa: E402
 
+NO_GPU = 2  # exit status without a GPU, as the other scripts/gpu checks
 GPU = dataclasses.replace(roofline.FULL, reps=5, square=8192, triad_elements=1 << 28)
 
 
@@ -72,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not a.allow_cpu:
-        print("skipped: no CUDA GPU visible (--allow-cpu runs the same account on the CPU)")
-        return 0
+        print(
+            f"roofline: needs a CUDA GPU (torch {torch.__version__} sees none); nothing measured (--allow-cpu runs "
+            "the same account on the CPU)",
+            file=sys.stderr,
+        )
+        return NO_GPU
     s = roofline.QUICK if a.quick else GPU if on_gpu else roofline.FULL
     with tempfile.TemporaryDirectory() as tmp:
         from miles_async.assets.tiny_model import make_tiny_task_dataset

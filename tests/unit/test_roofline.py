@@ -112,8 +112,8 @@ def test_the_gpu_script_runs_the_same_account_and_reports_mfu_and_tokens_per_sec
 
     from scripts.gpu import roofline as gpu
 
-    if not torch.cuda.is_available():
-        assert gpu.main([]) == 0 and "skipped: no CUDA GPU" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # it measured nothing: not a success
+        assert gpu.main([]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
     out = tmp_path / "roofline.json"
     assert gpu.main(["--allow-cpu", "--quick", "--model", str(tiny_model), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
