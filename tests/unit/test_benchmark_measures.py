@@ -89,6 +89,24 @@ def test_a_levers_before_and_after_alternate_and_its_speedup_is_their_medians_ra
     assert (row["before_median"], row["after_median"], row["speedup"]) == (0.5, 0.1, 5.0)
 
 
+def test_a_levers_verdict_is_beyond_noise_only_where_its_rounds_can_show_it():
+    """The issue's decode-attention rows (4.95-5.08 s before, 4.82-4.97 s after, 3 rounds) are within noise; three
+    won rounds of three cannot show a gain (p 0.25); six won of six can (sign test p 0.031), and so can two ranges
+    that separate over four rounds (p 0.029)."""
+    from benchmarks.levers import lever_row, verdict
+
+    issue = lever_row("decode attention by matmuls", "decode", "32x4x40", [4.957, 4.951, 5.084], [4.822, 4.973, 4.892])
+    assert verdict(issue).startswith("within noise (won 2 of 3 rounds")
+    three = lever_row("x", "m", "s", [1.2, 1.0, 1.1], [1.1, 0.95, 1.05])  # wins each round, ranges overlap
+    assert verdict(three).startswith("better in every round, too few rounds")
+    six = lever_row("x", "m", "s", [1.0, 1.2, 1.0, 1.2, 1.0, 1.2], [0.99, 1.19, 0.99, 1.19, 0.99, 1.19])
+    assert verdict(six).startswith("faster beyond noise (won 6 of 6 rounds") and "p 0.031" in verdict(six)
+    apart = {**lever_row("x", "m", "s", [2.0, 2.1, 2.2, 2.3], [1.0, 1.1, 1.2, 1.3]), "unit": "GB"}
+    assert verdict(apart).startswith("less beyond noise") and "p 0.029" in verdict(apart)
+    slower = lever_row("x", "m", "s", [1.0] * 6, [1.1] * 6)
+    assert verdict(slower).startswith("slower beyond noise")
+
+
 def test_a_levers_peak_memory_is_what_its_call_added_at_most_at_once():
     """The peak is reset before the call: a 200 MB tensor made and freed inside counts, one made before does not."""
     import torch

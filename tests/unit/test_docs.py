@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from benchmarks import record
+from benchmarks.registry import REGISTRY
 from miles_async.arguments import FLAGS, build_parser, parse_args
 from scripts import gen_docs
 from tests.scripts.test_check_config import CONFIGS, CPU, QWEN3, _launcher_env, _write_data
@@ -71,21 +73,69 @@ def test_the_generated_pages_are_what_the_code_renders(path):
     )
 
 
+# A typed figure: a percentage, a time, a size or a ratio (``1.08x``; ``TP 2 x EP 2`` is a layout, not one).
+TYPED_FIGURE = re.compile(
+    r"(?<![\w.-])\d+(?:[.,]\d+)?(?:\s?(?:%|s\b|ms\b|min\b|minutes?\b|seconds?\b|hours?\b|GB\b|GiB\b|MB\b)|x\b)"
+)
+# The figures the written pages may type: settings, arithmetic and facts, none of them measured, each with what it
+# is. A measured figure is rendered from results.json into a generated page or block instead.
+NOT_MEASURED = {
+    "docs/concepts/loop.md": {"60 s": "the stop's wait before it prints the stacks"},
+    "docs/guides/clusters.md": {"300 s": "--placement-timeout's default"},
+    "docs/guides/engines.md": {"2 GiB": "the vLLM CPU KV cache the launcher sets"},
+    "docs/guides/fault-tolerance.md": {"0.3 s": "the test double's save delay", "20 ms": "the test's poll interval"},
+    "docs/guides/fsdp-lora.md": {"8x": "the count of scores, arithmetic", "24 GB": "a machine's memory"},
+    "docs/guides/moe-parallelism.md": {
+        "65 GB": "the projection's arithmetic from config.json",
+        "22.5 GB": "the projection's arithmetic from config.json",
+        "44 GB": "the projection's arithmetic from config.json",
+        "0s": "zeros, not seconds",
+    },
+    "docs/guides/rewards.md": {
+        "10 s": "the math-verify deadline",
+        "50 ms": "the reward batch's flush delay",
+        "60 s": "--rm-timeout's default",
+        "1 s": "--rm-retry-backoff's default",
+        "30 s": "the backoff's cap",
+    },
+    "docs/testing.md": {"20 minutes": "the budget", "20 s": "the default cap"},
+    "docs/tool-sandbox.md": {"30 s": "--tool-timeout's default"},
+}
+
+
+def _outside_generated(text: str) -> str:
+    """``text`` without its generated blocks (``<!-- NAME:start -->`` to ``<!-- NAME:end -->``)."""
+    return re.sub(r"<!-- (\w+):start -->.*?<!-- \1:end -->", "", text, flags=re.S)
+
+
+def test_every_measured_figure_in_the_docs_is_rendered_from_results_json():
+    """A percentage, a time, a size or a ratio typed in the README or a written page of docs/ (outside the generated
+    pages and blocks, which are checked against results.json above) fails, unless NOT_MEASURED lists it as a
+    setting, arithmetic or fact; a listed figure no longer on its page fails too."""
+    typed, stale = {}, {}
+    for page in WRITTEN:
+        name = str(page.relative_to(ROOT))
+        found = {" ".join(m.group(0).split()) for m in TYPED_FIGURE.finditer(_outside_generated(page.read_text()))}
+        allowed = NOT_MEASURED.get(name, {})
+        if found - set(allowed):
+            typed[name] = sorted(found - set(allowed))
+        if set(allowed) - found:
+            stale[name] = sorted(set(allowed) - found)
+    assert not typed, f"figures typed outside a generated page or block (render them from results.json): {typed}"
+    assert not stale, f"NOT_MEASURED lists figures these pages no longer have: {stale}"
+
+
 def test_the_readmes_figures_are_the_ones_results_json_renders_to():
-    """The README's only measured figures are in its generated block (checked above against results.json); a
-    percentage, a time or a ratio typed anywhere else in it fails here."""
+    """The README's only measured figures are in its generated block (checked above against results.json)."""
     text = gen_docs.README.read_text()
     block = gen_docs.marked(text, gen_docs.QUICKSTART_START, gen_docs.QUICKSTART_END)
     assert block is not None
-    results = gen_docs.json.loads(gen_docs.RESULTS.read_text())
-    if "trl_peer" in results["benchmarks"]:
+    results = record.load()
+    if record.entries(results, "trl_peer"):
         q = gen_docs.quickstart_figures(results)
         assert f"{q['final']:.1%}" in block and f"{q['median_step']:.1f} s" in block
     else:  # taken out until it is re-run with the current code: the block says how, and gives no figure
         assert "--only trl_peer" in block and "%" not in block
-    outside = text.replace(block, "")
-    typed = re.findall(r"\b\d+(?:\.\d+)?\s?(?:%|s\b|x\b|min\b)", outside)
-    assert not typed, f"figures in README.md outside its generated block: {typed}"
     words = len(text.replace(block, "").split()) + len(block.split())
     assert words <= 1200, f"README.md has {words} words (at most 1,200)"
 
@@ -93,11 +143,9 @@ def test_the_readmes_figures_are_the_ones_results_json_renders_to():
 def test_benchmarks_taken_out_are_not_shown_and_name_a_command_that_measures_them():
     """A benchmark listed as not re-run (results.json's "removed", shown on the benchmarks page) has no figures left
     in results.json, and its command is one benchmarks.run takes, which drops it from that list when it succeeds."""
-    from benchmarks.run import REGISTRY
-
-    results = gen_docs.json.loads(gen_docs.RESULTS.read_text())
+    results = record.load()
     for name, removed in results.get("removed", {}).items():
-        assert name in REGISTRY and name not in results["benchmarks"], name
+        assert name in REGISTRY and not record.entries(results, name), name
         assert removed["command"] == f"python -m benchmarks.run --only {name}"
         assert removed["rows"] and removed["why"], name
 
