@@ -6,13 +6,15 @@ and ``import torchvision`` then fails in ``_meta_registrations``, which register
 lets the Python part import (its transforms are torch code); calling the two ops would still fail. Engines need it
 for a VLM's processor: transformers 5 builds a Qwen-VL processor with its video processor, which imports
 torchvision. Imported by each engine's ``cpu_shims/sitecustomize.py`` at interpreter start-up: it imports torch
-only where torchvision is installed, and nothing of ours.
+only where torchvision is installed, and nothing of ours but ``utils/upstream_patches.py``.
 """
 
 from __future__ import annotations
 
 
-def declare_ops() -> None:
+def declare_ops(env: str) -> None:
+    """Declares the two schemas where torchvision's ops did not load; ``env``: the engine whose environment this is
+    ("sglang", "vllm"), whose torchvision the patch was checked against (``utils/upstream_patches.py``)."""
     import importlib.util
 
     if importlib.util.find_spec("torchvision") is None:
@@ -24,8 +26,11 @@ def declare_ops() -> None:
         return
     except (AttributeError, RuntimeError):
         pass
+    from miles_async.utils.upstream_patches import check
+
     lib = torch.library.Library("torchvision", "FRAGMENT")
     for op in ("nms", "qnms"):
+        check(f"torch.ops.torchvision.{op}", env)
         try:
             lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
         except RuntimeError:

@@ -20,18 +20,24 @@ all of those land on the CPU:
   runs and gloo refuses, run as even ones: padded to the largest block, and an all-reduce.
 
 It is applied only when ``torch.cuda.is_available()`` is false; on a GPU ``apply()``
-returns at once, so the GPU path pays nothing.
+returns at once, so the GPU path pays nothing. ``init_parallel`` applies it in the Megatron rank's own process, for
+that process's life; ``uninstall()`` puts every original back (``installed()``: for a block). Each replacement is
+registered, with the torch or megatron-core version it was written against, in ``utils/upstream_patches.py``:
+``apply()`` checks every target exists before it replaces any.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_applied = False
+from miles_async.utils import upstream_patches
+
 _lock = threading.Lock()
 _CPU = torch.device("cpu")
 
@@ -55,6 +61,8 @@ class _CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not REPLACED.active:  # uninstalled while this thread's mode stayed on its stack
+            return func(*args, **kwargs)
         if func in self._TO_SELF:
             return args[0] if func is not torch.Tensor.record_stream else None
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -100,54 +108,99 @@ class _NoEvent(_NoStream):
         return 0.0
 
 
-def apply() -> None:
-    """Install the shim in this process (idempotent); a no-op when CUDA is present."""
-    global _applied
-    if not needed():
-        return
-    with _lock:
-        if _applied:
-            _activate_mode()
-            return
-        cuda = torch.cuda
-        cuda.current_device = lambda: 0
-        cuda.set_device = lambda *a, **k: None
-        cuda.synchronize = lambda *a, **k: None
-        cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-        cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-        cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the worker
-        cuda.manual_seed_all = lambda seed: None
-        cuda.Stream = _NoStream
-        cuda.Event = _NoEvent
-        cuda.current_stream = lambda *a, **k: _NoStream()
-        cuda.default_stream = lambda *a, **k: _NoStream()
-        cuda.stream = lambda *a, **k: contextlib.nullcontext()
-        cuda.memory_allocated = lambda *a, **k: 0
-        cuda.max_memory_allocated = lambda *a, **k: 0
-        cuda.empty_cache = lambda: None
+# Every replacement below is registered, with the version it was written against, in utils/upstream_patches.py.
+_CUDA = "torch.cuda."
+_MODE = "torch.overrides.TorchFunctionMode"
+_BACKWARD = "torch.autograd._engine_run_backward"
+_RNG = "megatron.core.tensor_parallel.random."
+_MAPPINGS = "megatron.core.tensor_parallel.mappings."
+_GATHER, _REDUCE_SCATTER = _MAPPINGS + "_gather_along_first_dim", _MAPPINGS + "_reduce_scatter_along_first_dim"
+_MOVE_TO_CPU = "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu"
 
-        from megatron.core.tensor_parallel import random as mrandom
 
-        mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-        mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+_CUDA_STANDINS = {
+    "current_device": lambda: 0,
+    "set_device": lambda *a, **k: None,
+    "synchronize": lambda *a, **k: None,
+    "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+    "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+    "manual_seed": lambda seed: None,  # the CPU generator is seeded by the worker
+    "manual_seed_all": lambda seed: None,
+    "Stream": _NoStream,
+    "Event": _NoEvent,
+    "current_stream": lambda *a, **k: _NoStream(),
+    "default_stream": lambda *a, **k: _NoStream(),
+    "stream": lambda *a, **k: contextlib.nullcontext(),
+    "memory_allocated": lambda *a, **k: 0,
+    "max_memory_allocated": lambda *a, **k: 0,
+    "empty_cache": lambda: None,
+}
+
+
+def _replacements(original: Mapping[str, Any]) -> dict[str, Any]:
+    engine, gather, reduce_scatter = original[_BACKWARD], original[_GATHER], original[_REDUCE_SCATTER]
+    return {
+        **{_CUDA + name: fn for name, fn in _CUDA_STANDINS.items()},
+        _RNG + "_get_cuda_rng_state": lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
+        _RNG + "_set_cuda_rng_state": lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state),
         # Backward runs within this mode's own handler for Tensor.backward, where torch disables the mode, yet
         # Megatron's autograd functions make CUDA tensors there too (activation recompute runs layers' forward
         # again, the MoE token exchange allocates its output): the autograd engine's pass gets a mode of its own.
-        engine = torch.autograd._engine_run_backward
-        torch.autograd._engine_run_backward = lambda *a, **k: _in_mode(engine, *a, **k)
-        from megatron.core.tensor_parallel import mappings
-        from megatron.core.transformer.moe import token_dispatcher
-
-        token_dispatcher.maybe_move_tensor_to_cpu = _to_cpu
-        gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
-        mappings._gather_along_first_dim = lambda x, group, sizes=None, *a, **k: (
+        _BACKWARD: lambda *a, **k: _in_mode(engine, *a, **k),
+        _MOVE_TO_CPU: _to_cpu,
+        _GATHER: lambda x, group, sizes=None, *a, **k: (
             gather(x, group, sizes, *a, **k) if sizes is None else _gather_uneven(x, group, sizes)
-        )
-        mappings._reduce_scatter_along_first_dim = lambda x, group, sizes=None, *a, **k: (
+        ),
+        _REDUCE_SCATTER: lambda x, group, sizes=None, *a, **k: (
             reduce_scatter(x, group, sizes, *a, **k) if sizes is None else _reduce_scatter_uneven(x, group, sizes)
-        )
-        _applied = True
+        ),
+    }
+
+
+REPLACED = upstream_patches.Replaced(
+    [
+        *(_CUDA + name for name in _CUDA_STANDINS),
+        _RNG + "_get_cuda_rng_state",
+        _RNG + "_set_cuda_rng_state",
+        _BACKWARD,
+        _MOVE_TO_CPU,
+        _GATHER,
+        _REDUCE_SCATTER,
+    ]
+)
+
+
+def apply() -> None:
+    """Install the shim in this process (idempotent), and its mode in the calling thread; a no-op when CUDA is
+    present. Raises ``PatchTargetMissing`` naming the first target that is gone, having replaced nothing."""
+    if not needed():
+        return
+    with _lock:
+        if not REPLACED.active:
+            upstream_patches.check(_MODE, "main")
+            REPLACED.install(_replacements)
         _activate_mode()
+
+
+def uninstall() -> None:
+    """Puts every original back and leaves the calling thread's mode; a mode other threads entered stays on their
+    stacks, inert (it rewrites nothing once uninstalled)."""
+    with _lock:
+        REPLACED.restore()
+        mode = getattr(_thread, "mode", None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            _thread.mode = None
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """The shim for the block's duration (for a process that runs other torch code besides the backend)."""
+    apply()
+    try:
+        yield
+    finally:
+        uninstall()
 
 
 def _to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
@@ -175,7 +228,7 @@ def _reduce_scatter_uneven(x: torch.Tensor, group, sizes) -> torch.Tensor:
     return total[start : start + sizes[group.rank()]].contiguous()
 
 
-_mode_threads: set[int] = set()
+_thread = threading.local()
 
 
 def _in_mode(fn, *args, **kwargs):
@@ -185,7 +238,6 @@ def _in_mode(fn, *args, **kwargs):
 
 def _activate_mode() -> None:
     # Torch-function modes are thread-local: enter it once in each thread that drives Megatron.
-    tid = threading.get_ident()
-    if tid not in _mode_threads:
-        _CudaToCpu().__enter__()
-        _mode_threads.add(tid)
+    if getattr(_thread, "mode", None) is None:
+        _thread.mode = _CudaToCpu()
+        _thread.mode.__enter__()

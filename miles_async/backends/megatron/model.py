@@ -554,10 +554,15 @@ def _without_te() -> None:
     spec, any device): its router matmul tests ``te_general_gemm is not None``, a name its module defines only when
     Transformer Engine imports, so define it as absent and the router takes its torch matmul; and its multi-latent
     attention, whose module imports the MagicMock stand-ins megatron-core makes for Transformer Engine's layers and
-    so sets ``HAVE_TE``, then fails on ``isinstance(linear_proj, <a MagicMock>)``, so say it is absent."""
+    so sets ``HAVE_TE``, then fails on ``isinstance(linear_proj, <a MagicMock>)``, so say it is absent. Both are
+    registered in ``utils/upstream_patches.py``."""
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    from miles_async.utils.upstream_patches import check
+
+    check("megatron.core.transformer.moe.moe_utils.te_general_gemm", "main")
+    check("megatron.core.transformer.multi_latent_attention.HAVE_TE", "main")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     multi_latent_attention.HAVE_TE = False

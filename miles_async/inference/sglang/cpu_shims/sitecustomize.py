@@ -22,12 +22,21 @@ SGLang picks CPU paths by ``hasattr(torch.ops.sgl_kernel, ...)`` for other ops.
 
 import sys
 
+# Each patch is registered, with the SGLang or torchvision version it was written against, in
+# miles_async/utils/upstream_patches.py, and checks its target there when applied; a shim that fails is written to
+# stderr naming it (run_shim), and start-up goes on.
 try:
-    from miles_async.inference.torchvision_ops import declare_ops  # the checkout is on the engine's PYTHONPATH
+    from miles_async.utils.upstream_patches import check, run_shim  # the checkout is on the engine's PYTHONPATH
+except Exception as exc:  # noqa: BLE001 - reported: no shim can run without it
+    print(f"miles-async CPU shims: cannot import miles_async ({type(exc).__name__}: {exc}); none applied",
+          file=sys.stderr, flush=True)  # fmt: skip
+    run_shim = None
 
-    declare_ops()
-except Exception:  # noqa: BLE001 - never break interpreter start-up
-    pass
+
+def _declare_torchvision_ops() -> None:
+    from miles_async.inference.torchvision_ops import declare_ops
+
+    declare_ops("sglang")
 
 
 # The torch.ops.sgl_kernel ops that sglang/srt/models/qwen3_5.py binds at import on a CPU (none is called by another
@@ -60,13 +69,8 @@ def _declare_import_time_ops() -> None:
     namespace = torch.ops.sgl_kernel
     for name in _OPS_BOUND_AT_IMPORT:
         if not hasattr(namespace, name):
+            check(f"torch.ops.sgl_kernel.{name}", "sglang")
             setattr(namespace, name, _missing_op(name))
-
-
-try:
-    _declare_import_time_ops()
-except Exception:  # noqa: BLE001 - never break interpreter start-up
-    pass
 
 
 _HOST_POOLS = "sglang.srt.mem_cache.pool_host.common"
@@ -77,6 +81,7 @@ def _alloc_unpinned(dims, dtype, device, pin_memory, allocator, registration_gra
 
 
 def _unpinned_cpu_pools(module) -> None:
+    check(f"{_HOST_POOLS}.ALLOC_MEMORY_FUNCS", "sglang")
     import torch
 
     if not torch.cuda.is_available():
@@ -101,13 +106,13 @@ class _AfterImport:
 
         def exec_and_patch(module):
             run(module)
-            self.patch(module)
+            run_shim(f"{self.name} (after import)", lambda: self.patch(module))
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
-try:
-    sys.meta_path.insert(0, _AfterImport(_HOST_POOLS, _unpinned_cpu_pools))
-except Exception:  # noqa: BLE001 - never break interpreter start-up
-    pass
+if run_shim is not None:
+    run_shim("torchvision op schemas", _declare_torchvision_ops)
+    run_shim("torch.ops.sgl_kernel ops bound at import", _declare_import_time_ops)
+    run_shim(_HOST_POOLS, lambda: sys.meta_path.insert(0, _AfterImport(_HOST_POOLS, _unpinned_cpu_pools)))

