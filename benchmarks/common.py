@@ -214,6 +214,31 @@ def export_tree(commit: str, dest: Path) -> Path:
     return dest
 
 
+CONSTANT_REWARD = ("--custom-rm-path", "benchmarks.workloads:constant_reward")
+
+
+def tiny_run_flags(
+    model: Path,
+    data: Path,
+    batch: int,
+    samples: int,
+    max_len: int,
+    reward: Sequence[str] = CONSTANT_REWARD,
+    generate: str | None = None,
+    rollout_dtype: str | None = "float32",
+) -> list[str]:
+    """The ``train_async.py`` flags the benchmarks' runs on a tiny model share: the model and its prompts (chat
+    template), the reward (a constant by default), the generation workload of ``benchmarks/workloads.py`` if any,
+    ``batch`` prompts of ``samples`` answers of at most ``max_len`` tokens, and the engine's dtype (None: the
+    default)."""
+    flags = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--apply-chat-template", *reward]
+    if generate is not None:
+        flags += ["--custom-generate-function-path", f"benchmarks.workloads:{generate}"]
+    flags += ["--rollout-batch-size", str(batch), "--n-samples-per-prompt", str(samples)]
+    flags += ["--rollout-max-response-len", str(max_len)]
+    return flags + (["--rollout-dtype", rollout_dtype] if rollout_dtype else [])
+
+
 def run_train_async(args: list[str], out: Path, timeout: float = 1800, extra_env: dict | None = None) -> list[dict]:
     """One real ``train_async.py`` run in a subprocess (``extra_env`` added to its environment); returns its
     metrics.jsonl rows."""

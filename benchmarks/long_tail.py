@@ -12,7 +12,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.common import run_train_async, table, tiny_run_flags, tiny_setup
 
 
 def staleness_max(rows: list[dict]) -> int:
@@ -25,23 +25,7 @@ def staleness_max(rows: list[dict]) -> int:
 def _run(mode_flags: list[str], out: Path, model: Path, data: Path, num_rollout: int) -> dict:
     rows = run_train_async(
         [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            str(data),
-            "--apply-chat-template",
-            "--custom-rm-path",
-            "benchmarks.workloads:constant_reward",
-            "--custom-generate-function-path",
-            "benchmarks.workloads:long_tail_generate",
-            "--rollout-batch-size",
-            "8",
-            "--n-samples-per-prompt",
-            "4",
-            "--rollout-max-response-len",
-            "256",
-            "--rollout-dtype",
-            "float32",
+            *tiny_run_flags(model, data, 8, 4, 256, generate="long_tail_generate"),
             "--lr",
             "1e-3",
             "--num-rollout",

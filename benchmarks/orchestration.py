@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.common import run_train_async, table, tiny_run_flags, tiny_setup
 from benchmarks.train_doubles import fixed_train_cost_env
 
 
@@ -44,23 +44,7 @@ def bare_ray_round_trip_us(calls: int) -> float:
 def _path_run(out: Path, model: Path, data: Path, prompts: int, samples: int, steps: int) -> dict:
     rows = run_train_async(
         [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            str(data),
-            "--apply-chat-template",
-            "--custom-rm-path",
-            "benchmarks.workloads:constant_reward",
-            "--custom-generate-function-path",
-            "benchmarks.workloads:fixed_length_generate",
-            "--rollout-batch-size",
-            str(prompts),
-            "--n-samples-per-prompt",
-            str(samples),
-            "--rollout-max-response-len",
-            "1",
-            "--rollout-dtype",
-            "float32",
+            *tiny_run_flags(model, data, prompts, samples, 1, generate="fixed_length_generate"),
             "--synchronous",
             "--num-rollout",
             str(steps),

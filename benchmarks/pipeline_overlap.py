@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.common import run_train_async, table, tiny_run_flags, tiny_setup
 from benchmarks.engine_doubles import fixed_step_cost_env
 from benchmarks.train_doubles import fixed_train_cost_env
 
@@ -37,23 +37,7 @@ def ideal_seconds(mode: str, n: int, g: float, t: float) -> float:
 def _run(mode: str, out: Path, model: Path, data: Path, n: int, g: float, t: float) -> dict:
     rows = run_train_async(
         [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            str(data),
-            "--apply-chat-template",
-            "--custom-rm-path",
-            "benchmarks.workloads:constant_reward",
-            "--custom-generate-function-path",
-            "benchmarks.workloads:fixed_length_generate",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "2",
-            "--rollout-max-response-len",
-            str(TOKENS),
-            "--rollout-dtype",
-            "float32",
+            *tiny_run_flags(model, data, 4, 2, TOKENS, generate="fixed_length_generate"),
             "--num-rollout",
             str(n),
             *MODES[mode],

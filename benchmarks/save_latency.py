@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import run_train_async, table, tiny_setup
+from benchmarks.common import run_train_async, table, tiny_run_flags, tiny_setup
 
 MODES = {"--async-save": ["--async-save"], "--no-async-save": ["--no-async-save"]}
 HIDDEN, LAYERS = 512, 6
@@ -51,21 +51,7 @@ def widen(model: Path, hidden: int = HIDDEN, layers: int = LAYERS) -> Path:
 def _run(flags: list[str], out: Path, model: Path, data: Path, num_rollout: int) -> dict:
     rows = run_train_async(
         [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            str(data),
-            "--apply-chat-template",
-            "--rm-type",
-            "first_integer",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "2",
-            "--rollout-max-response-len",
-            "4",
-            "--rollout-dtype",
-            "float32",
+            *tiny_run_flags(model, data, 4, 2, 4, reward=("--rm-type", "first_integer")),
             "--use-tis",
             "--num-rollout",
             str(num_rollout),

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.common import ROOT, table, tiny_setup
+from benchmarks.common import ROOT, table, tiny_run_flags, tiny_setup
 from benchmarks.orchestration import bare_ray_round_trip_us
 
 ENGINES = (1, 4, 16, 64)
@@ -67,19 +67,7 @@ def _executor(urls: list[str], model: Path, data: Path, in_flight: int):
 
     cfg = parse_args(
         [
-            "--hf-checkpoint",
-            str(model),
-            "--prompt-data",
-            str(data),
-            "--apply-chat-template",
-            "--custom-rm-path",
-            "benchmarks.workloads:constant_reward",
-            "--rollout-batch-size",
-            str(in_flight // SAMPLES_PER_PROMPT),
-            "--n-samples-per-prompt",
-            str(SAMPLES_PER_PROMPT),
-            "--rollout-max-response-len",
-            "1",
+            *tiny_run_flags(model, data, in_flight // SAMPLES_PER_PROMPT, SAMPLES_PER_PROMPT, 1, rollout_dtype=None),
             "--rollout-max-concurrent-requests",
             str(in_flight),
             "--num-rollout",
