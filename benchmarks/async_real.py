@@ -318,19 +318,20 @@ def run(quick: bool, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import write_entry
+    from benchmarks.common import RECORD_HELP, write_entry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="steps a run (default 20; quick 3)")
     ap.add_argument("--long-tail-steps", type=int, default=None, help="steps of each long-tail run (0: none)")
     ap.add_argument("--out", type=Path, default=Path("outputs/async_real"))
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 20)
     lt = args.long_tail_steps if args.long_tail_steps is not None else (0 if args.quick else 6)
     args.out.mkdir(parents=True, exist_ok=True)
     entry = measure(steps, lt, args.out / "runs")
-    write_entry(entry, args.out)
+    write_entry(entry, args.out, "async_real" if args.record else None, argv)
     return 0
 
 

@@ -330,13 +330,25 @@ def time_to_reach(curve: Sequence[tuple[int, float, float]], level: float) -> tu
     return None
 
 
-def write_entry(entry: dict, out: Path) -> None:
-    """A standalone benchmark's result: ``out``/results.json, and its tables on stdout."""
+RECORD_HELP = "also store the run in benchmarks/results/results.json, stamped with this command"
+
+
+def write_entry(entry: dict, out: Path, name: str | None = None, argv: Sequence[str] | None = None) -> None:
+    """A standalone benchmark's result: ``out``/results.json, and its tables on stdout; with ``name`` (its
+    ``--record``), also stored in benchmarks/results/results.json as benchmark ``name``, stamped with the command
+    ``python -m benchmarks.<name> <argv>`` (argv: the process's own when None)."""
     import json
+    import sys
 
     (out / "results.json").write_text(json.dumps(entry, indent=1) + "\n")
     for t in entry["tables"]:
         print(render_table(t))
+    if name is not None:
+        command = record.command_line(f"benchmarks.{name}", sys.argv[1:] if argv is None else argv)
+        results = record.load()
+        key = record.put(results, name, entry, command, entry.get("machine") or machine_info())
+        record.save(results)
+        print(f"recorded in {record.RESULTS} as {key!r}")
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], note: str | None = None) -> dict:

@@ -31,6 +31,12 @@ from benchmarks.registry import REGISTRY
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
+def render_results_page(results: dict) -> str:
+    from scripts.gen_docs import render_results
+
+    return render_results(results)
+
+
 def update_pages() -> None:
     """The docs' figures (docs/benchmarks.md, the README's quickstart result) from results.json: scripts/gen_docs.py
     renders them, and tests/unit/test_docs.py checks they are what results.json renders to."""
@@ -52,34 +58,6 @@ def measured(run: Callable[[], dict], quick: bool, machine: dict) -> dict:
         "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         **entry,
     }
-
-
-def render_markdown(results: dict) -> str:
-    m = results.get("machine", {})
-    out = [
-        "# miles-async benchmark results",
-        "",
-        f"Last run {m.get('date', '?')} on {m.get('cpu_model', '?')}, {m.get('cores', '?')} cores, "
-        f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}, transformers {m.get('transformers', '?')}, "
-        f"commit {m.get('git_commit', '?')}.",
-        "",
-    ]
-    for name, entry in results.get("benchmarks", {}).items():
-        em = entry.get("machine", {})
-        mode = "quick" if entry.get("quick") else "full"
-        out += [f"## {name}", "", f"{mode} run, {em.get('date', '?')}, {entry.get('seconds', 0):.0f} s.", ""]
-        if "error" in entry:
-            out += ["FAILED:", "", "```", entry["error"].rstrip(), "```", ""]
-            continue
-        for t in entry.get("tables", []):
-            out += [render_table(t), ""]
-        for note in entry.get("notes", []):
-            out += [f"- {note}"]
-        if entry.get("notes"):
-            out.append("")
-        for plot in entry.get("plots", []):
-            out += [f"![{name}]({plot})", ""]
-    return "\n".join(out)
 
 
 def _names(text: str) -> list[str]:
@@ -150,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         record.put(results, name, entry, command, entry["machine"])
         # Written after every benchmark so an interrupted run keeps what it measured.
         record.save(results, json_path)
-        (out / "results.md").write_text(render_markdown(results))
+        (out / "results.md").write_text(render_results_page(results))
         for t in entry.get("tables", []):
             print(render_table(t), "\n", flush=True)
         print(f"=== {name} done in {entry['seconds']:.0f} s", flush=True)

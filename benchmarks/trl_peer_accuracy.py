@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import finish_stamp, kept_machine, ran_stamp, write_entry
+from benchmarks.common import RECORD_HELP, finish_stamp, kept_machine, ran_stamp, write_entry
 from benchmarks.trl_peer import FULL, FULL_LAUNCHER_ARGS, FULL_SEEDS, QUICK, prepare_assets, run_kept, seed_args
 from benchmarks.trl_peer_report import headline as peer_headline
 from benchmarks.trl_peer_report import mean_curve, summarize_seeds
@@ -138,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=list(FULL_SEEDS))
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_accuracy"), help="kept seeds and results")
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     ap.add_argument("--kept-only", action="store_true", help="sum up the kept seeds; run none")
     args = ap.parse_args(argv)
     entry = measure(SHAPE, args.out, seeds=args.seeds, run_missing=not args.kept_only)
     if entry is None:
         ap.error(f"--kept-only: not every seed of {args.seeds} is kept in {args.out / SHAPE.name}")
-    write_entry(entry, args.out)
+    write_entry(entry, args.out, "trl_peer_accuracy" if args.record else None, argv)
     for what, result in headline(entry):
         print(f"{what}: {result}")
     return 0

@@ -357,12 +357,13 @@ def run(quick: bool, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.common import write_entry
+    from benchmarks.common import RECORD_HELP, write_entry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=STEPS, help="steps a side for each shape")
     ap.add_argument("--only", nargs="+", default=None, metavar="SHAPE", help="shapes by name, e.g. 32x4x40")
     ap.add_argument("--out", type=Path, default=Path("outputs/trl_peer_shapes"))
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     ap.add_argument("--no-roofline", action="store_true", help="skip each shape's step bound (run it later)")
     ap.add_argument("--kept-only", action="store_true", help="sum up the kept shapes; run none")
     args = ap.parse_args(argv)
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only {' '.join(unknown)}: the shapes are {', '.join(by_name)}")
     picked = [by_name[n] for n in args.only] if args.only else SHAPES
     entry = measure(picked, args.steps, args.out, roofline=not args.no_roofline, run_missing=not args.kept_only)
-    write_entry(entry, args.out)
+    write_entry(entry, args.out, "trl_peer_shapes" if args.record else None, argv)
     return 0
 
 

@@ -5,7 +5,8 @@
   where it takes effect (its declaration's ``needs`` / ``effect_needs`` / ``ignored``, and the rows of
   ``config/capabilities.py`` that name it).
 - ``docs/reference/compatibility.md``: the capability table (backend x feature) and the engines' weight routes.
-- ``docs/benchmarks.md``: ``benchmarks/results/results.json`` through each benchmark's ``headline()``.
+- ``docs/benchmarks.md``: ``benchmarks/results/results.json`` through each benchmark's ``headline()``, and
+  ``benchmarks/results/results.md``: its every table, note and plot.
 - The README's quickstart figures, between ``<!-- quickstart:start -->`` and ``<!-- quickstart:end -->``.
 
 The tests regenerate every page in memory and compare (tests/unit/test_docs.py), so a page is never edited by hand.
@@ -320,6 +321,40 @@ def _removed(removed: dict[str, dict]) -> list[str]:
     return [*out, ""]
 
 
+def render_results(results: dict) -> str:
+    """``benchmarks/results/results.md``: every entry's tables, notes and plots in full."""
+    from benchmarks.common import render_table
+
+    out = [
+        "# miles-async benchmark results",
+        "",
+        "Each entry of `results.json` in full: one per benchmark, precision and machine, each with the command that "
+        "wrote it (`benchmarks/record.py`).",
+        "",
+    ]
+    for key, entry in results.get("benchmarks", {}).items():
+        s = entry["stamp"]
+        mode = "quick" if entry.get("quick") else "full"
+        out += [
+            f"## {key}",
+            "",
+            f"`{s['command']}`: {mode} run at {', '.join(s['commits'])}, {s['date']}, {entry.get('seconds', 0):.0f} s.",
+            "",
+        ]
+        if "error" in entry:
+            out += ["FAILED:", "", "```", entry["error"].rstrip(), "```", ""]
+            continue
+        for t in entry.get("tables", []):
+            out += [render_table(t), ""]
+        for note in entry.get("notes", []):
+            out += [f"- {note}"]
+        if entry.get("notes"):
+            out.append("")
+        for plot in entry.get("plots", []):
+            out += [f"![{s['benchmark']}]({plot})", ""]
+    return "\n".join(out) + "\n"
+
+
 def quickstart_figures(results: dict) -> dict[str, Any]:
     """The README's one result: the quickstart launcher's held-out accuracy over its 30 steps (mean of the seeds)
     and its training time, from the TRL-peer benchmark, which runs that launcher."""
@@ -404,6 +439,7 @@ def pages() -> dict[Path, Callable[[], str]]:
         ROOT / "docs" / "reference" / "flags.md": render_flags,
         ROOT / "docs" / "reference" / "compatibility.md": render_compatibility,
         ROOT / "docs" / "benchmarks.md": lambda: render_benchmarks(results),
+        RESULTS.with_suffix(".md"): lambda: render_results(results),
         README: lambda: replace_marked(
             README.read_text(), render_quickstart_block(results), QUICKSTART_START, QUICKSTART_END
         ),
