@@ -10,9 +10,19 @@ follows from the dtype and the size of the reduction, not from what one CPU happ
   order, so it covers any CPU's kernels as long as they compute in that dtype; two computations then differ by at
   most 2 * gamma_n * S. Through a network the relative errors of the chained operations add (to first order), so n
   is the sum of the reduction lengths along the longest chain: ``transformer_depth`` counts them. It is a
-  worst case (every rounding error aligned), chosen over the sqrt(n)-sized probabilistic bound because a test must
-  not fail by bad luck; measured errors sit orders of magnitude below it, and bugs (a missing token, a wrong shard)
-  far above it, which each comparison's negative control checks.
+  worst case (every rounding error aligned); measured errors sit orders of magnitude below it, and gross bugs (a
+  missing token, a wrong shard) far above it, which each comparison's negative control checks.
+* A log-prob is compared at its noise scale instead (``noise_tolerance``), since a subtle bug moves it by less
+  than the worst case: with the rope delta dropped from the embedded engine's decode steps (a tiny Qwen2-VL's image
+  prompt 12 positions off) its log-probs moved by 1.6e-3 to 4.9e-3, around the worst-case 2.4e-3. Rounding errors
+  of independent operations add like a random walk: a rounding's relative error, at most u, spreads over [-u, u]
+  with a standard deviation of about u / sqrt(3), so n of them over terms of size S have a standard deviation of
+  at most sqrt(n / 3) * u * S, and the difference of two computations sqrt(2 n / 3) * u * S (the sqrt(n)-sized
+  bound of Higham and Mary, "A new approach to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5),
+  2019). A comparison allows ``NOISE_SIGMAS`` of those, capped by the worst case. Every term taken as large as S,
+  that deviation overstates the measured one: the measured differences sit at 0.25 of it at most (float32, every
+  path's values in ``noise_tolerance``'s docstring), so the 5-sigma bound lies 20x or more above them, and 16x or
+  more below the rope-delta bug's.
 * Adam's update normalises the gradient: its first step is lr * g / (|g| + eps), which for |g| well above eps is
   +-lr whatever the rounding of g, but for |g| near or below eps has a gain of up to lr / eps (1e6 for lr 1e-2,
   eps 1e-8) on the gradient's absolute rounding. So a weight after an Adam step is compared against the range of
@@ -104,6 +114,36 @@ def forward_tolerance(depth: int, scale: float) -> float:
     return 2 * gamma(depth) * scale
 
 
+# Standard deviations of the random-rounding model that a log-prob comparison allows (``noise_tolerance``): a
+# normal variable leaves 5 of them once in 1.7 million draws, and the model's deviation is itself 4x or more the
+# largest measured difference.
+NOISE_SIGMAS = 5.0
+
+
+def noise_tolerance(depth: int, scale: float) -> float:
+    """How far two float32 computations of a log-prob ``depth`` roundings deep, over terms of size ``scale``, may
+    differ at the noise scale of their rounding: ``NOISE_SIGMAS`` standard deviations of the difference of two
+    random walks of ``depth`` roundings, sqrt(2 depth / 3) * u * scale (module docstring), capped by the worst
+    case ``forward_tolerance``.
+
+    Measured, float32, 2026-12-07: the largest |diff| over each comparison's tokens (over 1 to 4 runs), and the
+    tolerance (sd: the model's standard deviation, a fifth of it):
+    * embedded engine vs trainer, tiny VLMs (9.8e-5; sd 2.0e-5): Qwen2-VL 4.8e-7, after two training steps 1.2e-6
+      to 4.3e-6, a resumed sample 6.3e-7 to 3.8e-6; Qwen3-VL 4.8e-7, after the steps 9.5e-7 to 3.1e-6; LoRA merged
+      4.8e-7; the prefill's whole log-softmax 4.8e-7. The rope-delta bug: 1.6e-3 to 4.9e-3 over 7 runs (16-50x).
+    * embedded engine, tiny text model (4.2e-5 to 7.9e-5 at temperatures 1.3 to 0.7): vs transformers 2.4e-7 to
+      1.9e-6, vs a trained trainer 1.7e-6 to 2.4e-6 (6.9e-5).
+    * SGLang and vLLM (CPU) vs transformers or the trainer: text 4.8e-7 (6.9e-5), after a weight update 9.5e-7
+      (vLLM, from disk) to 3.5e-6 (SGLang, from tensors and over a process group; the largest: 0.25 sd); image
+      prompts 2.4e-7 to 7.2e-7 (1.2e-4); SGLang's MoE after an update 2.3e-6 (7.7e-5).
+    * trainer vs trainer: shared prefix vs one row per sample 4.8e-7 to 7.2e-7 (6.7e-5), FSDP2 two workers vs one
+      0 to 4.8e-7, chunked log-probs and a kept weight version 0; Megatron under routing replay vs the torch backend
+      4.8e-7 at one rank and at TP 2 x PP 2 (7.5e-5).
+    """
+    sd = math.sqrt(2 * depth / 3) * unit_roundoff(torch.float32) * scale
+    return min(NOISE_SIGMAS * sd, forward_tolerance(depth, scale))
+
+
 @dataclass(frozen=True)
 class StepBounds:
     """The float32 rounding bounds of one training step of a model over a batch's token rows."""
@@ -139,8 +179,8 @@ class StepBounds:
 
     @property
     def logprob(self) -> float:
-        """Tolerance of a log-prob."""
-        return forward_tolerance(self.forward, self.logprob_scale)
+        """Tolerance of a log-prob: at the noise scale of its rounding (``noise_tolerance``)."""
+        return noise_tolerance(self.forward, self.logprob_scale)
 
     @property
     def metric(self) -> float:
