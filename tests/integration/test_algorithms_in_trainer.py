@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from miles_async.arguments import parse_args
+from miles_async.backends.data_parallel import shard
 from miles_async.backends.fsdp.actor import FSDPTrainActor
 from miles_async.backends.fsdp.critic import FSDPCritic
 from miles_async.rollout.batch import RolloutBatch, to_train_batch
@@ -186,6 +187,19 @@ def test_keep_old_actor_scores_each_sample_under_the_weights_that_generated_it(t
         actor.prepare(3, stale, 1.0)
 
 
+def _logged_token_mean(actor: FSDPTrainActor, batch: RolloutBatch, value) -> float:
+    """What a rollout's train/ metric of the loss logs for a per-token quantity ``value(sample, token)``: the mean
+    over its micro-batches (each optimizer step's, as the actor packs them) of each one's mean over its response
+    tokens."""
+    steps, _ = shard(len(batch), actor.cfg.global_batch_size, actor.dp)
+    means = []
+    for step in steps:
+        for rows in actor._micro_batches(batch, step):
+            values = [value(i, k) for i in rows for k in range(batch.response_lengths[i])]
+            means.append(sum(values) / len(values))
+    return sum(means) / len(means)
+
+
 @pytest.mark.parametrize("level,mode", [("token", "truncate"), ("token", "mask"), ("sequence", "truncate")])
 def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tiny_model, tiny_task, tmp_path):
     """Rollout log-probs 2 nats off the trainer's, alternating in sign: the ratios are truncated (or masked) to the
@@ -225,19 +239,30 @@ def test_stale_batch_importance_weights_are_bounded_by_the_clip(level, mode, tin
         unweighted = plain.train(0, dataclasses.replace(batch, rollout_logprobs=[trainer_lp[i] for i in range(16)]))
         assert unweighted["train/tis_clipfrac"] == 0
         assert abs(unweighted["train/pg_loss"] - m["train/pg_loss"]) > 1e-3, (unweighted, m)
-    # Old log-probs are recomputed once before both steps, so the logged gap is exactly the one planted.
-    assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(2.0, abs=1e-3)
+    # Old log-probs are recomputed once before both steps (the same passes as trainer_lp's), so the logged gap is
+    # the one planted, up to float32 rounding: of each planted log-prob (|lp +- 2| < 16: 2^-20), of the difference
+    # and of the mean over at most 24 tokens (24 u relative), 4e-6 in all.
+    assert m["train/train_rollout_logprob_abs_diff"] == pytest.approx(2.0, abs=1e-5)
+    # A raw ratio is exp(+-2) of that log-ratio: relative error the log-ratio's 2e-6 (sequence level: the sum of at
+    # most 5 of them) and exp's rounding.
+    assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-5)
     if level == "token":
-        # Every token's ratio (e^2 or e^-2) leaves [0.5, 1.5]: truncated to the bounds, or masked to 0.
-        assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
+        # Every token's ratio leaves [0.5, 1.5]: e^2 on even tokens, truncated to 1.5, e^-2 on odd ones, to 0.5; or
+        # masked to 0. A micro-batch's mean of those weights is exact but for its division (u relative).
         assert m["train/tis_clipfrac"] == 1.0
-        assert m["train/tis_weight_mean"] == (0.0 if mode == "mask" else pytest.approx(1.0, abs=0.2))
+        truncated = _logged_token_mean(actor, batch, lambda i, k: 1.5 if k % 2 == 0 else 0.5)
+        assert m["train/tis_weight_mean"] == (0.0 if mode == "mask" else pytest.approx(truncated, rel=1e-6))
     else:
-        # Per sequence the signs cancel on even lengths (ratio 1, kept) and leave e^2 on odd ones.
-        odd = sum(n % 2 for n in batch.response_lengths) / 16
-        assert 0 < m["train/tis_clipfrac"] < 1 and odd > 0
-        assert m["train/tis_max"] == pytest.approx(math.exp(2), rel=1e-3)
-        assert m["train/tis_mean"] < math.exp(2) - 1e-3
+        # Per sequence the signs cancel on even lengths (ratio 1 up to rounding, kept) and leave e^2 on odd ones
+        # (truncated to 1.5), for each of the sequence's tokens.
+        odd = [n % 2 == 1 for n in batch.response_lengths]
+        clipfrac = _logged_token_mean(actor, batch, lambda i, k: float(odd[i]))
+        assert 0 < clipfrac < 1  # the batch has both
+        assert m["train/tis_clipfrac"] == pytest.approx(clipfrac, rel=1e-6)
+        raw = _logged_token_mean(actor, batch, lambda i, k: math.exp(2) if odd[i] else 1.0)
+        assert m["train/tis_mean"] == pytest.approx(raw, rel=1e-5)
+        weight = _logged_token_mean(actor, batch, lambda i, k: 1.5 if odd[i] else 1.0)
+        assert m["train/tis_weight_mean"] == pytest.approx(weight, rel=1e-5)
 
 
 @pytest.mark.parametrize("flag", ["--use-tis", "--use-rollout-logprobs"])
