@@ -177,7 +177,7 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
     check_values(ns, FLAGS, machine)
     fallbacks = check_capabilities(ns, FEATURES)
     check_needs(ns, FLAGS)
-    for component in (engine, rollout, loop, algorithm, megatron, model):
+    for component in (engine, rollout, loop, algorithm, megatron, model, checkpoint):
         component.validate(ns)
     return [*fallbacks, *without_effect(ns, FLAGS)]
 
@@ -236,7 +236,8 @@ def build_config(ns: argparse.Namespace) -> Config:
     eval_datasets = _eval_datasets(ns)
     global_batch, num_steps = train.batch_split(ns)
     num_rollout, per_epoch = loop.num_rollout(ns, num_prompts)
-    start_rollout_id = checkpoint.start_rollout_id(ns, num_rollout)
+    load = checkpoint.load_state_of(ns)
+    start_rollout_id = checkpoint.start_rollout_id(load, num_rollout)
     num_workers = cluster.num_train_workers(ns)
     megatron_cfg = megatron.build(ns, num_workers, machine)
     engine.check_machine(ns, machine)
@@ -248,14 +249,15 @@ def build_config(ns: argparse.Namespace) -> Config:
     warnings += machine.warnings + slow_bf16
     for message in warnings:
         logger.warning(message)
-    actor = train.build(ns, algorithm.build(ns), megatron_cfg, global_batch, num_steps, threads)
+    init_weights = checkpoint.start_from(ns, load)
+    actor = train.build(ns, algorithm.build(ns), megatron_cfg, global_batch, num_steps, threads, init_weights)
     return Config(
         cluster=cluster.build(ns),
         engine=engine.build(ns, threads, use_gpu),
         rollout=rollout.build(ns, loop.fully_async_config(ns)),
         eval=evaluation.build(ns, eval_datasets),
         train=actor,
-        checkpoint=checkpoint.build(ns),
+        checkpoint=checkpoint.build(ns, load),
         control=control.build(ns),
         tools=tools.build(ns),
         tracking=tracking.build(ns),

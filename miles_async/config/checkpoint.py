@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_async.config.declare import at_least, flag, group, require, when_flag
+from miles_async.config.declare import ConfigError, at_least, flag, group, require, when_flag
+from miles_async.utils.megatron_layout import LayoutError, LoadState, load_state, looks_like_megatron
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,15 @@ ASYNC_SAVE = flag(
 GROUPS = (
     group(
         "model and checkpoints",
-        flag("--load", default=None, help="checkpoint folder to resume from (its latest complete iteration)"),
+        flag(
+            "--load",
+            default=None,
+            help="checkpoint folder to resume from (its latest complete iteration). An empty or missing folder "
+            "starts a fresh run, as in Megatron-LM and Miles (so --load and --save may name the same folder on "
+            "the first start and every requeue); the policy then starts from --ref-load when given, else from "
+            "--hf-checkpoint. A Megatron-LM release checkpoint (tracker 'release') starts a fresh run from its "
+            "weights (--train-backend megatron)",
+        ),
         flag("--save", default=None, help="checkpoint folder"),
         flag(
             "--save-interval",
@@ -64,27 +76,73 @@ GROUPS = (
 )
 
 
-def start_rollout_id(ns: argparse.Namespace, num_rollout: int) -> int:
-    """The rollout a run resumed from --load starts at (0 without it)."""
-    from miles_async.utils.checkpoint import latest_checkpointed_iteration
-
+def load_state_of(ns: argparse.Namespace) -> LoadState:
+    """What --load starts from (fresh without --load); a partial save is refused, naming what is missing."""
     if ns.load is None:
+        return LoadState()
+    try:
+        return load_state(ns.load)
+    except LayoutError as e:
+        raise ConfigError(f"--load: {e}") from None
+
+
+def validate(ns: argparse.Namespace) -> None:
+    """The torch backend builds HF models from HF weights: a Megatron (torch_dist) checkpoint is the Megatron
+    backend's to read."""
+    if ns.train_backend == "megatron":
+        return
+    if ns.ref_load is not None and looks_like_megatron(Path(ns.ref_load)):
+        require(
+            False,
+            f"--ref-load: {ns.ref_load} is a Megatron (torch_dist) checkpoint, which --train-backend "
+            f"{ns.train_backend} does not read (it builds HF models from HF weights): run --train-backend megatron, "
+            f"which loads it into any parallel layout, or give as --ref-load the HF folder it was converted from "
+            f"(--hf-checkpoint's, when the reference is the initial policy)",
+        )
+    if ns.load is not None and load_state_of(ns).weights is not None:
+        require(
+            False,
+            f"--load: {ns.load} is a Megatron-LM release checkpoint (weights only), which --train-backend "
+            f"{ns.train_backend} does not read (it builds HF models from HF weights): run --train-backend megatron, "
+            f"or start from the HF folder it was converted from, as --hf-checkpoint with an empty --load",
+        )
+
+
+def start_from(ns: argparse.Namespace, state: LoadState) -> str | None:
+    """Where a fresh run's policy weights come from when not --hf-checkpoint's (Miles' rule: a --load that holds
+    no checkpoint starts from --ref-load), logged; None for --hf-checkpoint's or a resume."""
+    if ns.load is None or state.resume is not None:
+        return None
+    if state.weights is not None:
+        logger.info("--load %s holds a release checkpoint: a fresh run from its weights (%s)", ns.load, state.weights)
+        return str(ns.load)
+    logger.info(
+        "--load %s holds no checkpoint: a fresh run from rollout 0, the policy from %s",
+        ns.load,
+        f"--ref-load {ns.ref_load}" if ns.ref_load is not None else f"--hf-checkpoint {ns.hf_checkpoint}",
+    )
+    return ns.ref_load
+
+
+def start_rollout_id(state: LoadState, num_rollout: int) -> int:
+    """The rollout a run resumed from --load starts at (0 for a fresh run)."""
+    if state.resume is None:
         return 0
-    require(Path(ns.load).is_dir(), f"--load: not a folder: {ns.load}")
-    last = latest_checkpointed_iteration(ns.load)
-    require(last is not None, f"--load: no complete checkpoint in {ns.load}")
+    last = state.resume
     require(
         last + 1 < num_rollout, f"--load: the checkpoint already reached rollout {last} of --num-rollout {num_rollout}"
     )
     return last + 1
 
 
-def build(ns: argparse.Namespace) -> CheckpointConfig:
+def build(ns: argparse.Namespace, state: LoadState | None = None) -> CheckpointConfig:
+    """``state``: what --load holds, when already read (``load_state_of``)."""
     from miles_async.config.capabilities import supported
 
+    state = load_state_of(ns) if state is None else state
     return CheckpointConfig(
         ns.save,
-        ns.load,
+        ns.load if state.resume is not None else None,  # a fresh run restores nothing
         ns.save_interval,
         ns.save_hf,
         ns.save_trigger_sentinel,

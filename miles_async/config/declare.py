@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from miles_async.utils.megatron_layout import LayoutError, looks_like_megatron, torch_dist_folder
+
 
 class ConfigError(ValueError):
     """A flag, file or combination of flags is invalid."""
@@ -204,7 +206,7 @@ def hf_folder(name: str, path: str | None) -> str | None:
     if not Path(path).is_dir():
         return f"{name}: not a folder: {path}"
     config = Path(path) / "config.json"
-    if not config.is_file() and _megatron_checkpoint(Path(path)):
+    if not config.is_file() and looks_like_megatron(Path(path)):
         return (
             f"{name}: {path} is a Megatron (torch_dist) checkpoint, not an HF model folder: {name} is read "
             f"from HF weights here (give the HF folder it was converted from, e.g. --hf-checkpoint's)"
@@ -220,13 +222,15 @@ def hf_folder(name: str, path: str | None) -> str | None:
     return None if isinstance(parsed, dict) and "model_type" in parsed else f"{name}: {config} names no model_type"
 
 
-def _megatron_checkpoint(path: Path) -> bool:
-    """A Megatron-LM / Miles / slime checkpoint folder (what their launchers pass as --ref-load)."""
-    return (
-        (path / "latest_checkpointed_iteration.txt").is_file()
-        or (path / ".metadata").is_file()
-        or any(path.glob("iter_*"))
-    )
+def hf_or_torch_dist(name: str, path: str | None) -> str | None:
+    """An HF model folder, or a complete Megatron-LM torch_dist checkpoint (its tracker and the folder it names)."""
+    if path is None or not Path(path).is_dir() or not looks_like_megatron(Path(path)):
+        return hf_folder(name, path)
+    try:
+        torch_dist_folder(path)
+    except LayoutError as e:
+        return f"{name}: {e}"
+    return None
 
 
 # -- the runners ----------------------------------------------------------------------------------

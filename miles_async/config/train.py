@@ -18,6 +18,7 @@ from miles_async.config.declare import (
     given,
     group,
     hf_folder,
+    hf_or_torch_dist,
     importable,
     positive,
     regex,
@@ -60,7 +61,7 @@ class LoraSettings:
 @dataclass(frozen=True)
 class TrainConfig:
     backend: str
-    model_path: str  # HF folder the policy starts from
+    model_path: str  # HF folder of the policy: its config, tokenizer and (without init_weights) its weights
     ref_model_path: str | None
     dtype: str
     global_batch_size: int  # samples per optimizer step
@@ -86,6 +87,9 @@ class TrainConfig:
     freeze_params: tuple[str, ...] = ()
     cpu_affinity: tuple[int, ...] | None = None  # --train-cpu-affinity: the cores each worker is pinned to
     routing_replay: bool = False  # --use-rollout-routing-replay: policy passes route tokens as the rollout did
+    # A fresh run's weights when not model_path's: --ref-load's (HF or torch_dist) under an empty --load, or
+    # --load's Megatron-LM release checkpoint (config/checkpoint.py start_from)
+    init_weights: str | None = None
 
 
 SHARED_PREFIX = flag(
@@ -138,9 +142,17 @@ GROUPS = (
             required=False,
             default=None,
             check=(given(" (an HF model folder)"), hf_folder),
-            help="HF model folder the policy starts from",
+            help="HF model folder the policy starts from (its config.json and tokenizer always; its weights unless "
+            "an empty --load starts the policy from --ref-load)",
         ),
-        flag("--ref-load", default=None, check=hf_folder, help="HF folder of the reference model for the KL loss"),
+        flag(
+            "--ref-load",
+            default=None,
+            check=hf_or_torch_dist,
+            help="the reference model for the KL loss: an HF folder, or a Megatron-LM torch_dist checkpoint "
+            "(its tracker naming iter_NNNNNNN/ or release/, as Miles' convert_hf_to_torch_dist.py writes; "
+            "--train-backend megatron). Under an empty --load the policy starts from it too, as in Miles",
+        ),
     ),
     group(
         "inference engines",
@@ -440,6 +452,7 @@ def build(
     global_batch: int,
     num_steps: int,
     num_threads: int,
+    init_weights: str | None = None,
 ) -> TrainConfig:
     require(
         ns.lora_rank == 0 or not (ns.only_train_params_name_list or ns.freeze_params_name_list),
@@ -494,6 +507,7 @@ def build(
         only_train_params=tuple(ns.only_train_params_name_list or ()),
         freeze_params=tuple(ns.freeze_params_name_list or ()),
         routing_replay=ns.use_rollout_routing_replay and is_moe(ns),
+        init_weights=init_weights,
     )
 
 
@@ -508,6 +522,7 @@ def build_critic(ns: argparse.Namespace, actor: TrainConfig) -> TrainConfig | No
         role="critic",
         model_path=ns.critic_load or ns.hf_checkpoint,
         ref_model_path=None,
+        init_weights=None,  # the value model starts from --critic-load or --hf-checkpoint
         lora=None,  # the value model trains whole
         only_train_params=(),  # the policy's selection names the policy's weights; the value head is not among them
         freeze_params=(),

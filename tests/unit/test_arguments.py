@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -125,10 +126,49 @@ def test_yaml_unknown_key(tmp_path, data):
         parse_args(base(tmp_path, data, "--config", str(cfg_file)))
 
 
-def test_load_without_checkpoint(tmp_path, data):
-    (tmp_path / "ckpt").mkdir()
-    with pytest.raises(ConfigError, match="--load: no complete checkpoint"):
-        parse_args(base(tmp_path, data, "--load", str(tmp_path / "ckpt")))
+@pytest.mark.parametrize("made", [True, False])
+def test_an_empty_or_missing_load_folder_starts_a_fresh_run(tmp_path, data, made, caplog):
+    """Megatron-LM's and Miles' first start: --load = --save, empty or not made yet; the run starts at rollout 0,
+    restores nothing, and says so. The policy starts from --ref-load when one is given (Miles' rule)."""
+    import logging
+
+    ckpt = tmp_path / "ckpt"
+    if made:
+        ckpt.mkdir()
+    flags = base(tmp_path, data, "--load", str(ckpt), "--save", str(ckpt))
+    with caplog.at_level(logging.INFO, logger="miles_async.config.checkpoint"):
+        cfg = parse_args(flags)
+        ref = parse_args([*flags, "--ref-load", str(tmp_path / "model")])
+    assert (cfg.loop.start_rollout_id, cfg.checkpoint.load, cfg.train.init_weights) == (0, None, None)
+    assert ref.train.init_weights == str(tmp_path / "model")
+    assert caplog.messages == [
+        f"--load {ckpt} holds no checkpoint: a fresh run from rollout 0, the policy from --hf-checkpoint "
+        f"{tmp_path / 'model'}",
+        f"--load {ckpt} holds no checkpoint: a fresh run from rollout 0, the policy from --ref-load "
+        f"{tmp_path / 'model'}",
+    ]
+    # Without --load the policy stays --hf-checkpoint's, whatever --ref-load is.
+    assert parse_args(base(tmp_path, data, "--ref-load", str(tmp_path / "model"))).train.init_weights is None
+
+
+@pytest.mark.parametrize(
+    "layout, missing",
+    [
+        ({"latest_checkpointed_iteration.txt": "2"}, "names iteration 2, but iter_0000002/ is missing from"),
+        ({"latest_checkpointed_iteration.txt": "release"}, "names 'release', but release/ is missing from"),
+        ({"iter_0000002/COMPLETE": ""}, "holds iter_0000002/ but no latest_checkpointed_iteration.txt"),
+        ({"latest_checkpointed_iteration.txt": "2", "iter_0000002/actor/x": ""}, "is incomplete (no COMPLETE)"),
+        ({"latest_checkpointed_iteration.txt": "two"}, "holds 'two', neither an iteration number nor 'release'"),
+    ],
+)
+def test_a_partial_load_folder_is_refused_naming_what_is_missing(tmp_path, data, layout, missing):
+    """A tracker without its iteration, or an iteration without the tracker, is not an empty folder."""
+    ckpt = tmp_path / "ckpt"
+    for name, text in layout.items():
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_text(text)
+    with pytest.raises(ConfigError, match=r"^--load: .*" + re.escape(missing)):
+        parse_args(base(tmp_path, data, "--load", str(ckpt)))
 
 
 def test_load_sets_start_rollout_id(tmp_path, data):

@@ -292,15 +292,15 @@ def test_a_declared_package_requirement_goes_through_the_same_place(tmp_path):
     assert any(w.startswith("--rollout-router sglang needs the sglang_router package") for w in cfg.warnings)
 
 
-def test_a_megatron_checkpoint_as_ref_load_is_named_as_such(tmp_path):
-    """slime's launchers pass --ref-load <model>_torch_dist; the reference model is read from HF weights here."""
+def test_a_partial_megatron_checkpoint_as_ref_load_names_what_is_missing(tmp_path):
+    """slime's and Miles' launchers pass --ref-load <model>_torch_dist; one whose tracker names a folder it lacks
+    is refused naming it (complete ones: tests/integration/test_torch_dist_checkpoints.py)."""
     ref = tmp_path / "Qwen3-4B_torch_dist"
     (ref / "iter_0000000").mkdir(parents=True)
     (ref / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(
         ConfigError,
-        match=rf"^--ref-load: {ref} is a Megatron \(torch_dist\) checkpoint, not an HF "
-        r"model folder",
+        match=rf"^--ref-load: {ref}/latest_checkpointed_iteration.txt names 'release', but release/ is missing",
     ):
         parse_args(_args(tmp_path, "--ref-load", str(ref)))
 

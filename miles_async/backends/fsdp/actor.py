@@ -149,7 +149,10 @@ class FSDPTrainActor(PolicyMixin, TrainWorker):
 
     def _build_module(self) -> torch.nn.Module:
         # --attention-dropout: HF attention applies it in training passes only (log-probs run in eval mode).
-        model = self._causal_lm(self.cfg.model_path, attention_dropout=self.cfg.attention_dropout)
+        # A fresh run under an empty --load starts from --ref-load's HF weights (config/checkpoint.py start_from).
+        model = self._causal_lm(
+            self.cfg.init_weights or self.cfg.model_path, attention_dropout=self.cfg.attention_dropout
+        )
         if self.cfg.freeze_vision_tower:
             freeze_vision_tower(model)
         select_trainable(model, self.cfg.only_train_params, self.cfg.freeze_params)

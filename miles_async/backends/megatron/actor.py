@@ -40,12 +40,14 @@ from miles_async.backends.megatron.model import (
     training_knobs,
 )
 from miles_async.backends.megatron.pipeline import Stages
+from miles_async.backends.megatron.torch_dist import load_weights
 from miles_async.backends.packing import MicroBatch, even_out
 from miles_async.backends.policy import LossOfOutputs, PolicyMixin
 from miles_async.backends.routing_replay import targets as replay_targets
 from miles_async.backends.worker import BaseWorker, load_rng_state, lr_lambda, save_rng_state, seed_everything
 from miles_async.config import TrainConfig
 from miles_async.utils.checkpoint import iteration_dir
+from miles_async.utils.megatron_layout import looks_like_megatron
 from miles_async.weights.disk import write_hf_checkpoint
 from miles_async.weights.source import WeightSource
 
@@ -173,7 +175,7 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
         )
         seed_everything(self.cfg.seed + self.dp.rank)  # TP ranks of a replica share their RNG
-        module = self._build_gpt(self.cfg.model_path).to(self.device)
+        module = self._build_gpt(self.cfg.init_weights or self.cfg.model_path).to(self.device)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -220,8 +222,13 @@ class MegatronTrainActor(PolicyMixin, BaseWorker):
             self._load(load_dir, load_rollout_id)
 
     def _build_gpt(self, path: str):
+        """The model of --hf-checkpoint's config with the weights of ``path``: an HF folder, or a Megatron-LM
+        torch_dist checkpoint read straight into this run's parallel layout."""
         model = build_gpt_model(self.arch, self.par, bf16=self.bf16, knobs=training_knobs(self.cfg))
-        load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank, self.experts)
+        if looks_like_megatron(Path(path)):
+            load_weights(model, path)
+        else:
+            load_hf(model, HFReader(path), self.arch, self.tp, self.tp_rank, self.experts)
         return model
 
     def _set_lr(self) -> None:
