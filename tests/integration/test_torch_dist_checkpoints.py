@@ -10,6 +10,7 @@ processes (it keeps global parallel state)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -58,7 +59,14 @@ def _write_checkpoints(rank, world, port, hf: str, out: str) -> None:
             p.mul_(1.5)
     root = Path(out)
     torch.save(dict(export_hf(model, arch)), root / "source.pt")
-    _save_as_megatron_lm(model, root / "numbered", "0", 0)
+    # Megatron-LM pads the vocabulary to a multiple of 128 x TP (--make-vocab-size-divisible-by), this backend to
+    # one of TP: the embedding's rows past the vocabulary are zeros in the checkpoint, left out on the load.
+    padded = build_gpt_model(dataclasses.replace(arch, vocab_size=128), ParallelSizes())
+    with torch.no_grad():
+        for p, q in zip(padded.parameters(), model.parameters(), strict=True):
+            p.zero_()[tuple(slice(0, n) for n in q.shape)].copy_(q)
+    assert padded.embedding.word_embeddings.weight.shape[0] == 128 > arch.vocab_size
+    _save_as_megatron_lm(padded, root / "numbered", "0", 0)
     _save_as_megatron_lm(model.to(torch.bfloat16), root / "bf16_release", "release", 1)  # as Miles' converter
     torch.save(dict(export_hf(model, arch)), root / "source_bf16.pt")
     _save_as_megatron_lm(model, root / "renamed", "release", 1, rename=RENAMED)
