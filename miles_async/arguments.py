@@ -177,9 +177,11 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
     check_values(ns, FLAGS, machine)
     fallbacks = check_capabilities(ns, FEATURES)
     check_needs(ns, FLAGS)
-    for component in (engine, rollout, loop, algorithm, megatron, model, checkpoint):
+    for component in (engine, rollout, loop, algorithm, megatron):
         component.validate(ns)
-    return [*fallbacks, *without_effect(ns, FLAGS)]
+    unchecked = model.validate(ns)
+    checkpoint.validate(ns)
+    return [*fallbacks, *unchecked, *without_effect(ns, FLAGS)]
 
 
 def _count_prompts(ns: argparse.Namespace) -> int:

@@ -212,16 +212,46 @@ TABLE: tuple[Row, ...] = (
 ROWS = {row.flag: row for row in TABLE}
 
 
+def text_model(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The config of the model the Megatron-LM flags describe. A multimodal config.json (Qwen3-VL, Qwen3.5 and
+    3.6, Kimi-K2.5) nests its language model under ``text_config``, whose keys then win over the wrapper's; a
+    hybrid Mamba config (Nemotron-H) counts its layers in ``layers_block_type`` (``hybrid_override_pattern`` as
+    written), one letter or name per layer, as Megatron-LM's --num-layers does."""
+    out = dict(hf)
+    text = hf.get("text_config")
+    if isinstance(text, Mapping) and "num_hidden_layers" not in hf:
+        out = {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **text}
+    pattern = out.get("layers_block_type") or out.get("hybrid_override_pattern")
+    if "num_hidden_layers" not in out and pattern:
+        out["num_hidden_layers"] = len(pattern)
+    return out
+
+
+def read_rows(hf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each row's value from ``text_model(hf)``, and for each row that reads a key the config lacks, that key
+    (the row is then not compared)."""
+    text = text_model(hf)
+    values, missing = {}, {}
+    for row in TABLE:
+        try:
+            if row.applies(text):
+                values[row.flag] = row.value(text)
+        except KeyError as e:
+            missing[row.flag] = str(e.args[0])
+    return values, missing
+
+
 def megatron_args(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The Megatron-LM flags (by name; switches True/False) that build the model config.json describes. A flag
-    whose value the config does not determine (an unknown family's norms or biases, a dense model's MoE flags)
-    is left out; --num-experts is None for a dense model."""
-    out = {row.flag: row.value(hf) for row in TABLE if row.applies(hf)}
-    return {k: v for k, v in out.items() if v is not None or k == "--num-experts"}
+    whose value the config does not determine (an unknown family's norms or biases, a dense model's MoE flags, a
+    key the config lacks) is left out; --num-experts is None for a dense model."""
+    values, _ = read_rows(hf)
+    return {k: v for k, v in values.items() if v is not None or k == "--num-experts"}
 
 
 def config_source(hf: Mapping[str, Any], keys: tuple[str, ...]) -> str:
     """The config.json keys a row reads, with their values, for messages."""
+    hf = text_model(hf)
     rope = _rope(hf)
     special = {
         "rope_theta": rope.get("rope_theta"),

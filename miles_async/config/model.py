@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_async.config.declare import ConfigError, When, at_least, flag, group
-from miles_async.config.hf_to_megatron import ROWS, config_source, megatron_args, uses_yarn
+from miles_async.config.hf_to_megatron import ROWS, config_source, megatron_args, read_rows, text_model, uses_yarn
 
 
 # -- the flags, and the value Megatron-LM uses for each (given, or its default) ----------------------
@@ -190,6 +190,19 @@ def mismatches(ns: argparse.Namespace, hf: Mapping[str, Any], where: str) -> lis
     return problems
 
 
+def unchecked(ns: argparse.Namespace, hf: Mapping[str, Any], where: str) -> list[str]:
+    """A warning for each architecture flag the launcher gave whose config.json key is missing (DeepSeek-V4's has
+    no intermediate_size): that flag is not compared."""
+    _, missing = read_rows(hf)
+    given = {name: eff for name, eff in effective_args(ns).items() if eff.given and name in missing}
+    model_type = text_model(hf).get("model_type")
+    return [
+        f"{_shown(name, eff)} is not checked: {where} (model_type {model_type}) has no {missing[name]!r}, which "
+        f"determines it"
+        for name, eff in given.items()
+    ]
+
+
 # -- the flags and the check ------------------------------------------------------------------------
 def _archflag(name: str, type_: Callable | None = None, **options: Any):
     """An architecture flag: no default of its own (None, "not given"), so a launcher's value is told apart from
@@ -205,8 +218,8 @@ def hf_config_json(ns: argparse.Namespace) -> dict:
     if ns.hf_checkpoint is None:
         return {}
     try:
-        return json.loads((Path(str(ns.hf_checkpoint)) / "config.json").read_text())
-    except (OSError, ValueError):
+        return text_model(json.loads((Path(str(ns.hf_checkpoint)) / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
         return {}
 
 
@@ -385,11 +398,14 @@ def load_hf_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"--hf-checkpoint: transformers cannot read {path}/config.json: {e}") from e
 
 
-def validate(ns: argparse.Namespace) -> None:
-    """A model description (MODEL_ARGS) that is not --hf-checkpoint's model fails here, naming each flag."""
+def validate(ns: argparse.Namespace) -> list[str]:
+    """A model description (MODEL_ARGS) that is not --hf-checkpoint's model fails here, naming each flag; the
+    warnings for flags config.json cannot check."""
     if not describes_model(ns):
-        return
+        return []
     where = f"{ns.hf_checkpoint}/config.json"
-    problems = mismatches(ns, load_hf_config(ns.hf_checkpoint), where)
+    hf = load_hf_config(ns.hf_checkpoint)
+    problems = mismatches(ns, hf, where)
     if problems:
         raise ConfigError("the model flags do not describe --hf-checkpoint's model:\n  " + "\n  ".join(problems))
+    return unchecked(ns, hf, where)

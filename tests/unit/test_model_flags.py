@@ -15,7 +15,7 @@ import pytest
 
 from miles_async.arguments import ConfigError, build_parser, parse_args
 from miles_async.config.hf_to_megatron import megatron_args
-from miles_async.config.model import effective_args, mismatches
+from miles_async.config.model import effective_args, load_hf_config, mismatches
 from tests.flag_helpers import minimal_flags
 from tests.scripts.helpers import ROOT
 
@@ -411,4 +411,68 @@ def test_yarn_flags_on_a_model_without_yarn_are_named_as_ignored(tmp_path):
     assert [w for w in cfg.warnings if w.startswith("--rotary-scaling-factor")] == [
         "--rotary-scaling-factor 8.0 is ignored: it only takes effect with a model with multi-latent attention and "
         "YaRN RoPE (DeepSeek-V3's rope_scaling)"
+    ]
+
+
+# The text model of Qwen3.5-35B-A3B's published config.json (Qwen/Qwen3.5-35B-A3B), nested under text_config as
+# in every VLM wrapper (Qwen3-VL, Qwen3.6, Kimi-K2.5): trimmed to the keys the flags below are read from.
+QWEN35_MOE_TEXT = dict(
+    model_type="qwen3_5_moe_text", num_hidden_layers=40, hidden_size=2048, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    vocab_size=248320,
+)  # fmt: skip
+
+
+def _problems(tmp_path, words: list[str], **hf_config) -> list[str]:
+    """The model flags parse_args names as not describing the config.json (none: it parsed)."""
+    try:
+        parse_args(minimal_flags(tmp_path, **hf_config) + ["--num-rollout", "1", *words])
+    except ConfigError as e:
+        return [line.strip() for line in str(e).replace(str(tmp_path), "TMP").splitlines()[1:]]
+    return []
+
+
+def _describing(hf: dict) -> list[str]:
+    """The Megatron-LM flags that describe ``hf``, as a launcher writes them."""
+    words = ["--group-query-attention"]  # without it Megatron-LM gives each head its own group
+    for name, value in megatron_args(hf).items():
+        if isinstance(value, list):
+            words += [name, str(value)]
+        elif value is True:
+            words.append(name)
+        elif value is not None and value is not False:
+            words += [name, str(value)]
+    return words
+
+
+def test_a_nested_text_config_is_read_as_the_text_models(tmp_path):
+    """--check-config on a VLM wrapper's config.json crashed with KeyError 'num_hidden_layers'; its text model is
+    what the Megatron-LM flags describe, exactly as if its config.json were the text model's own."""
+    nested = dict(model_type="qwen3_5_moe", text_config=QWEN35_MOE_TEXT, vision_config={"depth": 27})
+    for words in (["--num-layers", "48", "--hidden-size", "2048"], ["--num-layers", "40", "--hidden-size", "1024"]):
+        flat = _problems(tmp_path, words, **QWEN35_MOE_TEXT)
+        assert _problems(tmp_path, words, **nested) == flat
+    assert "--num-layers 48 does not match TMP/model/config.json: num_hidden_layers 40 (that is --num-layers 40)" in (
+        _problems(tmp_path, ["--num-layers", "48"], **nested)
+    )
+
+
+def test_a_hybrid_models_layers_are_its_pattern_and_a_missing_key_is_named_not_a_traceback(tmp_path):
+    """Nemotron-H's config.json counts its layers in hybrid_override_pattern (transformers drops
+    num_hidden_layers); DeepSeek-V4's has no intermediate_size, so --ffn-hidden-size cannot be checked: a warning
+    names the file and the key."""
+    nemotron = dict(model_type="nemotron_h", num_hidden_layers=6, hybrid_override_pattern="M-M*-E", hidden_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    layers = [p for p in _problems(tmp_path, ["--num-layers", "52"], **nemotron) if p.startswith("--num-layers")]
+    assert layers == [
+        "--num-layers 52 does not match TMP/model/config.json: num_hidden_layers 6 (that is --num-layers 6)"
+    ]
+    assert not [p for p in _problems(tmp_path, ["--num-layers", "6"], **nemotron) if p.startswith("--num-layers")]
+    v4 = dict(model_type="deepseek_v4", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128)
+    minimal_flags(tmp_path, **v4)
+    words = [*_describing(load_hf_config(str(tmp_path / "model"))), "--ffn-hidden-size", "2048"]
+    cfg = parse_args(minimal_flags(tmp_path, **v4) + ["--num-rollout", "1", *words])
+    assert [w for w in cfg.warnings if w.startswith("--ffn-hidden-size")] == [
+        f"--ffn-hidden-size 2048 is not checked: {tmp_path}/model/config.json (model_type deepseek_v4) has no "
+        "'intermediate_size', which determines it"
     ]
