@@ -18,8 +18,11 @@ QKV_ONLY_ATTENTION_BIAS = QKV_BIAS + ("glm4_moe",)
 # Sigmoid routers that choose by score plus a learned per-expert bias and scale the chosen weights (GLM-4.5,
 # DeepSeek-V3), with shared experts.
 EXPERT_BIAS = ("glm4_moe", "deepseek_v3")
-# Multi-latent attention (DeepSeek-V3).
-MLA = ("deepseek_v3",)
+# Multi-latent attention: DeepSeek-V3 (and Kimi-K2, its architecture), DeepSeek-V3.2 and GLM-5 (with DSA's
+# indexer on top), GLM-4.7-Flash. Their heads are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim; Miles'
+# launchers give --kv-channels as the query/key head (qk_nope_head_dim) or the value head, never config.json's
+# head_dim (the RoPE part), and Megatron-LM's MLA does not read it.
+MLA = ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa", "glm4_moe_lite")
 
 
 # -- config.json -> Megatron-LM flags (pure) ------------------------------------------------------
@@ -63,7 +66,8 @@ def _qk_norm(hf: Mapping[str, Any]) -> bool:
 
 
 def _mla(hf: Mapping[str, Any]) -> bool:
-    return hf.get("model_type") in MLA
+    # a kv_lora_rank is MLA's latent whatever the family is named
+    return hf.get("model_type") in MLA or hf.get("kv_lora_rank") is not None
 
 
 def _not_mla(hf: Mapping[str, Any]) -> bool:

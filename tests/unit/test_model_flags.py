@@ -476,3 +476,43 @@ def test_a_hybrid_models_layers_are_its_pattern_and_a_missing_key_is_named_not_a
         f"--ffn-hidden-size 2048 is not checked: {tmp_path}/model/config.json (model_type deepseek_v4) has no "
         "'intermediate_size', which determines it"
     ]
+
+
+# Miles' MODEL_ARGS for the attention of GLM-4.7-Flash (scripts/models/glm4.7-flash.sh), GLM-5
+# (glm5-744B-A40B.sh) and DeepSeek-V3.2 (deepseek-v32.py), and the keys of each published config.json they
+# describe (head_dim is the RoPE part of a query/key head; GLM-4.7-Flash's config gives none).
+MLA_LAUNCHERS = {
+    "glm4_moe_lite": (
+        "--num-attention-heads 20 --kv-channels 192 --q-lora-rank 768 --kv-lora-rank 512 --qk-head-dim 192 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 256",
+        dict(hidden_size=2048, num_attention_heads=20, q_lora_rank=768, qk_nope_head_dim=192, v_head_dim=256),
+    ),
+    "glm_moe_dsa": (
+        "--num-attention-heads 64 --kv-channels 192 --q-lora-rank 2048 --kv-lora-rank 512 --qk-head-dim 192 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 256",
+        dict(hidden_size=6144, num_attention_heads=64, head_dim=64, q_lora_rank=2048, qk_nope_head_dim=192,
+             v_head_dim=256),
+    ),
+    "deepseek_v32": (
+        "--num-attention-heads 128 --kv-channels 128 --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 "
+        "--qk-pos-emb-head-dim 64 --v-head-dim 128",
+        dict(hidden_size=7168, num_attention_heads=128, head_dim=64, q_lora_rank=1536, qk_nope_head_dim=128,
+             v_head_dim=128),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", MLA_LAUNCHERS)
+def test_mla_families_compare_their_latent_heads_not_kv_channels(tmp_path, model_type):
+    """--kv-channels was compared with head_dim on these MLA families (a false mismatch on every Miles launcher of
+    them); their heads are the MLA flags, which are compared, so a wrong --q-lora-rank is still named."""
+    words, keys = MLA_LAUNCHERS[model_type]
+    hf = dict(model_type=model_type, num_hidden_layers=2, kv_lora_rank=512, qk_rope_head_dim=64, **keys)
+    attention = ("--kv-channels", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                 "--v-head-dim")  # fmt: skip
+    assert [p for p in _problems(tmp_path, words.split(), **hf) if p.startswith(attention)] == []
+    wrong = words.replace(f"--q-lora-rank {keys['q_lora_rank']}", "--q-lora-rank 1024").split()
+    assert [p for p in _problems(tmp_path, wrong, **hf) if p.startswith(attention)] == [
+        f"--q-lora-rank 1024 does not match TMP/model/config.json: q_lora_rank {keys['q_lora_rank']} (that is "
+        f"--q-lora-rank {keys['q_lora_rank']})"
+    ]
