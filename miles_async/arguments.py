@@ -174,6 +174,7 @@ def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> 
 
 def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str]:
     """Every check, cheapest first; the warnings for flags given without effect."""
+    adjusted = megatron.sequence_parallel_without_tp(ns)
     check_values(ns, FLAGS, machine)
     fallbacks = check_capabilities(ns, FEATURES)
     check_needs(ns, FLAGS)
@@ -181,7 +182,7 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
         component.validate(ns)
     unchecked = model.validate(ns)
     checkpoint.validate(ns)
-    return [*fallbacks, *unchecked, *without_effect(ns, FLAGS)]
+    return [*adjusted, *fallbacks, *unchecked, *without_effect(ns, FLAGS)]
 
 
 def _count_prompts(ns: argparse.Namespace) -> int:

@@ -109,9 +109,9 @@ GROUPS = (
             "--sequence-parallel",
             action=argparse.BooleanOptionalAction,
             default=False,
-            needs=When("--tensor-model-parallel-size > 1", lambda ns: ns.tensor_model_parallel_size > 1),
-            help="needs --tensor-model-parallel-size > 1, and MoE layers under TP need it; --no-sequence-parallel "
-            "turns off a launcher's --sequence-parallel",
+            help="split the sequence over the tensor-parallel ranks outside attention and the MLP; MoE layers under "
+            "TP need it. At --tensor-model-parallel-size 1 it is turned off with a warning, as Megatron-LM does; "
+            "--no-sequence-parallel turns off a launcher's --sequence-parallel",
         ),
         flag(
             "--use-distributed-optimizer",
@@ -212,6 +212,18 @@ GROUPS = (
         ),
     ),
 )
+
+
+def sequence_parallel_without_tp(ns: argparse.Namespace) -> list[str]:
+    """Megatron-LM's own adjustment: --sequence-parallel at TP 1 has no ranks to split over, so it is turned off
+    (on ``ns``) with a warning, where Miles' single-GPU-per-model launchers pass it."""
+    if not (ns.sequence_parallel and ns.tensor_model_parallel_size == 1):
+        return []
+    ns.sequence_parallel = False
+    return [
+        "--sequence-parallel is turned off: --tensor-model-parallel-size is 1, and sequence parallelism splits "
+        "sequences over the tensor-parallel ranks (Megatron-LM turns it off the same way)"
+    ]
 
 
 def validate(ns: argparse.Namespace) -> None:

@@ -35,6 +35,19 @@ def test_colocate_is_refused_for_asynchronous_training(tmp_path):
         parse_args(_args(tmp_path, "--colocate"))
 
 
+def test_sequence_parallel_at_tp_1_is_turned_off_with_a_warning_as_megatron_lm_does(tmp_path, caplog):
+    """Miles' launchers pass --sequence-parallel at TP 1 (9 of them); it was refused. At TP 2 it stays on."""
+    args = _args(tmp_path, *MEGATRON, "--sequence-parallel")
+    assert [w for w in _warnings(caplog, args) if "sequence" in w] == [
+        "--sequence-parallel is turned off: --tensor-model-parallel-size is 1, and sequence parallelism splits "
+        "sequences over the tensor-parallel ranks (Megatron-LM turns it off the same way)"
+    ]
+    assert parse_args(args).train.megatron.sequence_parallel is False
+    tp2 = [*MEGATRON, "--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+    assert not [w for w in _warnings(caplog, _args(tmp_path, *tp2)) if "sequence" in w]
+    assert parse_args(_args(tmp_path, *tp2)).train.megatron.sequence_parallel is True
+
+
 # A tiny Qwen3-MoE's config.json, as validation reads it.
 QWEN3_MOE = dict(
     model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2

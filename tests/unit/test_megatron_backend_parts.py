@@ -150,7 +150,6 @@ _PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "-
             "the interleaved (virtual pipeline) schedule is not supported",
         ),
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported by the fsdp"),
-        (["--train-backend", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel"),
         (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
         (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
         (
