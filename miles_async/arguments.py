@@ -21,6 +21,7 @@ import yaml
 from miles_async.config import (
     Config,
     algorithm,
+    backend_choice,
     checkpoint,
     cluster,
     compat,
@@ -174,6 +175,8 @@ def _engine_passthrough(parser: argparse.ArgumentParser, unknown: list[str]) -> 
 
 def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str]:
     """Every check, cheapest first; the warnings for flags given without effect."""
+    for note in backend_choice.choose(ns, FEATURES):
+        logger.info(note)
     adjusted = megatron.sequence_parallel_without_tp(ns)
     check_values(ns, FLAGS, machine)
     fallbacks = check_capabilities(ns, FEATURES)

@@ -58,6 +58,16 @@ class Feature(Protocol):
 
 
 _MEGATRON_ONLY = "a Megatron parallel layout"
+# Megatron-LM's parallel layout flags: only the megatron backend takes them, and a command that gives one without
+# --train-backend runs on it (``backend_choice``).
+MEGATRON_LAYOUT = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
+    "--expert-model-parallel-size",
+)
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "--use-fault-tolerance",
@@ -122,17 +132,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         Capability(name, TRAIN_BACKEND, ("fsdp",), why="the megatron backend builds no vision tower (VLMs) yet")
         for name in ("--multimodal-keys", "--freeze-vision-tower")
     ),
-    *(
-        Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY)
-        for name in (
-            "--tensor-model-parallel-size",
-            "--pipeline-model-parallel-size",
-            "--context-parallel-size",
-            "--sequence-parallel",
-            "--use-distributed-optimizer",
-            "--expert-model-parallel-size",
-        )
-    ),
+    *(Capability(name, TRAIN_BACKEND, ("megatron",), why=_MEGATRON_ONLY) for name in MEGATRON_LAYOUT),
 )
 
 # Features a backend lacks that the run can go on without: a warning names the flag and what the run does instead.

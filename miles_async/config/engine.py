@@ -152,14 +152,16 @@ GROUPS = (
         "inference engines",
         flag(
             "--rollout-backend",
-            default="embedded",
+            default=None,
             choices=("embedded", "sglang", "vllm"),
             help="embedded: the project's own CPU engine server; sglang: SGLang's server "
             "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh); "
             "vllm: vLLM's server (vllm.entrypoints.openai.api_server, in vLLM's environment: "
             "scripts/setup_vllm_env.sh). Any --sglang-<flag> [value] / --vllm-<flag> [value] not listed "
             "here goes to that server as --<flag> [value], e.g. --sglang-mem-fraction-static 0.7, "
-            "--vllm-gpu-memory-utilization 0.7",
+            "--vllm-gpu-memory-utilization 0.7. Not given: the engine whose --sglang-* (or --vllm-*) flags the "
+            "command passes, as Miles' launchers do (Miles' engine is SGLang, and it has no --rollout-backend), else "
+            "embedded; the choice is logged",
         ),
         flag(
             "--sglang-python",

@@ -171,12 +171,16 @@ GROUPS = (
         "training",
         flag(
             "--train-backend",
-            default="fsdp",
+            default=None,
             choices=("fsdp", "megatron"),
             check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
             help="fsdp: HF transformers models, sharded by FSDP2 over 2 or more workers (each transformer block and "
             "the root; the reference model and the critic as well); megatron: Megatron-core GPTModel "
-            "(pip install -r requirements-megatron.txt)",
+            "(pip install -r requirements-megatron.txt). Not given: megatron when the command gives a Megatron-LM "
+            "parallel layout flag (--tensor-model-parallel-size, --pipeline-model-parallel-size, "
+            "--context-parallel-size or --expert-model-parallel-size above 1, --sequence-parallel, "
+            "--use-distributed-optimizer), as Miles' launchers do (Miles' trainer is Megatron), else fsdp; the choice "
+            "is logged",
         ),
         flag("--bf16", action="store_true", help="bf16 mixed precision: autocast matmuls, fp32 weights and optimizer"),
         flag("--global-batch-size", type=int, default=None, check=at_least(1), help="samples per optimizer step"),

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from miles_async.arguments import FEATURES, ConfigError, build_parser, parse_args
+from miles_async.config import backend_choice
 from miles_async.config.capabilities import CAPABILITIES, Capability, check_capabilities
 from miles_async.config.declare import at_least, check_needs, check_values, flag, when_flag, without_effect
 from tests.flag_helpers import minimal_flags
@@ -41,6 +42,7 @@ def _namespace(words: list[str]) -> argparse.Namespace:
     parser = build_parser()
     ns, unknown = parser.parse_known_args(words)
     split_engine_flags(parser, ns, unknown)
+    backend_choice.choose(ns, FEATURES)
     return ns
 
 
@@ -126,7 +128,11 @@ def test_values_that_failed_later_are_refused_naming_the_flag(tmp_path, extra, m
     [
         (["--wandb-project", "p"], "--wandb-project p", ["--use-wandb"]),
         (["--rollout-health-check-interval", "2"], "--rollout-health-check-interval 2.0", ["--use-fault-tolerance"]),
-        (["--sglang-python", "/x/python"], "--sglang-python /x/python", ["--rollout-backend", "sglang"]),
+        (  # named with the embedded engine; alone, --sglang-python would choose SGLang (backend_choice)
+            ["--sglang-python", "/x/python", "--rollout-backend", "embedded"],
+            "--sglang-python /x/python",
+            ["--rollout-backend", "sglang"],
+        ),
         (["--weight-update-dir", "/tmp/w"], "--weight-update-dir /tmp/w", ["--rollout-backend", "vllm"]),
         (["--update-weight-buffer-size", "1024"], "--update-weight-buffer-size 1024", []),
         (["--max-staleness-steps", "3"], "--max-staleness-steps 3", ["--fully-async"]),

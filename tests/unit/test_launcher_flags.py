@@ -48,6 +48,40 @@ def test_sequence_parallel_at_tp_1_is_turned_off_with_a_warning_as_megatron_lm_d
     assert parse_args(_args(tmp_path, *tp2)).train.megatron.sequence_parallel is True
 
 
+def _notes(caplog, args: list[str]):
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="miles_async.arguments"):
+        cfg = parse_args(args)
+    return cfg, [r.getMessage() for r in caplog.records if "none was given" in r.getMessage()]
+
+
+def test_a_command_naming_no_backend_runs_on_the_one_its_flags_are_for(tmp_path, caplog):
+    """Miles has no --rollout-backend or --train-backend: its --sglang-* flags mean SGLang, and Megatron-LM's
+    layout flags mean Megatron. Without them the embedded engine and the torch backend stay the defaults."""
+    cfg, notes = _notes(caplog, _args(tmp_path))
+    assert (cfg.engine.backend, cfg.train.backend, notes) == ("embedded", "fsdp", [])
+    sglang = ["--check-config", "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2"]
+    cfg, notes = _notes(caplog, _args(tmp_path, *sglang))
+    assert (cfg.engine.backend, cfg.train.backend) == ("sglang", "fsdp")
+    assert cfg.engine.sglang_args[:2] == ("--mem-fraction-static", "0.7")
+    assert notes == [
+        "--rollout-backend sglang: none was given, and the command passes --sglang-cuda-graph-bs-decode, "
+        "--sglang-mem-fraction-static (Miles' engine is SGLang, chosen by its flags)"
+    ]
+    layout = ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"]
+    cfg, notes = _notes(caplog, _args(tmp_path, *layout))
+    assert (cfg.engine.backend, cfg.train.backend, cfg.train.megatron.tensor_model_parallel_size) == (
+        "embedded", "megatron", 2
+    )
+    assert notes == [
+        "--train-backend megatron: none was given, and the command gives Megatron-LM's parallel layout "
+        "(--tensor-model-parallel-size 2, --use-distributed-optimizer; Miles' trainer is Megatron)"
+    ]
+    # A backend named on the command line is kept, and refuses what it cannot run.
+    with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 is not supported by the fsdp backend"):
+        parse_args(_args(tmp_path, "--train-backend", "fsdp", *layout))
+
+
 # A tiny Qwen3-MoE's config.json, as validation reads it.
 QWEN3_MOE = dict(
     model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2
@@ -65,7 +99,7 @@ def test_expert_parallelism_is_for_moe_models(tmp_path, caplog):
     ):
         parse_args(_args(tmp_path, *MEGATRON, "--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"))
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size .*--train-backend"):
-        parse_args(_args(tmp_path, "--expert-model-parallel-size", "2", **QWEN3_MOE))
+        parse_args(_args(tmp_path, "--train-backend", "fsdp", "--expert-model-parallel-size", "2", **QWEN3_MOE))
     for name in ("--expert-model-parallel-size", "--expert-tensor-parallel-size"):
         assert _warnings(caplog, _args(tmp_path, *MEGATRON, name, "1", **QWEN3_MOE)) == []
 
@@ -163,7 +197,7 @@ def test_moe_flags_without_effect_here_are_named_with_the_reason(tmp_path, caplo
 def _sample_words(f) -> list[str]:
     if f.options.get("action") == "store_true":
         return [f.name]
-    value = {int: "3", float: "0.5"}.get(f.options.get("type"), "x")
+    value = f.choices[0] if f.choices else {int: "3", float: "0.5"}.get(f.options.get("type"), "x")
     return [f.name, value]
 
 
@@ -173,7 +207,8 @@ IGNORED = [f for f in FLAGS if f.ignored is not None]
 @pytest.mark.parametrize("f", IGNORED, ids=[f.name for f in IGNORED])
 def test_each_launcher_flag_without_effect_is_accepted_and_named_once(tmp_path, caplog, f):
     words = _sample_words(f)
-    warnings = _warnings(caplog, _args(tmp_path, *words))
+    needed = ["--position-embedding-type", "rope"] if f.needs is not None else []  # --no-position-embedding's
+    warnings = _warnings(caplog, _args(tmp_path, *words, *needed))
     assert warnings == [f"{' '.join(words)} is ignored: {f.ignored}"]
 
 

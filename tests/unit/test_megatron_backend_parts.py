@@ -131,7 +131,7 @@ _PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "-
 @pytest.mark.parametrize(
     "extra, fragment",
     [
-        (["--tensor-model-parallel-size", "2"], "need --train-backend megatron"),
+        (["--train-backend", "fsdp", "--tensor-model-parallel-size", "2"], "need --train-backend megatron"),
         (
             ["--train-backend", "megatron", "--tensor-model-parallel-size", "4", "--actor-num-gpus-per-node", "4"],
             "must divide the model's 4 attention heads and 2 key/value heads",
@@ -149,7 +149,10 @@ _PP2 = ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2", "-
             [*_PP2, "--num-layers-per-virtual-pipeline-stage", "1"],
             "the interleaved (virtual pipeline) schedule is not supported",
         ),
-        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported by the fsdp"),
+        (
+            ["--train-backend", "fsdp", "--pipeline-model-parallel-size", "2"],
+            "--pipeline-model-parallel-size 2 is not supported by the fsdp",
+        ),
         (["--train-backend", "megatron", "--advantage-estimator", "ppo"], "needs a critic"),
         (["--train-backend", "megatron", "--keep-old-actor"], "--keep-old-actor is not supported by the megatron"),
         (
