@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # run as a file too
 
 from benchmarks import record  # noqa: E402
 from benchmarks.registry import REGISTRY  # noqa: E402
-from miles_async.arguments import FLAGS, SECTIONS  # noqa: E402
+from miles_async.arguments import FLAGS, SECTIONS, build_parser  # noqa: E402
 from miles_async.config.capabilities import CAPABILITIES, FALLBACKS, WEIGHT_UPDATE_METHODS, Capability  # noqa: E402
 from miles_async.config.declare import Flag  # noqa: E402
 
@@ -191,7 +191,17 @@ def render_compatibility() -> str:
         "| --- | --- |",
         *(f"| {_flag_link(f.name)} | {_escape(f.ignored)} |" for f in FLAGS if f.ignored is not None),
         "",
-        *_not_accepted(upstream_flags()),
+        "## Refused with a reason",
+        "",
+        "Flags of Miles, slime or Megatron-LM that change what they compute and that nothing here implements yet. "
+        'Each parses, so a launcher that passes one never stops at "unrecognized arguments"; given, it is refused '
+        "before anything starts, with this reason.",
+        "",
+        "| flag | why it is refused |",
+        "| --- | --- |",
+        *(f"| {_flag_link(f.name)} | {_escape(f.refused)} |" for f in FLAGS if f.refused is not None),
+        "",
+        *_per_upstream(upstream_flags()),
         "## Weight routes per engine",
         "",
         "`--weight-update-method auto` takes the first route listed.",
@@ -203,27 +213,53 @@ def render_compatibility() -> str:
     return "\n".join(out) + "\n"
 
 
-def _not_accepted(upstream: dict[str, frozenset[str]]) -> list[str]:
-    """Per upstream, its flags no declaration here spells: argparse refuses them as unknown. Its engine flags
-    (``--sglang-*``) are left out: they are passed on to the engine (``config/engine.py``)."""
-    ours = {n for f in FLAGS for n in f.names}
+CLASSES = ("take effect", "accepted without effect", "refused with a reason", "unknown")
+
+
+def flag_classes(names: frozenset[str]) -> dict[str, list[str]]:
+    """An upstream's flag names by what ``train_async.py`` does with each: a declaration here takes effect,
+    is accepted without effect (``ignored``) or refused when given (``refused``); a name none spells is unknown,
+    and argparse stops at it. Its engine flags (``--sglang-*``, ``--vllm-*``) go on to the engine: they take
+    effect."""
+    by_name = {n: f for f in FLAGS for n in f.names}
+    parsed = set(build_parser()._option_string_actions)  # --config too, which no component declares
+    classes: dict[str, list[str]] = {c: [] for c in CLASSES}
+    for n in sorted(names):
+        f = by_name.get(n)
+        if f is None:
+            kind = CLASSES[0] if n in parsed or n.startswith(("--sglang-", "--vllm-")) else CLASSES[3]
+        else:
+            kind = CLASSES[2] if f.refused is not None else CLASSES[1] if f.ignored is not None else CLASSES[0]
+        classes[kind].append(n)
+    return classes
+
+
+def _per_upstream(upstream: dict[str, frozenset[str]]) -> list[str]:
     out = [
-        "## Not accepted",
+        "## Flags per upstream",
         "",
-        "Each upstream's flags that no flag here spells: a command that passes one fails "
-        "at once, naming it. The engines' own flags (`--sglang-*`, `--vllm-*`) are passed on to the engine "
-        "instead.",
+        "What `train_async.py` does with each flag of each upstream (the vendored name lists). *Take effect* "
+        "counts the engine flags (`--sglang-*`, `--vllm-*`), which go on to the engine; *accepted without effect* "
+        "and *refused with a reason* are the tables above (a flag with both, such as "
+        "`--update-weight-transfer-mode`, is counted as accepted); an *unknown* flag stops a command at once, "
+        "naming it.",
         "",
+        "| upstream | flags | " + " | ".join(CLASSES) + " |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    notes = []
     for name, names in upstream.items():
-        missing = sorted(n for n in names - ours if not n.startswith(("--sglang-", "--vllm-")))
-        out += [
-            f'??? note "{name}: {len(missing)} of its {len(names)} flags"',
+        classes = flag_classes(names)
+        counts = [len(classes[c]) for c in CLASSES]
+        unknown = f"{counts[3]} ({100 * counts[3] / len(names):.1f} %)"
+        out.append(f"| {name} | {len(names)} | {counts[0]} | {counts[1]} | {counts[2]} | {unknown} |")
+        notes += [
+            f'??? note "{name}: its {counts[3]} unknown flags"',
             "",
-            "    " + ", ".join(f"`{n}`" for n in missing),
+            "    " + (", ".join(f"`{n}`" for n in classes[CLASSES[3]]) or "none"),
             "",
         ]
-    return out
+    return [*out, "", *notes]
 
 
 def _values(values: tuple) -> str:

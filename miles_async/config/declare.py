@@ -61,6 +61,7 @@ class Flag:
     needs: When | None = None  # given without it: refused
     effect_needs: When | None = None  # given without it: accepted, and a warning says it is ignored
     ignored: str | None = None  # accepted (a Miles/slime/Megatron-LM spelling) without effect here; this says why
+    refused: str | None = None  # an upstream's spelling refused when given: why, and what to use instead
 
     @property
     def name(self) -> str:
@@ -100,15 +101,25 @@ def flag(
     needs: When | None = None,
     effect_needs: When | None = None,
     ignored: str | None = None,
+    refused: str | None = None,
     **options: Any,
 ) -> Flag:
     """One flag: ``names`` and argparse's ``options`` (type, default, help, choices, action, ...), the ``check``s
     its own value must pass, ``needs`` (refused without it), ``effect_needs`` (warned about without it) and
-    ``ignored`` (accepted so launchers run as written, never with an effect: a warning says why)."""
+    ``ignored`` (accepted so launchers run as written, never with an effect: a warning says why) or ``refused``
+    (an upstream's flag that parses but is refused when given, with why and what to use instead)."""
     checks = (check,) if callable(check) else tuple(check)
     if ignored is not None:
         options.setdefault("help", f"accepted, no effect: {ignored}")
-    return Flag(tuple(names), options, checks, needs, effect_needs, ignored)
+    if refused is not None:
+        options.setdefault("help", f"refused: {refused}")
+        default = options.get("default", False if options.get("action") == "store_true" else None)
+        checks = (*checks, _refusal(refused, default))
+    return Flag(tuple(names), options, checks, needs, effect_needs, ignored, refused)
+
+
+def _refusal(why: str, default: Any) -> Check:
+    return lambda name, v: f"{name} is refused: {why}" if v != default else None
 
 
 @dataclass(frozen=True)
