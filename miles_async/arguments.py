@@ -177,7 +177,7 @@ def validate(ns: argparse.Namespace, machine: Machine | None = None) -> list[str
     """Every check, cheapest first; the warnings for flags given without effect."""
     for note in backend_choice.choose(ns, FEATURES):
         logger.info(note)
-    adjusted = megatron.sequence_parallel_without_tp(ns)
+    adjusted = [*megatron.sequence_parallel_without_tp(ns), *loop.default_off_policy_correction(ns)]
     check_values(ns, FLAGS, machine)
     fallbacks = check_capabilities(ns, FEATURES)
     check_needs(ns, FLAGS)
