@@ -313,6 +313,7 @@ def engine_lever(model: Path, shape: str, rounds: int, dtype: str, lever: str) -
 
     from benchmarks import roofline
     from benchmarks import roofline_core as rc
+    from miles_async.inference.embedded import decode_attention, kv_cache
     from miles_async.inference.embedded.decode_attention import DECODE_SDPA
     from miles_async.inference.embedded.engine import Engine
 
@@ -320,11 +321,12 @@ def engine_lever(model: Path, shape: str, rounds: int, dtype: str, lever: str) -
     batch = roofline.step_batch(model, s)
     prompts = [batch.tokens[i][: batch.prompt_lengths[i]] for i in range(0, len(batch), s.samples)]
     engine = Engine(str(model), dtype=getattr(torch, dtype), max_running_requests=s.prompts * s.samples)
-    lm, growing = engine.lm, engine.lm.new_cache
+    lm = engine.lm
+    decode_attention.register()  # where the engine's default leaves it out
     variants: dict[str, Callable[[], None]] = {
         "kv-cache": {
             "before": lambda: setattr(lm, "new_cache", lambda: DynamicCache(config=lm.config)),
-            "after": lambda: setattr(lm, "new_cache", growing),
+            "after": lambda: setattr(lm, "new_cache", lambda: kv_cache.new_cache(lm.config)),
         },
         "decode-attention": {
             "before": lambda: lm.model.set_attn_implementation("sdpa"),

@@ -3,8 +3,9 @@
 A decode step attends one query token per row to the row's cache. torch's CPU flash-attention kernel, which HF's
 sdpa calls, blocks and rescales for long queries; with one query (three once HF packs a GQA group's heads into
 it) that bookkeeping costs more than the scores: ``q @ k^T``, a softmax and ``p @ v`` take half to two thirds of its
-time at SmolLM2's shapes (64 rows, 60-150 keys, float32, 2 cores). A step's decode at 8 prompts x 8 answers of 128
-tokens is 6% faster for it, at 4 answers of 32 tokens 1% (``benchmarks/levers.py``'s ``decode-attention`` lever).
+time at SmolLM2's shapes (64 rows, 60-150 keys, float32, 2 cores). Yet a step's whole decode was not faster for it
+beyond noise at answers of 32 or 128 tokens (``benchmarks/levers.py``'s ``decode-attention`` lever), so the engine
+uses it only where ``model.DECODE_MATMULS`` says (off).
 
 Registered with transformers as ``DECODE_SDPA``, it is HF's sdpa for every call it does not take: a query of more
 than one token (a prefill, a vision tower), float16/bfloat16 (the scores would be rounded to 16 bits where the flash

@@ -1,9 +1,9 @@
 """The embedded engine's KV cache: transformers' ``DynamicCache`` whose layers append in place.
 
 A ``DynamicLayer`` grows by ``torch.cat`` on every forward pass, so each decode step copies every row's whole cache
-of every layer once more: quadratic in the answer's length. Without it a step's decode of SmolLM2 at 8 prompts x 8
-answers of 128 tokens took 8% longer on 2 cores (float32; no gain to see at 32 tokens: ``benchmarks/levers.py``'s
-``kv-cache`` lever). A ``GrowingLayer`` keeps spare columns after its tokens and
+of every layer once more: quadratic in the answer's length. Measured against that (``benchmarks/levers.py``'s
+``kv-cache`` lever), it was not faster beyond noise at answers of 32 or 128 tokens, so the engine uses it only where
+``model.GROWING_KV_CACHE`` says (off). A ``GrowingLayer`` keeps spare columns after its tokens and
 writes new ones into them; it reallocates only when they run out, with room for a quarter more (at least
 ``MIN_SPARE`` columns), so an answer of N tokens costs O(log N) copies of the cache, not N.
 

@@ -1,5 +1,5 @@
 """The embedded engine's model: one Hugging Face causal LM on the CPU, loaded from a local folder, and one forward
-pass of it over a batch that shares a ``DynamicCache`` (of ``kv_cache.GrowingLayer`` s).
+pass of it over a batch that shares a ``DynamicCache`` (of ``kv_cache.GrowingLayer`` s where ``GROWING_KV_CACHE``).
 
 A vision-language model (Qwen2-VL layout: a config with a ``vision_config``) loads with its processor; its prefill
 takes the rows' pixel inputs and runs the vision tower, and every pass takes Qwen2-VL's 3-D positions
@@ -27,6 +27,14 @@ from miles_async.utils.moe_routers import find_routers
 
 logger = logging.getLogger(__name__)
 
+# Levers (``benchmarks/levers.py``) are on by default only where the levers table shows them faster beyond noise or
+# they have another benefit. Neither of these was faster than what it replaces at 32 or 128 tokens an answer
+# (float32, 8 alternated rounds: within noise): the growing cache (``kv_cache.py``, against transformers'
+# DynamicCache; it also keeps up to a quarter more columns) and a decode step's attention as two matmuls
+# (``decode_attention.py``, against HF's sdpa).
+GROWING_KV_CACHE = False
+DECODE_MATMULS = False
+
 
 class CausalLM:
     """The model, its tokenizer (for the ``text`` of results only) and what the scheduler needs to know of it."""
@@ -44,7 +52,7 @@ class CausalLM:
             model_path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
         self.model.eval()
-        if attn_implementation == "sdpa" and not self.is_vision:
+        if DECODE_MATMULS and attn_implementation == "sdpa" and not self.is_vision:
             # the same attention, its decode steps without the flash kernel's overhead (decode_attention.py)
             decode_attention.register()
             self.model.set_attn_implementation(decode_attention.DECODE_SDPA)
@@ -72,8 +80,11 @@ class CausalLM:
         self.last_routing: torch.Tensor | None = None
 
     def new_cache(self) -> Any:
-        """An empty cache whose layers append in place (``kv_cache.py``)."""
-        return kv_cache.new_cache(self.config)
+        """An empty cache: transformers' ``DynamicCache``, or one whose layers append in place (``kv_cache.py``)
+        where ``GROWING_KV_CACHE``."""
+        from transformers import DynamicCache
+
+        return kv_cache.new_cache(self.config) if GROWING_KV_CACHE else DynamicCache(config=self.config)
 
     def _check_cache_layout(self) -> None:
         from transformers import DynamicCache

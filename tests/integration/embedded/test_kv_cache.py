@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from miles_async.inference.embedded.batch import KVBatch, prefill_inputs
-from miles_async.inference.embedded.kv_cache import GrowingLayer, select_rows, spare_columns
+from miles_async.inference.embedded.kv_cache import GrowingLayer, new_cache, select_rows, spare_columns
 from miles_async.inference.embedded.model import CausalLM
 from miles_async.inference.embedded.records import SamplingParams, Seq
 from tests.integration.embedded.helpers import hf_greedy, load_local, make_prompts
@@ -22,7 +22,7 @@ def _prefill(
 ) -> tuple[list[Seq], object, torch.Tensor]:
     """The engine's admission: each distinct prompt prefilled once, its cache rows repeated as ``repeat`` says."""
     ids, mask, positions = prefill_inputs([tuple(p) for p in prompts], lm.pad_id)
-    cache = lm.new_cache()
+    cache = new_cache(lm.config)  # the lever itself, whatever the engine's default (GROWING_KV_CACHE)
     logits = lm.forward(ids, mask, positions, cache, last_only=True)
     idx = torch.tensor(repeat)
     select_rows(cache, idx)
