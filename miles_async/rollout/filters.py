@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from miles_async.config.rollout import RolloutConfig
-from miles_async.rollout.sample import Sample
+from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.utils.plugins import load_function
 
 Group = list[Sample]
@@ -69,6 +69,14 @@ def zero_variance(args: Any, samples: Group, **kwargs: Any) -> DynamicFilterOutp
     if len(rewards) <= 1 or not zero_variance_groups([rewards], getattr(args, "zero_variance_tol", 0.0))[0]:
         return DynamicFilterOutput(True)
     return DynamicFilterOutput(False, f"zero_std_{round(rewards[0], 1)}")
+
+
+def no_aborted(args: Any, samples: Group, **kwargs: Any) -> DynamicFilterOutput:
+    """Miles' ``check_no_aborted``: drop a group in which any sample was aborted (an environment's timeout, a
+    crashed sandbox), so that no group trains on a cut-off trajectory."""
+    if any(s.status == SampleStatus.ABORTED for s in samples):
+        return DynamicFilterOutput(False, "group_has_aborted")
+    return DynamicFilterOutput(True)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Miles' own plugins that have the same function here, by the dotted path a Miles launcher gives: the path loads
+# ours, and the alias is logged. check_reward_nonzero_std keeps a group whose rewards are not all equal, as
+# zero_variance does (a group of one is kept here: Miles' std of one reward is NaN, which drops every group when
+# --n-samples-per-prompt is 1).
+MILES_EQUIVALENTS = {
+    "miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std": (
+        "miles_async.rollout.filters:zero_variance"
+    ),
+    "miles.rollout.filter_hub.dynamic_sampling_filters.check_no_aborted": "miles_async.rollout.filters:no_aborted",
+}
 
 
 class PluginError(ValueError):
@@ -11,7 +25,12 @@ class PluginError(ValueError):
 
 
 def load_object(path: str, flag: str = "plugin") -> Any:
-    """Import ``module:attr`` or ``module.attr``; errors name the flag and what failed."""
+    """Import ``module:attr`` or ``module.attr``; errors name the flag and what failed. A path into Miles' own tree
+    with an equivalent here (``MILES_EQUIVALENTS``) loads that equivalent."""
+    ours = MILES_EQUIVALENTS.get(path.replace(":", "."))
+    if ours is not None:
+        logger.info("%s %s: Miles' own function, loaded as its equivalent here, %s", flag, path, ours)
+        path = ours
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:

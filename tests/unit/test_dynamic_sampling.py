@@ -5,6 +5,7 @@ tasks whose groups finish in a scripted order)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from types import SimpleNamespace
 
@@ -24,7 +25,7 @@ from miles_async.rollout.filters import (
     verdict,
     zero_variance,
 )
-from miles_async.rollout.sample import Sample
+from miles_async.rollout.sample import Sample, SampleStatus
 from miles_async.utils.plugins import PluginError
 from tests.flag_helpers import minimal_flags
 
@@ -64,6 +65,37 @@ def test_a_miles_filter_loads_by_dotted_path_and_its_tensor_verdict_is_read():
 def test_a_bad_filter_path_names_the_flag(path):
     with pytest.raises(PluginError, match="--dynamic-sampling-filter-path"):
         load_group_filter(path, ARGS)
+
+
+MILES_FILTERS = "miles.rollout.filter_hub.dynamic_sampling_filters."
+
+
+def test_miles_own_filter_paths_load_our_equivalents_and_say_so(tmp_path, caplog):
+    """Miles' launchers give paths into Miles' tree (16 pass check_reward_nonzero_std, 7 check_no_aborted), which
+    cannot be imported here; each loads the same function of ours, and the alias is logged."""
+    nonzero_std = load_group_filter(MILES_FILTERS + "check_reward_nonzero_std", ARGS)
+    assert nonzero_std(group("a", [1.0, 1.0])) == DynamicFilterOutput(False, "zero_std_1.0")
+    assert nonzero_std(group("a", [0.0, 1.0])).keep
+    no_aborted = load_group_filter(MILES_FILTERS + "check_no_aborted", ARGS)
+    cut = group("b", [1.0, 0.0])
+    assert no_aborted(cut).keep
+    cut[1].status = SampleStatus.ABORTED
+    assert no_aborted(cut) == DynamicFilterOutput(False, "group_has_aborted")
+    with caplog.at_level(logging.INFO, logger="miles_async.utils.plugins"):
+        cfg = parse_args(
+            [
+                *minimal_flags(tmp_path),
+                "--num-rollout",
+                "1",
+                "--dynamic-sampling-filter-path",
+                MILES_FILTERS + "check_reward_nonzero_std",
+            ]
+        )
+    assert cfg.rollout.dynamic_sampling.filter_path == MILES_FILTERS + "check_reward_nonzero_std"
+    assert [r.getMessage() for r in caplog.records if r.name == "miles_async.utils.plugins"] == [
+        f"--dynamic-sampling-filter-path {MILES_FILTERS}check_reward_nonzero_std: Miles' own function, loaded as "
+        "its equivalent here, miles_async.rollout.filters:zero_variance"
+    ]
 
 
 def test_the_built_in_zero_variance_filter():
