@@ -31,6 +31,7 @@ from benchmarks.registry import REGISTRY  # noqa: E402
 from miles_async.arguments import FLAGS, SECTIONS, build_parser  # noqa: E402
 from miles_async.config.capabilities import CAPABILITIES, FALLBACKS, WEIGHT_UPDATE_METHODS, Capability  # noqa: E402
 from miles_async.config.declare import Flag  # noqa: E402
+from scripts.survey_launchers import read  # noqa: E402
 
 UPSTREAM_DIR = ROOT / "miles_async" / "config" / "upstream_flags"
 UPSTREAMS = {"Miles": "miles.txt", "slime": "slime.txt", "Megatron-LM": "megatron_lm.txt"}
@@ -259,6 +260,20 @@ def _per_upstream(upstream: dict[str, frozenset[str]]) -> list[str]:
             "    " + (", ".join(f"`{n}`" for n in classes[CLASSES[3]]) or "none"),
             "",
         ]
+    out += [
+        "",
+        "The flags each upstream's published launchers and examples pass (its newest snapshot's `scripts/` and "
+        "`examples/`, bash and Python, counted by `python -m scripts.survey_launchers`; Miles' and slime's whole "
+        "lists above come from `python -m scripts.upstream_flag_names`). None may be unknown: "
+        "tests/unit/test_upstream_launcher_flags.py gives them all to the parser.",
+        "",
+        "| upstream | flags its launchers pass | " + " | ".join(CLASSES) + " |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, survey in (("Miles", "miles"), ("slime", "slime")):
+        passed = frozenset(read(survey))
+        counts = [len(names) for names in flag_classes(passed).values()]
+        out.append(f"| {name} | {len(passed)} | " + " | ".join(map(str, counts)) + " |")
     return [*out, "", *notes]
 
 

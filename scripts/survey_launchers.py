@@ -55,7 +55,7 @@ NOT_TRAIN_FLAGS = frozenset(name for names in NOT_TRAIN.values() for name in nam
 
 
 def launchers(git_dir: Path) -> list[str]:
-    files = _git(git_dir, "ls-tree", "-r", "--name-only", "HEAD").split()
+    files = git(git_dir, "ls-tree", "-r", "--name-only", "HEAD").split()
     return sorted(p for p in files if SCRIPT.match(p))
 
 
@@ -82,11 +82,11 @@ def passed_text(path: str, text: str) -> str:
 
 def survey(git_dir: Path) -> tuple[str, list[str], Counter[str]]:
     """The HEAD commit, its launcher scripts, and per flag how many of them pass it."""
-    commit = _git(git_dir, "rev-parse", "HEAD").strip()
+    commit = git(git_dir, "rev-parse", "HEAD").strip()
     scripts = launchers(git_dir)
     counts: Counter[str] = Counter()
     for path in scripts:
-        found = set(FLAG.findall(passed_text(path, _git(git_dir, "show", f"HEAD:{path}"))))
+        found = set(FLAG.findall(passed_text(path, git(git_dir, "show", f"HEAD:{path}"))))
         counts.update(found - NOT_TRAIN_FLAGS)
     return commit, scripts, counts
 
@@ -112,11 +112,11 @@ def read(name: str) -> dict[str, int]:
     }
 
 
-def _git(git_dir: Path, *args: str) -> str:
+def git(git_dir: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(git_dir), *args], capture_output=True, text=True, check=True).stdout
 
 
-def _repo_of(git_dir: Path) -> str:
+def repo_of(git_dir: Path) -> str:
     """Which upstream a mirror is: its remote URL, else its folder name (``owner+name``)."""
     for repo in UPSTREAMS:
         if repo.replace("/", "+") in str(git_dir) or repo in str(git_dir):
@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mirrors", nargs="+", type=Path, help="git directories of radixark/miles and THUDM/slime")
     args = parser.parse_args(argv)
     for git_dir in args.mirrors:
-        repo = _repo_of(git_dir)
+        repo = repo_of(git_dir)
         commit, scripts, counts = survey(git_dir)
-        date = _git(git_dir, "log", "-1", "--format=%cs", "HEAD").strip()
+        date = git(git_dir, "log", "-1", "--format=%cs", "HEAD").strip()
         path = OUT / f"{UPSTREAMS[repo]}_launchers.txt"
         path.write_text(render(repo, commit, date, scripts, counts))
         print(f"{path.relative_to(ROOT)}: {len(counts)} flags from {len(scripts)} scripts at {commit[:12]}")

@@ -121,3 +121,47 @@ def test_a_refused_declaration_parses_and_says_refused_in_its_help():
     assert isinstance(f, Flag) and f.options["help"] == "refused: not implemented here yet: a thing"
     assert f.checks[-1]("--a-thing", None) is None
     assert f.checks[-1]("--a-thing", "x") == "--a-thing is refused: not implemented here yet: a thing"
+
+
+def _mirror(tmp_path, files: dict[str, str]):
+    """A git repository laid out as Miles' snapshot, holding ``files`` in one commit."""
+    import subprocess
+
+    git_dir = tmp_path / "radixark+miles" / "repo"
+    for path, text in files.items():
+        (git_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (git_dir / path).write_text(text)
+    run = ["git", "-C", str(git_dir), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*run, "init", "-q"], check=True)
+    subprocess.run([*run, "add", "."], check=True)
+    subprocess.run([*run, "commit", "-q", "-m", "snapshot"], check=True)
+    return git_dir
+
+
+def test_the_survey_counts_what_scripts_pass_and_the_flag_list_what_the_parser_adds(tmp_path):
+    """The survey counts a flag once per script that passes it: not in bash comments, Python comments or
+    docstrings, nor another program's (ray's --address), nor files that are not launchers. The flag list takes every
+    add_argument name of the parser's files and FSDPArgs' fields (its FSDP parser adds one flag per field)."""
+    from scripts.survey_launchers import repo_of, survey
+    from scripts.upstream_flag_names import SOURCES, flag_names
+
+    parser_files = dict.fromkeys(SOURCES["radixark/miles"], "")
+    parser_files["miles/utils/arguments.py"] = 'p.add_argument("--lr", type=float)\np.add_argument("--x-flag")\n'
+    parser_files["miles/backends/fsdp_utils/arguments.py"] = (
+        "@dataclass\nclass FSDPArgs:\n    optimizer: str = 'adam'\n    adam_eps: float = 1e-8\n    config: str = ''\n"
+    )
+    git_dir = _mirror(
+        tmp_path,
+        {
+            **parser_files,
+            "scripts/run_model.py": '"""Usage: --launcher-option"""\nARGS = "--lr 1e-6 --use-opd --lr 2 "  # --no\n',
+            "examples/task/run.sh": "ray job submit --address x -- python3 train.py \\\n  # --commented-out\n"
+            "  --lr 1 --use-opd=1\n",
+            "tools/convert.sh": "python convert.py --not-a-launcher\n",
+        },
+    )
+    assert repo_of(git_dir) == "radixark/miles"
+    _, scripts, counts = survey(git_dir)
+    assert scripts == ["examples/task/run.sh", "scripts/run_model.py"]
+    assert dict(counts) == {"--lr": 2, "--use-opd": 2}
+    assert flag_names(git_dir, "radixark/miles") == {"--lr", "--x-flag", "--optimizer", "--adam-eps"}
