@@ -9,6 +9,8 @@ that type instead, as in Miles (a ``--custom-rm-path`` or ``--rm-url`` reward sc
   verl-style: 1 or 0, and 0 without a boxed answer.
 - ``deepscaler``: the same check on the answer after the thinking: the text after the last ``</think>`` (or after
   ``###Response``); 0 for a response with neither, a thought that never ended.
+- ``gemma_math``: the same check on the text after Gemma-4's last ``<channel|>`` (which closes its thinking), or
+  on the whole response without one.
 - ``dapo``: DAPO's: the last ``Answer: ...`` line within the response's last 300 characters against the (integer)
   label. The score is an object ``{"score": 1.0 or -1.0, "acc": bool, "pred": the answer read}``; the reward is
   its ``--reward-key`` field, ``score`` unless given (Miles' launchers give ``--reward-key score``).
@@ -21,6 +23,9 @@ that type instead, as in Miles (a ``--custom-rm-path`` or ``--rm-url`` reward sc
   when it contains the correct choice's text. The letters are the metadata's ``valid_letters``, else one per
   ``choices``, else A-H.
 - ``random``: 0 or 1 by a fair coin, a baseline.
+- ``deterministic_random``: 0 or 1 by a hash, the same every time for the same answer to the same label (Miles
+  hashes the sample's token ids with the response, which no reward type sees here: the same determinism, other
+  values).
 - ``integer`` / ``first_integer``: the last / first integer of the response equals the integer label.
 - ``exact``: the response, stripped, equals the label.
 - ``ifbench`` is refused: it needs IFBench's instruction checkers (``UNAVAILABLE``).
@@ -33,6 +38,7 @@ hold the rollout.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import string
@@ -190,8 +196,16 @@ def gpqa_reward(response: str, label: Any, metadata: dict) -> float:
     return float(any(_plain(str(t)) and _plain(str(t)) in _plain(answer) for t in texts if t))
 
 
+def gemma_math_reward(response: str, label: Any, metadata: dict) -> float:
+    return float(_boxed_answer_is(response.rsplit("<channel|>", 1)[-1], label))
+
+
 def random_reward(response: str, label: Any, metadata: dict) -> float:
     return float(random.random() < 0.5)
+
+
+def deterministic_random_reward(response: str, label: Any, metadata: dict) -> float:
+    return float(hashlib.sha256(f"{label}\0{response}".encode()).digest()[0] % 2)
 
 
 # -- the project's own ----------------------------------------------------------------------------
@@ -224,10 +238,12 @@ def exact_reward(response: str, label: Any, metadata: dict | None = None) -> flo
 TYPES: dict[str, RewardType] = {
     "math": RewardType(math_reward, math_verify=True),
     "deepscaler": RewardType(deepscaler_reward, math_verify=True),
+    "gemma_math": RewardType(gemma_math_reward, math_verify=True),
     "dapo": RewardType(dapo_reward, math_verify=True),
     "f1": RewardType(f1_reward),
     "gpqa": RewardType(gpqa_reward),
     "random": RewardType(random_reward),
+    "deterministic_random": RewardType(deterministic_random_reward),
     "integer": RewardType(integer_reward),
     "first_integer": RewardType(first_integer_reward),
     "exact": RewardType(exact_reward),

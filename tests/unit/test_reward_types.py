@@ -40,6 +40,10 @@ CHOICES = {"choices": ["London", "Berlin", "Rome", "Paris"]}
         ("deepscaler", "<think>it is \\boxed{4}</think> I am not sure.", "4", {}, 0.0),
         ("deepscaler", "It is \\boxed{4}.", "4", {}, 0.0),
         ("deepscaler", "###Response It is \\boxed{4}.", "4", {}, 1.0),
+        # gemma_math: the answer after Gemma-4's last <channel|>, or anywhere without one (Miles' get_gemma_math_reward)
+        ("gemma_math", "thinking: \\boxed{3}?<channel|>It is \\boxed{4}.", "4", {}, 1.0),
+        ("gemma_math", "thinking: \\boxed{4}<channel|>It is \\boxed{3}.", "4", {}, 0.0),
+        ("gemma_math", "It is \\boxed{4}.", "4", {}, 1.0),
         # dapo: the last "Answer:" line of the last 300 characters; 1 or -1
         ("dapo", "12 + 22 = 34.\nAnswer: 34", "34", {}, 1.0),
         ("dapo", "Answer: $34$", "34", {}, 1.0),
@@ -85,6 +89,12 @@ def test_random_is_a_coin():
     assert {reward_types.score("random", "", None, {}) for _ in range(200)} == {0.0, 1.0}
 
 
+def test_deterministic_random_is_a_coin_fixed_by_the_answer():
+    scores = [reward_types.score("deterministic_random", f"answer {i}", "4", {}) for i in range(64)]
+    assert scores == [reward_types.score("deterministic_random", f"answer {i}", "4", {}) for i in range(64)]
+    assert 16 < sum(scores) < 48  # both sides, as a fair coin's 64 throws fall there but for 1 in 10^4
+
+
 def _sample(response: str, label, metadata: dict | None = None) -> Sample:
     return Sample(uid="u7", group_index=0, index=0, prompt="p", label=label, response=response, metadata=metadata or {})
 
@@ -118,7 +128,7 @@ def test_dapos_reward_key_picks_its_field():
 @pytest.mark.parametrize(
     "rm_type, message",
     [
-        ("nonsense", "unknown reward type 'nonsense'; choose from math, deepscaler, dapo"),
+        ("nonsense", "unknown reward type 'nonsense'; choose from math, deepscaler, gemma_math, dapo"),
         ("ifbench", "reward type 'ifbench' is not supported: IFBench's instruction checkers are not installable"),
     ],
 )
@@ -143,7 +153,10 @@ def test_rm_type_that_cannot_score_is_refused_before_the_run(tmp_path, rm_type, 
 
 def test_miles_reward_type_spellings_parse(tmp_path):
     flags = minimal_flags(tmp_path)
-    for rm_type in ("deepscaler", "dapo", "math", "f1", "gpqa", "random", "boxed_f1"):
+    # every name of Miles' reward hub (miles/rollout/rm_hub/__init__.py) but ifbench (refused, above) and remote_rm
+    # (--rm-url's, test_remote_reward.py)
+    for rm_type in ("deepscaler", "gemma_math", "dapo", "math", "f1", "gpqa", "random", "deterministic_random",
+                    "boxed_f1"):  # fmt: skip
         flags[flags.index("--rm-type") + 1] = rm_type
         assert parse_args([*flags, "--num-rollout", "1"]).rollout.reward.rm_type == rm_type
 
