@@ -203,8 +203,8 @@ GROUPS = (
         flag(
             "--use-dynamic-batch-size",
             action="store_true",
-            help="always on: micro-batches are packed to --max-tokens-per-gpu (Miles' dynamic batch size), "
-            "counting padded tokens",
+            ignored="micro-batches are always packed to --max-tokens-per-gpu tokens (Miles' dynamic batch size, "
+            "counting padded tokens), with or without it",
         ),
         SHARED_PREFIX,
         flag(

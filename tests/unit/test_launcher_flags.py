@@ -82,6 +82,14 @@ def test_a_command_naming_no_backend_runs_on_the_one_its_flags_are_for(tmp_path,
         parse_args(_args(tmp_path, "--train-backend", "fsdp", *layout))
 
 
+def test_use_dynamic_batch_size_is_named_as_always_on(tmp_path, caplog):
+    """The docs list it among the flags warned about; it was accepted silently."""
+    assert _warnings(caplog, _args(tmp_path, "--use-dynamic-batch-size")) == [
+        "--use-dynamic-batch-size is ignored: micro-batches are always packed to --max-tokens-per-gpu tokens (Miles' "
+        "dynamic batch size, counting padded tokens), with or without it"
+    ]
+
+
 # A tiny Qwen3-MoE's config.json, as validation reads it.
 QWEN3_MOE = dict(
     model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=2
