@@ -638,10 +638,13 @@ IGNORED = (
     ),
     *ignored("the trainer's collectives keep the backend's own timeout", "--distributed-timeout-minutes="),
     *ignored(
-        "the rollouts are driven from train_async.py's own process; there is no rollout manager to place",
+        "the rollout executor (Miles' rollout manager) is a Ray actor Ray places; where it runs changes no result",
         "--pin-rollout-manager-to-head",
     ),
-    *ignored("engines and reward servers are reached directly; set HTTP_PROXY in the environment", "--http-proxy="),
+    *ignored(
+        "engines and reward servers are reached directly here, through no proxy",
+        "--http-proxy=",
+    ),
     *ignored(
         "an engine's health is checked once it has started (--engine-startup-timeout bounds the start)",
         "--rollout-health-check-first-wait=",
