@@ -93,6 +93,7 @@ GROUPS = (
         ),
         flag(
             "--max-in-flight-evals",
+            "--eval-max-in-flight",  # Miles' spelling
             help="evals running at once; a new one waits for a slot",
             type=int,
             default=1,

@@ -114,6 +114,22 @@ def test_both_spellings_of_a_whole_weight_update_are_accepted_and_named(tmp_path
     ]
 
 
+def test_miles_eval_spellings_take_effect_or_say_what_they_do_here(tmp_path, caplog):
+    """--eval-max-in-flight is Miles' --max-in-flight-evals (same meaning); --eval-overflow-policy backpressure is
+    what a due eval does here (waits for a slot), skip is refused."""
+    evals = ["--num-rollout", "1", "--eval-prompt-data", "aime", str(tmp_path / "train.jsonl"), "--eval-interval", "1"]
+    with caplog.at_level(logging.WARNING, logger="miles_async"):
+        cfg = parse_args([*minimal_flags(tmp_path), *evals, "--eval-max-in-flight", "3",
+                          "--eval-overflow-policy", "backpressure"])  # fmt: skip
+    assert cfg.eval.max_in_flight == 3
+    assert [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()] == [
+        "--eval-overflow-policy backpressure is ignored: a due eval waits for a slot of --max-in-flight-evals here "
+        "(backpressure); skip is refused"
+    ]
+    with pytest.raises(ConfigError, match=r"^--eval-overflow-policy skip is refused: not implemented here yet"):
+        parse_args([*minimal_flags(tmp_path), *evals, "--eval-overflow-policy", "skip"])
+
+
 def test_a_refused_declaration_parses_and_says_refused_in_its_help():
     from miles_async.config.compat import refused
 
