@@ -135,6 +135,9 @@ REFUSED = group(
         choices=("broadcast", "p2p", "disk-delta"),
         default=None,
         check=_transfer_mode,
+        help="Miles' spelling of how weights reach the engines; slime's is --update-weight-mode with "
+        "--update-weight-transport (disk-delta = delta over disk). Here: broadcast is accepted with a warning, p2p "
+        "and disk-delta are refused",
         ignored="broadcast is how --weight-update-method distributed sends weights; p2p and disk-delta are refused",
     ),
     flag(
@@ -142,12 +145,16 @@ REFUSED = group(
         choices=("full", "delta"),
         default=None,
         check=lambda name, v: f"{name} delta is refused: {DELTA}" if v == "delta" else None,
+        help="slime's spelling (with --update-weight-transport) of Miles' --update-weight-transfer-mode. Here: full "
+        "is accepted with a warning, delta is refused",
         ignored="full updates are the only kind here (slime's spelling; delta is refused)",
     ),
     flag(
         "--update-weight-transport",
         choices=("nccl", "disk"),
         default=None,
+        help="slime's transport of --update-weight-mode (Miles' --update-weight-transfer-mode); accepted with a "
+        "warning",
         ignored="slime's transport: here it is --weight-update-method (distributed is NCCL, disk is disk)",
     ),
     *refused(
