@@ -13,10 +13,8 @@ import argparse
 from collections.abc import Mapping
 
 from miles_async.config.capabilities import MEGATRON_LAYOUT, Feature
+from miles_async.config.declare import Fallback
 from miles_async.config.engine import PASSTHROUGH_ENGINES
-
-DEFAULT_ROLLOUT_BACKEND = "embedded"
-DEFAULT_TRAIN_BACKEND = "fsdp"
 
 
 def _engine_flags(ns: argparse.Namespace, features: Mapping[str, Feature], engine: str) -> list[str]:
@@ -28,20 +26,20 @@ def _engine_flags(ns: argparse.Namespace, features: Mapping[str, Feature], engin
 
 
 def choose(ns: argparse.Namespace, features: Mapping[str, Feature]) -> list[str]:
-    """Set --rollout-backend and --train-backend on ``ns`` where the command gave none; what was chosen from the
-    command's other flags, for the log."""
+    """Set --rollout-backend and --train-backend on ``ns`` where the command gave none (their defaults are
+    ``Fallback`` values); what was chosen from the command's other flags, for the log."""
     notes = []
-    if ns.rollout_backend is None:
+    if isinstance(ns.rollout_backend, Fallback):
         given = {e: names for e in PASSTHROUGH_ENGINES if (names := _engine_flags(ns, features, e))}
-        ns.rollout_backend = next(iter(given)) if len(given) == 1 else DEFAULT_ROLLOUT_BACKEND
+        ns.rollout_backend = next(iter(given)) if len(given) == 1 else str(ns.rollout_backend)
         if len(given) == 1:
             notes.append(
                 f"--rollout-backend {ns.rollout_backend}: none was given, and the command passes "
                 f"{', '.join(given[ns.rollout_backend])} (Miles' engine is SGLang, chosen by its flags)"
             )
-    if ns.train_backend is None:
+    if isinstance(ns.train_backend, Fallback):
         layout = [features[name].shown(ns) for name in MEGATRON_LAYOUT if features[name].is_set(ns)]
-        ns.train_backend = "megatron" if layout else DEFAULT_TRAIN_BACKEND
+        ns.train_backend = "megatron" if layout else str(ns.train_backend)
         if layout:
             notes.append(
                 f"--train-backend megatron: none was given, and the command gives Megatron-LM's parallel layout "

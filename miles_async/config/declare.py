@@ -31,6 +31,11 @@ def require(cond: bool, message: str) -> None:
 Check = Callable[[str, Any], "str | None"]
 
 
+class Fallback(str):
+    """A choice flag's default that the command's other flags may override (``backend_choice``): equal to the value
+    it stands for, and told apart from that value given on the command line or in --config."""
+
+
 @dataclass(frozen=True)
 class When:
     """A condition on the parsed flags, and the words naming it in messages ("--use-fault-tolerance")."""

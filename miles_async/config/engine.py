@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from miles_async.config.capabilities import resolve_weight_update_method
 from miles_async.config.declare import (
+    Fallback,
     When,
     at_least,
     each,
@@ -152,7 +153,7 @@ GROUPS = (
         "inference engines",
         flag(
             "--rollout-backend",
-            default=None,
+            default=Fallback("embedded"),
             choices=("embedded", "sglang", "vllm"),
             help="embedded: the project's own CPU engine server; sglang: SGLang's server "
             "(python -m sglang.launch_server, in SGLang's environment: scripts/setup_sglang_env.sh); "

@@ -11,6 +11,7 @@ from miles_async.config.algorithm import CRITIC, AlgorithmConfig
 from miles_async.config.capabilities import resolve_weight_update_method
 from miles_async.config.cluster import num_train_workers
 from miles_async.config.declare import (
+    Fallback,
     When,
     at_least,
     each,
@@ -171,7 +172,7 @@ GROUPS = (
         "training",
         flag(
             "--train-backend",
-            default=None,
+            default=Fallback("fsdp"),
             choices=("fsdp", "megatron"),
             check=importable("megatron.core", "megatron-core: pip install -r requirements-megatron.txt", "megatron"),
             help="fsdp: HF transformers models, sharded by FSDP2 over 2 or more workers (each transformer block and "
