@@ -322,7 +322,12 @@ REFUSED = group(
         NOT_YET + "dropping zero-reward samples; --dynamic-sampling-filter-path takes a filter function",
         "--filter-zero-reward-samples",
     ),
-    *refused("set them in the environment train_async.py starts in: Ray passes it to the trainer", "--train-env-vars="),
+    *refused(
+        NOT_YET + "environment variables for the trainer alone. The Ray cluster a run starts gives its workers "
+        "train_async.py's environment (set them there); a cluster it joins (--ray-address) gives them its `ray start` "
+        "environment",
+        "--train-env-vars=",
+    ),
     *refused(NOT_YET + "a custom chat template file (the tokenizer's own template applies)", "--chat-template-path="),
     *refused(NOT_YET + "tools read from the dataset; give --tools-path", "--tool-key=", "--tito-model="),
     *refused(NOT_YET + "keeping special tokens out of responses", "--rollout-skip-special-tokens"),
@@ -402,7 +407,11 @@ REFUSED = group(
         "--custom-megatron-post-save-hook-path=",
         "--custom-model-provider-path=",
     ),
-    *refused(PLUGIN.format("YAML of extra flags for plugins"), "--custom-config-path="),
+    *refused(
+        NOT_YET + "Miles' YAML that overrides flags and adds its plugins' settings; --config takes a YAML of this "
+        "project's flags (the command line wins over it)",
+        "--custom-config-path=",
+    ),
     *refused(
         AGENT,
         "--custom-agent-function-path=",
