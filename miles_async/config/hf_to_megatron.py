@@ -220,14 +220,20 @@ def text_model(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The config of the model the Megatron-LM flags describe. A multimodal config.json (Qwen3-VL, Qwen3.5 and
     3.6, Kimi-K2.5) nests its language model under ``text_config``, whose keys then win over the wrapper's; a
     hybrid Mamba config (Nemotron-H) counts its layers in ``layers_block_type`` (``hybrid_override_pattern`` as
-    written), one letter or name per layer, as Megatron-LM's --num-layers does."""
+    written), one letter or name per layer, as Megatron-LM's --num-layers does; its MLP's activation is
+    ``mlp_hidden_act`` (squared ReLU, no SwiGLU), and it has experts only where a layer is MoE (``E``, ``moe``),
+    whatever expert counts transformers fills in."""
     out = dict(hf)
     text = hf.get("text_config")
     if isinstance(text, Mapping) and "num_hidden_layers" not in hf:
         out = {**{k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}, **text}
     pattern = out.get("layers_block_type") or out.get("hybrid_override_pattern")
-    if "num_hidden_layers" not in out and pattern:
-        out["num_hidden_layers"] = len(pattern)
+    if pattern:
+        out.setdefault("num_hidden_layers", len(pattern))
+        out.setdefault("hidden_act", out.get("mlp_hidden_act"))
+        if not any(kind in ("E", "moe") for kind in pattern):
+            for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+                out.pop(key, None)
     return out
 
 

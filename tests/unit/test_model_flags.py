@@ -468,6 +468,17 @@ def test_a_hybrid_models_layers_are_its_pattern_and_a_missing_key_is_named_not_a
         "--num-layers 52 does not match TMP/model/config.json: num_hidden_layers 6 (that is --num-layers 6)"
     ]
     assert not [p for p in _problems(tmp_path, ["--num-layers", "6"], **nemotron) if p.startswith("--num-layers")]
+    # Miles' MODEL_ARGS of Nemotron-3-Nano-4B (scripts/models/nemotron-3-nano-4b.py) against a dense hybrid config of
+    # those sizes: no SwiGLU (squared ReLU) and no experts, although transformers fills in 8 for every Nemotron-H.
+    nano = dict(model_type="nemotron_h", hybrid_override_pattern="M*-" * 14, hidden_size=3136, intermediate_size=12544,
+                num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=131072,
+                tie_word_embeddings=False, mlp_hidden_act="relu2")  # fmt: skip
+    miles_nano = (
+        "--disable-bias-linear --group-query-attention --num-attention-heads 40 --num-query-groups 8 --kv-channels 128 "
+        "--num-layers 42 --hidden-size 3136 --ffn-hidden-size 12544 --normalization RMSNorm --position-embedding-type "
+        "none --vocab-size 131072 --make-vocab-size-divisible-by 128 --untie-embeddings-and-output-weights"
+    )
+    assert _problems(tmp_path, miles_nano.split(), **nano) == []
     v4 = dict(model_type="deepseek_v4", num_hidden_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128)
     minimal_flags(tmp_path, **v4)
     words = [*_describing(load_hf_config(str(tmp_path / "model"))), "--ffn-hidden-size", "2048"]
