@@ -87,7 +87,7 @@ LORA = (
 AGENT = NOT_YET + "Miles' agentic generate functions and session server; give --custom-generate-function-path"
 LR = NOT_YET + "{}; the schedule is --lr-warmup-iters, --lr-decay-style and --lr-decay-iters"
 DEBUG_DATA = NOT_YET + "saving and replaying rollout data for debugging (--debug-exit-after-rollout stops early)"
-PLUGIN = NOT_YET + "Miles' {} plugin point"
+PLUGIN = NOT_YET + "the {} plugin point{}"
 FT = "fault tolerance here is --use-fault-tolerance (engines restarted and reseeded), with --max-engine-restarts"
 MEMORY = "a memory-saving switch; the trainer's memory here is set by --max-tokens-per-gpu and its offload flags"
 KERNEL = (
@@ -123,7 +123,7 @@ def _loss_type(name: str, value: str | None) -> str | None:
         return None
     if value == "sft_loss":
         return f"{name} sft_loss is refused: {NOT_YET}supervised fine-tuning through the RL loop"
-    return f"{name} {value} is refused: {PLUGIN.format('custom loss function')}"
+    return f"{name} {value} is refused: {PLUGIN.format('custom loss function', '')}"
 
 
 # One --help heading for both: what Miles', slime's and Megatron-LM's launchers pass that does not take effect here.
@@ -353,11 +353,12 @@ REFUSED = group(
         "--no-load-rng",
     ),
     *refused(NOT_YET + "the Muon optimizer (--optimizer adam or sgd)", "--muon-momentum="),
-    *refused(PLUGIN.format("custom loss function"), "--custom-loss-function-path="),
+    *refused(PLUGIN.format("custom loss function", ""), "--custom-loss-function-path="),
     *refused(
-        PLUGIN.format("advantage function; --advantage-estimator chooses it"), "--custom-advantage-function-path="
+        PLUGIN.format("advantage function", "; --advantage-estimator chooses it here"),
+        "--custom-advantage-function-path=",
     ),
-    *refused(PLUGIN.format("per-sample rollout hook"), "--rollout-sample-hook-path+"),
+    *refused(PLUGIN.format("per-sample rollout hook", ""), "--rollout-sample-hook-path+"),
     *refused(NOT_YET + "a structured YAML of Megatron roles; give the flags (or --config)", "--megatron-config-path="),
     *refused(
         NOT_YET + "debug runs without an optimizer or without weight updates",
@@ -373,34 +374,35 @@ REFUSED = group(
         "the gradient-reduction dtype is --accumulate-allreduce-grads-in-fp32's choice here", "--grad-reduce-in-bf16"
     ),
     *refused(
-        PLUGIN.format("TIS/RS function; --use-tis with --tis-mode and --tis-level"), "--custom-tis-function-path="
+        PLUGIN.format("TIS/RS function", "; --use-tis with --tis-mode and --tis-level correct the gap here"),
+        "--custom-tis-function-path=",
     ),
     *refused(
-        PLUGIN.format("pg-loss reducer; --loss-agg-mode chooses the reduction"),
+        PLUGIN.format("pg-loss reducer", "; --loss-agg-mode chooses the reduction here"),
         "--custom-pg-loss-reducer-function-path=",
     ),
-    *refused(PLUGIN.format("samples-to-train-data"), "--custom-convert-samples-to-train-data-path="),
+    *refused(PLUGIN.format("samples-to-train-data", ""), "--custom-convert-samples-to-train-data-path="),
     *refused(
         PLUGIN.format(
-            "reward post-process; --disable-grpo-std-normalization and --normalize-advantages shape the advantage"
+            "reward post-process", "; --disable-grpo-std-normalization and --normalize-advantages shape the advantage"
         ),
         "--custom-reward-post-process-path=",
     ),
     *refused(
-        PLUGIN.format("sample filter; --dynamic-sampling-filter-path takes a group filter"),
+        PLUGIN.format("sample filter", "; --dynamic-sampling-filter-path takes a group filter here"),
         "--rollout-sample-filter-path=",
         "--rollout-all-samples-process-path=",
         "--buffer-filter-path=",
     ),
-    *refused(PLUGIN.format("rollout-data post-process"), "--rollout-data-postprocess-path="),
+    *refused(PLUGIN.format("rollout-data post-process", ""), "--rollout-data-postprocess-path="),
     *refused(
-        PLUGIN.format("rollout log function"),
+        PLUGIN.format("rollout log function", ""),
         "--custom-rollout-log-function-path=",
         "--custom-eval-rollout-log-function-path=",
     ),
-    *refused(PLUGIN.format("data buffer"), "--custom-async-data-buffer-path="),
+    *refused(PLUGIN.format("data buffer", ""), "--custom-async-data-buffer-path="),
     *refused(
-        PLUGIN.format("Megatron init, hook and model-provider"),
+        PLUGIN.format("Megatron init, hook and model-provider", ""),
         "--custom-megatron-init-path=",
         "--custom-megatron-before-log-prob-hook-path=",
         "--custom-megatron-before-train-step-hook-path=",
