@@ -258,7 +258,8 @@ REFUSED = group(
         "--ci-ft-test-actions=",
     ),
     *refused(
-        NOT_YET + "turning rewards normalization off (GRPO's group mean is always subtracted)",
+        NOT_YET
+        + "turning rewards normalization off (rewards are normalized per group as --advantage-estimator defines)",
         "--disable-rewards-normalization",
     ),
     *refused(
