@@ -15,6 +15,7 @@ from pathlib import Path
 
 import miles_async.config.moe as moe
 from miles_async.config.declare import When, at_least, flag, group, require, when_value
+from miles_async.config.hf_to_megatron import text_model
 from miles_async.config.machine import Machine
 
 
@@ -327,6 +328,7 @@ def build(ns: argparse.Namespace, num_workers: int, machine: Machine) -> Megatro
         f"{config.get('model_type')!r}, a vision_config in its config.json) and the megatron backend builds no "
         "vision tower: --train-backend fsdp trains it",
     )
+    config = text_model(config)  # the layers and heads as the model flags read them (Nemotron-H counts its pattern)
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     require(

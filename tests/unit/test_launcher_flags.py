@@ -71,7 +71,9 @@ def test_a_command_naming_no_backend_runs_on_the_one_its_flags_are_for(tmp_path,
     layout = ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--use-distributed-optimizer"]
     cfg, notes = _notes(caplog, _args(tmp_path, *layout))
     assert (cfg.engine.backend, cfg.train.backend, cfg.train.megatron.tensor_model_parallel_size) == (
-        "embedded", "megatron", 2
+        "embedded",
+        "megatron",
+        2,
     )
     assert notes == [
         "--train-backend megatron: none was given, and the command gives Megatron-LM's parallel layout "
@@ -80,6 +82,14 @@ def test_a_command_naming_no_backend_runs_on_the_one_its_flags_are_for(tmp_path,
     # A backend named on the command line is kept, and refuses what it cannot run.
     with pytest.raises(ConfigError, match=r"^--tensor-model-parallel-size 2 is not supported by the fsdp backend"):
         parse_args(_args(tmp_path, "--train-backend", "fsdp", *layout))
+
+
+def test_a_hybrid_models_layers_are_split_over_pipeline_stages_as_its_pattern_counts_them(tmp_path):
+    """Nemotron-H's config.json as transformers reads it has no num_hidden_layers; the stages split its pattern."""
+    nemotron = dict(model_type="nemotron_h", hybrid_override_pattern="M-M*-E", num_attention_heads=4)
+    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size 4 does not split the 6 layers"):
+        parse_args(_args(tmp_path, "--pipeline-model-parallel-size", "4", "--actor-num-gpus-per-node", "4",
+                         **nemotron))  # fmt: skip
 
 
 def test_use_dynamic_batch_size_is_named_as_always_on(tmp_path, caplog):
