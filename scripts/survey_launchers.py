@@ -124,14 +124,17 @@ def repo_of(git_dir: Path) -> str:
     raise SystemExit(f"{git_dir}: not a mirror of {' or '.join(UPSTREAMS)}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def mirrors(argv: list[str] | None, description: str) -> list[tuple[Path, str, str]]:
+    """The mirrors named on the command line: (git directory, which upstream, its HEAD's commit date)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("mirrors", nargs="+", type=Path, help="git directories of radixark/miles and THUDM/slime")
     args = parser.parse_args(argv)
-    for git_dir in args.mirrors:
-        repo = repo_of(git_dir)
+    return [(d, repo_of(d), git(d, "log", "-1", "--format=%cs", "HEAD").strip()) for d in args.mirrors]
+
+
+def main(argv: list[str] | None = None) -> None:
+    for git_dir, repo, date in mirrors(argv, __doc__.splitlines()[0]):
         commit, scripts, counts = survey(git_dir)
-        date = git(git_dir, "log", "-1", "--format=%cs", "HEAD").strip()
         path = OUT / f"{UPSTREAMS[repo]}_launchers.txt"
         path.write_text(render(repo, commit, date, scripts, counts))
         print(f"{path.relative_to(ROOT)}: {len(counts)} flags from {len(scripts)} scripts at {commit[:12]}")

@@ -10,12 +10,11 @@ header, and is not rewritten here.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from pathlib import Path
 
-from scripts.survey_launchers import OUT, UPSTREAMS, git, repo_of
+from scripts.survey_launchers import OUT, UPSTREAMS, git, mirrors
 
 SOURCES = {
     "radixark/miles": (
@@ -78,13 +77,8 @@ def render(repo: str, commit: str, date: str, names: set[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mirrors", nargs="+", type=Path, help="git directories of radixark/miles and THUDM/slime")
-    args = parser.parse_args(argv)
-    for git_dir in args.mirrors:
-        repo = repo_of(git_dir)
+    for git_dir, repo, date in mirrors(argv, __doc__.splitlines()[0]):
         commit = git(git_dir, "rev-parse", "HEAD").strip()
-        date = git(git_dir, "log", "-1", "--format=%cs", "HEAD").strip()
         names = flag_names(git_dir, repo)
         path = OUT / f"{UPSTREAMS[repo]}.txt"
         path.write_text(render(repo, commit, date, names))
