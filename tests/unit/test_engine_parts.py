@@ -33,7 +33,8 @@ def test_vllm_flags_pass_through_and_stray_engine_flags_are_refused(tmp_path):
     assert e.vllm_args == ("--gpu-memory-utilization", "0.7", "--no-enforce-eager", "--max-model-len", "4096")
     assert e.sglang_args == ()
     with pytest.raises(ConfigError, match="--rollout-backend vllm"):
-        parse_args(_args(tmp_path, "--vllm-max-model-len", "4096"))  # the embedded engine would ignore it
+        # named: the embedded engine would ignore it (with no --rollout-backend the flag chooses vLLM)
+        parse_args(_args(tmp_path, "--rollout-backend", "embedded", "--vllm-max-model-len", "4096"))
     with pytest.raises(ConfigError, match="--rollout-backend sglang"):
         _cfg(tmp_path, "--sglang-mem-fraction-static", "0.7")
 

@@ -49,7 +49,7 @@ def test_sglang_flags_pass_through(tmp_path):
 def test_list_valued_sglang_flags_reach_the_server_typed_and_checked(tmp_path):
     """--sglang-cuda-graph-bs (Miles' spelling of SGLang's --cuda-graph-bs-decode) takes all its values (an
     undeclared --sglang-<flag> takes one), each an int and positive, and reaches SGLang's command line after the
-    undeclared ones; the embedded engine refuses it."""
+    undeclared ones; the embedded engine, named, refuses it."""
     from miles_async.arguments import ConfigError
 
     sglang = ["--rollout-backend", "sglang", "--sglang-python", "/venv/bin/python"]
@@ -63,7 +63,7 @@ def test_list_valued_sglang_flags_reach_the_server_typed_and_checked(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(_args(tmp_path, *sglang, "--sglang-cuda-graph-bs", "1", "two"))
     with pytest.raises(ConfigError, match="^--sglang-cuda-graph-bs-decode 1 2 is not supported by the embedded"):
-        parse_args(_args(tmp_path, "--sglang-cuda-graph-bs", "1", "2"))
+        parse_args(_args(tmp_path, "--rollout-backend", "embedded", "--sglang-cuda-graph-bs", "1", "2"))
 
 
 def test_unknown_flags_still_fail(tmp_path):
