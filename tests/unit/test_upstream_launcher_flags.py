@@ -131,7 +131,7 @@ def test_miles_eval_spellings_take_effect_or_say_what_they_do_here(tmp_path, cap
 
 
 def test_a_refused_declaration_parses_and_says_refused_in_its_help():
-    from miles_async.config.compat import refused
+    from miles_async.config.compat_refused import refused
 
     (f,) = refused("not implemented here yet: a thing", "--a-thing=")
     assert isinstance(f, Flag) and f.options["help"] == "refused: not implemented here yet: a thing"
